@@ -1,0 +1,138 @@
+"""The embedded default: torchrun on this machine (all local GPUs, or CPU processes with gloo).
+
+Output is streamed to the terminal and kept in ``llmctl-runs/<run-id>/output.log``; the exit code
+of torchrun is the exit code of the run. Ctrl-C is forwarded so workers stop cleanly.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+from llmctl.config import Composed, to_yaml
+from llmctl.plan import Plan
+from llmctl.tracking import RunHandle
+from llmctl.validate import resolve_layout
+
+RUNS_DIR = "llmctl-runs"
+CONFIG_PLACEHOLDER = "<run-dir>/config.yaml"
+STOP_GRACE_S = 15.0
+
+
+def local_gpu_count() -> int:
+    """GPUs torchrun would see, without importing torch (``--help`` and ``plan`` stay fast)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
+    smi = shutil.which("nvidia-smi")
+    if not smi:
+        return 0
+    try:
+        out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(1 for line in out.splitlines() if line.startswith("GPU "))
+
+
+def _process_count(cfg: dict[str, Any], gpus: int) -> int:
+    par, infra = cfg["parallel"], cfg["infra"]
+    if infra["nproc_per_node"]:
+        return int(infra["nproc_per_node"])
+    if gpus:
+        return gpus
+    shard = par["dp_shard"] if par["dp_shard"] > 0 else 1
+    return par["dp_replicate"] * shard * par["tp"]
+
+
+def torchrun_command(nproc: int, config_path: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
+            f"--nproc_per_node={nproc}", "-m", "workloads.pretrain", "--config", config_path]
+
+
+def plan(composed: Composed) -> Plan:
+    cfg = composed.cfg
+    gpus = local_gpu_count()
+    nproc = _process_count(cfg, gpus)
+    layout = resolve_layout(cfg, nproc)
+    resolved = {**cfg, "parallel": {**cfg["parallel"], **layout}}
+    device = f"{gpus} local GPU(s), nccl" if gpus else "CPU, gloo"
+    notes = []
+    if gpus and nproc > gpus:
+        notes.append(f"{nproc} processes share {gpus} GPU(s)")
+    return Plan(cfg=resolved, choices=composed.choices, backend="local", where="local (this machine)",
+                nodes=1, nproc_per_node=nproc, layout=layout, device=device,
+                command=torchrun_command(nproc, CONFIG_PLACEHOLDER), tracking_uri="", notes=notes)
+
+
+def run_dir(run_id: str) -> Path:
+    return Path.cwd() / RUNS_DIR / run_id
+
+
+def finalize(plan: Plan, handle: RunHandle) -> dict[str, Any]:
+    """Fill in what needs the run id: the default checkpoint location beside the run."""
+    cfg = plan.cfg
+    if not cfg["checkpoint"]["dir"]:
+        cfg = {**cfg, "checkpoint": {**cfg["checkpoint"], "dir": str(run_dir(handle.run_id) / "checkpoints")}}
+    plan.cfg = cfg
+    return cfg
+
+
+def _worker_env(plan: Plan, handle: RunHandle, rdir: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(handle.env())
+    env["PYTHONUNBUFFERED"] = "1"
+    env["LLMCTL_RUN_DIR"] = str(rdir)
+    if plan.nproc_per_node > 1 and "OMP_NUM_THREADS" not in env and not local_gpu_count():
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // plan.nproc_per_node))
+    # the workload imports `workloads` from the same tree as this llmctl, installed or not
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    return env
+
+
+def _stop(proc: subprocess.Popen[Any]) -> None:
+    """Ctrl-C: let torchrun pass SIGINT to the workers, then escalate if they hang."""
+    for sig, wait_s in ((signal.SIGINT, STOP_GRACE_S), (signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+        if proc.poll() is not None:
+            return
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def launch(plan: Plan, handle: RunHandle, echo: Optional[Any] = None) -> int:
+    """Run torchrun, tee its output, return its exit code (KeyboardInterrupt after stopping it)."""
+    rdir = run_dir(handle.run_id)
+    rdir.mkdir(parents=True, exist_ok=True)
+    config_path = rdir / "config.yaml"
+    config_path.write_text(to_yaml(plan.cfg))
+    cmd = torchrun_command(plan.nproc_per_node, str(config_path))
+    out = echo or sys.stdout
+    with open(rdir / "output.log", "w") as log:
+        # own process group: Ctrl-C reaches the controller, which stops the group in order
+        proc = subprocess.Popen(cmd, env=_worker_env(plan, handle, rdir), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True)
+        try:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                out.write(line)
+                out.flush()
+                log.write(line)
+                log.flush()
+            return proc.wait()
+        except KeyboardInterrupt:
+            _stop(proc)
+            raise
+        finally:
+            if proc.poll() is None:
+                _stop(proc)

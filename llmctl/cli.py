@@ -1,0 +1,153 @@
+"""The ``llmctl`` command line. Data flows one way: compose → plan → backend → tracking.
+
+Only stdlib and typer at module level: hydra, mlflow and torch load inside the commands that
+need them, so ``llmctl --help`` stays instant. Exit codes: 0 ok, 2 usage, 3 bad config,
+1 failed run, 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+from typing import Any, List, Optional
+
+import typer
+
+from llmctl import __version__
+from llmctl.errors import ConfigError, LaunchError
+
+EXIT_FAILED = 1
+EXIT_CONFIG = 3
+EXIT_INTERRUPTED = 130
+OVERRIDES_HELP = "Hydra overrides: key=value (train.steps=50), group=option (model=tiny)."
+EXTRA_ARGS = {"allow_extra_args": True, "ignore_unknown_options": True}
+
+app = typer.Typer(
+    name="llmctl",
+    help="Launch, track and cost LLM training runs: here, on clouds, or on Slurm.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
+config_app = typer.Typer(help="Inspect the config tree.", no_args_is_help=True)
+app.add_typer(config_app, name="config")
+
+
+def complete_override(incomplete: str) -> list[str]:
+    """Complete group options and schema keys without importing Hydra."""
+    from llmctl.config import GROUPS, group_options
+    from llmctl.schema import schema_keys
+
+    if "=" in incomplete:
+        key, _, partial = incomplete.partition("=")
+        if key in GROUPS:
+            return [f"{key}={opt}" for opt in group_options(key) if opt.startswith(partial)]
+        return []
+    candidates = [f"{g}=" for g in GROUPS] + [f"{k}=" for k in schema_keys() if "." in k]
+    return [c for c in candidates if c.startswith(incomplete)]
+
+
+OverridesArg = typer.Argument(None, help=OVERRIDES_HELP, autocompletion=complete_override, show_default=False)
+ConfigDirOpt = typer.Option(None, "--config-dir", help="Extra config directory searched before the bundled conf/.")
+
+
+def _fail(message: str, code: int) -> typer.Exit:
+    typer.echo(f"error: {message}", err=True)
+    return typer.Exit(code)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"llmctl {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Show the version."),
+) -> None:
+    """Launch, track and cost LLM training runs: here, on clouds, or on Slurm."""
+
+
+def _compose_and_plan(overrides: Optional[List[str]], config_dir: Optional[str]) -> Any:
+    from llmctl.config import compose
+    from llmctl.plan import make_plan
+
+    try:
+        return make_plan(compose(overrides or [], config_dir))
+    except ConfigError as exc:
+        raise _fail(str(exc), EXIT_CONFIG) from None
+
+
+@app.command()
+def plan(overrides: Optional[List[str]] = OverridesArg, config_dir: Optional[str] = ConfigDirOpt) -> None:
+    """Show the resolved config and where and how it would run. No side effects."""
+    typer.echo(_compose_and_plan(overrides, config_dir).describe())
+
+
+@app.command()
+def launch(overrides: Optional[List[str]] = OverridesArg, config_dir: Optional[str] = ConfigDirOpt) -> None:
+    """Run training where the config says (default: this machine), tracked in MLflow."""
+    the_plan = _compose_and_plan(overrides, config_dir)
+    from llmctl import tracking
+    from llmctl.backends import backend_for
+    from llmctl.config import to_yaml
+
+    backend = backend_for(the_plan.cfg["infra"]["kind"])
+    handle = tracking.create_run(the_plan.cfg, the_plan.choices)
+    cfg = backend.finalize(the_plan, handle)
+    tracking.describe_run(handle, cfg, to_yaml(cfg))
+    typer.echo(f"llmctl: run {handle.run_id} on {the_plan.where}, {the_plan.world_size} process(es)"
+               f" on {the_plan.device}")
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    started = time.monotonic()
+    try:
+        code = backend.launch(the_plan, handle)
+    except KeyboardInterrupt:
+        tracking.end_run(handle, "KILLED", "interrupted")
+        raise _fail(f"run {handle.run_id} interrupted; marked KILLED", EXIT_INTERRUPTED) from None
+    except (LaunchError, OSError) as exc:
+        tracking.end_run(handle, "FAILED", str(exc))
+        raise _fail(f"run {handle.run_id} failed to start: {exc}", EXIT_FAILED) from None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    elapsed = time.monotonic() - started
+    if code != 0:
+        tracking.end_run(handle, "FAILED", f"workload exited with code {code}")
+        raise _fail(f"run {handle.run_id} FAILED: workload exited with code {code}"
+                    f" (log: {backend.run_dir(handle.run_id) / 'output.log'})", EXIT_FAILED)
+    tracking.end_run(handle, "FINISHED")
+    typer.echo(tracking.summary(handle, elapsed))
+
+
+def _raise_interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+@config_app.command("show")
+def config_show(overrides: Optional[List[str]] = OverridesArg, config_dir: Optional[str] = ConfigDirOpt) -> None:
+    """Print the composed, validated config as YAML."""
+    from llmctl.config import compose, to_yaml
+
+    try:
+        composed = compose(overrides or [], config_dir)
+    except ConfigError as exc:
+        raise _fail(str(exc), EXIT_CONFIG) from None
+    typer.echo(to_yaml(composed.cfg).rstrip())
+
+
+@config_app.command("groups")
+def config_groups(config_dir: Optional[str] = ConfigDirOpt) -> None:
+    """List the config groups and their options (choose with group=option)."""
+    from llmctl.config import GROUPS, group_options
+
+    for group in GROUPS:
+        typer.echo(f"{group:<11} {', '.join(group_options(group, config_dir))}")
+
+
+def main() -> None:
+    app(prog_name="llmctl")
+
+
+if __name__ == "__main__":
+    main()

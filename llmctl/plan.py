@@ -1,0 +1,63 @@
+"""The plan: what will run, where, how and tracked where — a plain value, printed by ``plan``.
+
+``launch`` executes exactly the plan that ``plan`` prints, so what a user reviewed is what runs.
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from llmctl.config import Composed, to_yaml
+from llmctl.tracking import redact, resolve_uri
+
+
+@dataclass
+class Plan:
+    cfg: dict[str, Any]
+    choices: dict[str, Optional[str]]
+    backend: str
+    where: str
+    nodes: int
+    nproc_per_node: int
+    layout: dict[str, int]
+    device: str
+    command: list[str]
+    tracking_uri: str
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.nproc_per_node
+
+    def describe(self) -> str:
+        """Human summary (no secrets): the resolved config and how it would run."""
+        lay = self.layout
+        checkpoint = self.cfg["checkpoint"]["dir"] or "llmctl-runs/<run-id>/checkpoints"
+        lines = [
+            "# resolved config",
+            to_yaml(self.cfg).rstrip(),
+            "",
+            "# plan",
+            f"where:       {self.where}",
+            f"processes:   {self.nodes} node(s) x {self.nproc_per_node} = {self.world_size} on {self.device}",
+            f"mesh:        dp_replicate={lay['dp_replicate']} dp_shard={lay['dp_shard']} tp={lay['tp']}",
+            f"tokens:      {self.cfg['train']['steps'] * self.cfg['train']['batch_size'] * self.cfg['train']['seq_len']:,}"
+            f" ({self.cfg['train']['steps']} steps x {self.cfg['train']['batch_size']} x {self.cfg['train']['seq_len']})",
+            f"command:     {redact(shlex.join(self.command))}",
+            f"tracking:    {redact(self.tracking_uri)} (experiment '{self.cfg['tracking']['experiment']}')",
+            f"checkpoints: {redact(checkpoint)}",
+        ]
+        lines += [f"note:        {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def make_plan(composed: Composed) -> Plan:
+    """Ask the config's backend how it would run this config (no side effects)."""
+    from llmctl.backends import backend_for
+
+    backend = backend_for(composed.cfg["infra"]["kind"])
+    plan: Plan = backend.plan(composed)
+    plan.tracking_uri = resolve_uri(composed.cfg["tracking"]["uri"])
+    return plan

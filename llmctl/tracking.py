@@ -1,0 +1,159 @@
+"""MLflow on the controller side: create the run, describe it, hand it to workers, close it.
+
+The controller owns the run's lifecycle (so a crashed worker still ends FAILED, never RUNNING);
+workers only append metrics to the run id they are handed in ``MLFLOW_RUN_ID``.
+mlflow is imported inside functions: it costs ~1.5 s and ``--help`` must not pay it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+from urllib.parse import urlsplit, urlunsplit
+
+from llmctl import __version__
+
+SQLITE_DEFAULT = "mlflow.db"
+MAX_PARAM_CHARS = 6000
+
+
+@dataclass
+class RunHandle:
+    """Everything a worker needs to log into the run the controller created."""
+
+    uri: str
+    run_id: str
+    experiment_id: str
+
+    def env(self) -> dict[str, str]:
+        return {
+            "MLFLOW_TRACKING_URI": self.uri,
+            "MLFLOW_RUN_ID": self.run_id,
+            "MLFLOW_EXPERIMENT_ID": self.experiment_id,
+        }
+
+
+def resolve_uri(configured: Optional[str]) -> str:
+    """``tracking.uri``, else ``$MLFLOW_TRACKING_URI``, else a sqlite file in the working directory."""
+    uri = configured or os.environ.get("MLFLOW_TRACKING_URI")
+    if not uri:
+        return f"sqlite:///{Path.cwd() / SQLITE_DEFAULT}"
+    if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
+        # make a relative sqlite path absolute, so workers started elsewhere hit the same file
+        return f"sqlite:///{Path(uri[len('sqlite:///'):]).resolve()}"
+    return uri
+
+
+def redact(value: str) -> str:
+    """Strip credentials from URLs (``https://user:token@host`` → ``https://***@host``)."""
+    def _one(match: re.Match[str]) -> str:
+        parts = urlsplit(match.group(0))
+        if parts.username or parts.password:
+            host = parts.hostname or ""
+            if parts.port:
+                host += f":{parts.port}"
+            return urlunsplit((parts.scheme, f"***@{host}", parts.path, parts.query, parts.fragment))
+        return match.group(0)
+
+    return re.sub(r"[a-zA-Z][a-zA-Z0-9+.-]*://[^\s'\"]+", _one, value)
+
+
+def _artifact_location(uri: str) -> Optional[str]:
+    """Artifacts beside a local sqlite store, not in whatever directory a worker happens to run."""
+    if uri.startswith("sqlite:///"):
+        return (Path(uri[len("sqlite:///"):]).parent / "mlruns").as_uri()
+    return None
+
+
+def git_state(path: Optional[Path] = None) -> dict[str, str]:
+    """Commit SHA and dirty flag of the code being run, when it is a git checkout."""
+    cwd = str(path or Path.cwd())
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True,
+                             timeout=5, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=cwd,
+                               capture_output=True, text=True, timeout=5, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    return {"git_sha": sha, "git_dirty": str(bool(dirty)).lower()}
+
+
+def client(uri: str) -> Any:
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=uri)
+
+
+def experiment_id(mlflow_client: Any, name: str, uri: str) -> str:
+    exp = mlflow_client.get_experiment_by_name(name)
+    if exp is not None:
+        return exp.experiment_id
+    return mlflow_client.create_experiment(name, artifact_location=_artifact_location(uri))
+
+
+def create_run(cfg: dict[str, Any], choices: dict[str, Optional[str]],
+               extra_tags: Optional[dict[str, str]] = None) -> RunHandle:
+    """Create the run with provenance tags; ``describe_run`` adds the final config once known."""
+    uri = resolve_uri(cfg["tracking"]["uri"])
+    mc = client(uri)
+    exp_id = experiment_id(mc, cfg["tracking"]["experiment"], uri)
+    tags = {
+        "llmctl.version": __version__,
+        "llmctl.infra": cfg["infra"]["name"],
+        "llmctl.model": cfg["model"]["name"],
+        "llmctl.host": socket.gethostname(),
+        "llmctl.status": "launching",
+        **{f"llmctl.choice.{k}": str(v) for k, v in choices.items()},
+    }
+    git = git_state(Path(__file__).resolve().parent)
+    if git:
+        tags.update({"llmctl.git_sha": git["git_sha"], "llmctl.git_dirty": git["git_dirty"],
+                     "mlflow.source.git.commit": git["git_sha"]})
+    if choices.get("experiment"):
+        tags["llmctl.experiment"] = str(choices["experiment"])
+    tags.update(extra_tags or {})
+    run = mc.create_run(exp_id, run_name=cfg["tracking"]["run_name"],
+                        tags={k: redact(v) for k, v in tags.items()})
+    return RunHandle(uri=uri, run_id=run.info.run_id, experiment_id=exp_id)
+
+
+def describe_run(handle: RunHandle, cfg: dict[str, Any], resolved_yaml: str) -> None:
+    """Params = the flattened resolved config (credentials redacted); the YAML as an artifact."""
+    from mlflow.entities import Param
+
+    from llmctl.config import flatten
+
+    mc = client(handle.uri)
+    params = [Param(k, redact(str(v))[:MAX_PARAM_CHARS]) for k, v in flatten(cfg).items()]
+    for i in range(0, len(params), 100):
+        mc.log_batch(handle.run_id, params=params[i:i + 100])
+    mc.log_text(handle.run_id, redact(resolved_yaml), "config.yaml")
+
+
+def end_run(handle: RunHandle, status: str, reason: str = "") -> None:
+    """Close the run as FINISHED, FAILED or KILLED (never leave it RUNNING)."""
+    mc = client(handle.uri)
+    mc.set_tag(handle.run_id, "llmctl.status", redact(reason or status.lower())[:5000])
+    mc.set_terminated(handle.run_id, status=status)
+
+
+def summary(handle: RunHandle, elapsed_s: float) -> str:
+    """One closing line: how val loss moved, and how to look at the run."""
+    mc = client(handle.uri)
+    history = sorted(mc.get_metric_history(handle.run_id, "val/loss"), key=lambda m: m.step)
+    loss = f": val/loss {history[0].value:.4f} -> {history[-1].value:.4f}" if history else ""
+    return (f"llmctl: run {handle.run_id} FINISHED in {elapsed_s:.0f} s{loss}\n"
+            f"llmctl: open it with: {run_url(handle)}")
+
+
+def run_url(handle: RunHandle) -> str:
+    """How to look at the run: the UI command for a local store, the page URL for a server."""
+    if handle.uri.startswith(("http://", "https://")):
+        base = redact(handle.uri).rstrip("/")
+        return f"{base}/#/experiments/{handle.experiment_id}/runs/{handle.run_id}"
+    return f"mlflow ui --backend-store-uri {handle.uri}"

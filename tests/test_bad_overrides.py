@@ -1,0 +1,48 @@
+"""Every malformed override: exit 3, one line naming the key and the fix, no traceback, no run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from conftest import run_cli
+
+# (override, text the message must contain: the key, and the fix or the options)
+BAD = [
+    ("train.lrr=1e-3", ["train.lrr", "Did you mean 'train.lr'"]),
+    ("trainsteps=10", ["trainsteps", "Did you mean 'train.steps'"]),
+    ("train.steps=abc", ["train.steps", "integer"]),
+    ("train.lr=", ["train.lr", "number"]),
+    ("model=large", ["model 'large'", "tiny", "smoke", "1b", "8b"]),
+    ("infra=nowhere", ["infra 'nowhere'", "local"]),
+    ("+train.new_key=1", ["train.new_key", "refused"]),
+    ("+model.dim=3", ["model.dim", "without '+'"]),
+    ("train.steps=-5", ["train.steps", "positive"]),
+    ("model.kernels=cuda", ["model.kernels", "reference|fused"]),
+    ("parallel.tp=3", ["parallel.tp", "divide"]),
+    ("train.batch_size=0", ["train.batch_size", "positive"]),
+    ("train.seq_len=100000", ["train.seq_len", "max_seq_len"]),
+    ("model.tie_embeddings=maybe", ["model.tie_embeddings", "true|false"]),
+    ("checkpoint.every=soon", ["checkpoint.every", "integer"]),
+    ("train.lr=1e-3,3e-4", ["train.lr", "-m"]),
+    ("data=files", ["data.source", "Fix"]),
+    ("=5", ["'=5'", "key=value"]),
+    ("~model", ["model", "cannot be removed"]),
+    ("hydra.run.dir=/tmp", ["hydra"]),
+]
+
+
+@pytest.mark.parametrize("override,needles", BAD, ids=[b[0] for b in BAD])
+def test_bad_override_is_refused_clearly(override: str, needles: list[str], cli_env: dict[str, str],
+                                         tmp_path: Path) -> None:
+    out = run_cli(["launch", "model=tiny", override], tmp_path, cli_env)
+    assert out.returncode == 3, (out.stdout, out.stderr)
+    assert "Traceback" not in out.stderr + out.stdout
+    message = out.stderr.strip()
+    assert message.startswith("error: ") and len(message.splitlines()) == 1, message
+    for needle in needles:
+        assert needle in message, message
+    # nothing was created: no tracking store (so no run left RUNNING), no run directory
+    assert not (tmp_path / "mlflow.db").exists()
+    assert not (tmp_path / "llmctl-runs").exists()

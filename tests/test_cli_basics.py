@@ -1,0 +1,81 @@
+"""The CLI's shape: help, version, lazy imports, usage errors, config inspection."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import ROOT, run_cli
+
+HEAVY = ("torch", "hydra", "omegaconf", "mlflow", "sky")
+
+
+def _modules_loaded_by(argv: list[str]) -> list[str]:
+    code = (
+        "import sys\n"
+        "from llmctl.cli import app\n"
+        "try:\n"
+        f"    app({argv!r}, prog_name='llmctl')\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        f"print('LOADED:' + ','.join(m for m in {HEAVY!r} if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    line = [ln for ln in out.stdout.splitlines() if ln.startswith("LOADED:")][-1]
+    return [m for m in line[len("LOADED:"):].split(",") if m]
+
+
+def test_help_and_version_import_no_heavy_modules() -> None:
+    assert _modules_loaded_by(["--help"]) == []
+    assert _modules_loaded_by(["--version"]) == []
+    assert _modules_loaded_by(["launch", "--help"]) == []
+
+
+def test_version_and_help_output(cli_env: dict[str, str], tmp_path: Path) -> None:
+    from llmctl import __version__
+
+    out = run_cli(["--version"], tmp_path, cli_env)
+    assert out.returncode == 0 and out.stdout.strip() == f"llmctl {__version__}"
+    out = run_cli(["--help"], tmp_path, cli_env)
+    assert out.returncode == 0
+    for command in ("launch", "plan", "config"):
+        assert command in out.stdout
+
+
+def test_unknown_option_is_usage_error(cli_env: dict[str, str], tmp_path: Path) -> None:
+    out = run_cli(["launch", "--no-such-flag"], tmp_path, cli_env)
+    assert out.returncode == 2
+    assert "No such option" in out.stderr
+
+
+def test_plan_has_no_side_effects(cli_env: dict[str, str], tmp_path: Path) -> None:
+    out = run_cli(["plan", "model=tiny", "train.steps=7"], tmp_path, cli_env)
+    assert out.returncode == 0, out.stderr
+    assert "steps: 7" in out.stdout and "local (this machine)" in out.stdout
+    assert "torch.distributed.run" in out.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["home"]
+
+
+def test_config_show_applies_experiment_preset(cli_env: dict[str, str], tmp_path: Path) -> None:
+    out = run_cli(["config", "show", "experiment=smoke", "train.lr=0.01"], tmp_path, cli_env)
+    assert out.returncode == 0, out.stderr
+    assert "name: tiny" in out.stdout and "lr: 0.01" in out.stdout
+
+
+def test_user_config_dir_adds_options(cli_env: dict[str, str], tmp_path: Path) -> None:
+    user = tmp_path / "myconf" / "model"
+    user.mkdir(parents=True)
+    (user / "mine.yaml").write_text("name: mine\ndim: 96\nn_layers: 1\nn_heads: 3\nn_kv_heads: 1\n")
+    out = run_cli(["config", "show", "--config-dir", str(tmp_path / "myconf"), "model=mine"], tmp_path, cli_env)
+    assert out.returncode == 0, out.stderr
+    assert "dim: 96" in out.stdout
+    out = run_cli(["config", "show", "model=mine"], tmp_path, cli_env)
+    assert out.returncode == 3 and "Unknown model 'mine'" in out.stderr
+
+
+def test_completion_offers_group_options_without_hydra() -> None:
+    from llmctl.cli import complete_override
+
+    assert "model=tiny" in complete_override("model=t")
+    assert "train.lr=" in complete_override("train.l")
