@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
-from typing import Optional
+from typing import Dict, Optional
 
 
 class Kernels(str, enum.Enum):
@@ -74,7 +74,7 @@ class DataCfg:
 class TrainCfg:
     """Optimisation. ``batch_size`` is the global batch in sequences per optimizer step."""
 
-    steps: int = 100
+    steps: int = 200
     batch_size: int = 16
     seq_len: int = 128
     lr: float = 3e-3
@@ -120,6 +120,22 @@ class InfraCfg:
     managed: bool = False
     bucket: Optional[str] = None
     price_per_gpu_hour: float = 0.0
+    # kind=sky only (llmctl/backends/sky.py). Provider quirks live here as data, set per conf/infra file.
+    provider: Optional[str] = None  # SkyPilot cloud: aws | lambda | runpod | slurm
+    zone: Optional[str] = None  # a zone of ``region``; Slurm: the partition (region = cluster)
+    cpus: Optional[str] = None  # SkyPilot syntax: "8", "8+"
+    memory: Optional[str] = None  # GB, SkyPilot syntax: "32+"
+    max_nodes: int = 0  # 0 = no limit; RunPod: 1
+    supports_spot: bool = True
+    supports_autostop: bool = True
+    # what users write -> the provider's catalog name (RunPod: H100 -> H100-SXM)
+    accelerator_aliases: Dict[str, str] = field(default_factory=dict)
+    # the bucket as a storage mount (true) or handed to the workload as an fsspec URL (false)
+    mount_bucket: bool = True
+    # a Python on the nodes that already has llmctl's deps (shared filesystem): skip the node install
+    node_python: Optional[str] = None
+    # extra arguments for the node install, e.g. "--find-links /opt/wheels torch==2.13.0+cpu"
+    pip_args: str = ""
 
 
 @dataclass

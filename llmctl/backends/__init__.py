@@ -1,6 +1,9 @@
-"""Backends: each turns a plan into running processes (local torchrun now; SkyPilot later).
+"""Backends: each turns a plan into running processes (local torchrun, or SkyPilot).
 
-Every backend module offers ``plan(composed) -> Plan`` and ``launch(plan, handle) -> int``.
+Every backend module offers ``plan(composed) -> Plan``, ``finalize(plan, handle) -> cfg``,
+``launch(plan, handle) -> int``, ``run_dir(run_id)`` and, by MLflow run, ``status(run, uri)``,
+``logs(run, uri, follow)``, ``down(run, uri)``; optionally ``preflight(plan)`` (checks that must
+pass before an MLflow run is created).
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ from types import ModuleType
 
 from llmctl.errors import ConfigError
 
-BACKENDS = {"local": "llmctl.backends.local"}
+BACKENDS = {"local": "llmctl.backends.local", "sky": "llmctl.backends.sky"}
 
 
 def backend_for(kind: str) -> ModuleType:

@@ -6,8 +6,10 @@ of torchrun is the exit code of the run. Ctrl-C is forwarded so workers stop cle
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import time
 import signal
 import subprocess
 import sys
@@ -22,6 +24,7 @@ from llmctl.validate import resolve_layout
 RUNS_DIR = "llmctl-runs"
 CONFIG_PLACEHOLDER = "<run-dir>/config.yaml"
 STOP_GRACE_S = 15.0
+PIDS_FILE = "pids.json"  # controller pid and workers' process group, for status/down
 
 
 def local_gpu_count() -> int:
@@ -122,6 +125,7 @@ def launch(plan: Plan, handle: RunHandle, echo: Optional[Any] = None) -> int:
         # own process group: Ctrl-C reaches the controller, which stops the group in order
         proc = subprocess.Popen(cmd, env=_worker_env(plan, handle, rdir), stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True)
+        (rdir / PIDS_FILE).write_text(json.dumps({"controller": os.getpid(), "workers": proc.pid}))
         try:
             assert proc.stdout is not None
             for line in proc.stdout:
@@ -136,3 +140,79 @@ def launch(plan: Plan, handle: RunHandle, echo: Optional[Any] = None) -> int:
         finally:
             if proc.poll() is None:
                 _stop(proc)
+
+
+def _pids(run_id: str) -> dict[str, int]:
+    path = run_dir(run_id) / PIDS_FILE
+    try:
+        return {k: int(v) for k, v in json.loads(path.read_text()).items()}
+    except (OSError, ValueError):
+        return {}
+
+
+def _alive(pid: Optional[int]) -> bool:
+    """Whether ``pid`` is still one of ours (a python process), not a recycled pid."""
+    if not pid:
+        return False
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except (ProcessLookupError, PermissionError):
+            return False
+        return True
+    return b"python" in cmdline or b"llmctl" in cmdline
+
+
+def status(run: Any, uri: str) -> list[str]:
+    """Whether the run's processes are alive (runs are looked up in ``./llmctl-runs``)."""
+    pids = _pids(run.info.run_id)
+    if not pids:
+        return [f"process:     unknown (no {run_dir(run.info.run_id) / PIDS_FILE}; run llmctl from where you launched)"]
+    alive = _alive(pids.get("controller")) or _alive(pids.get("workers"))
+    return [f"process:     {'alive' if alive else 'exited'} (controller pid {pids.get('controller')},"
+            f" workers pgid {pids.get('workers')})"]
+
+
+def logs(run: Any, uri: str, follow: bool) -> int:
+    """Print ``output.log``; with ``follow``, keep printing until the run's processes exit."""
+    path = run_dir(run.info.run_id) / "output.log"
+    if not path.is_file():
+        from llmctl.errors import LaunchError
+
+        raise LaunchError(f"no log for run {run.info.run_id} at {path}; run llmctl from where you launched")
+    pids = _pids(run.info.run_id)
+    with open(path) as f:
+        while True:
+            chunk = f.read()
+            if chunk:
+                sys.stdout.write(chunk)
+                sys.stdout.flush()
+            if not follow or not (_alive(pids.get("controller")) or _alive(pids.get("workers"))):
+                sys.stdout.write(f.read())
+                return 0
+            time.sleep(0.5)
+
+
+def down(run: Any, uri: str) -> str:
+    """Stop a running local run: SIGTERM to the controller (it stops the workers and marks KILLED)."""
+    pids = _pids(run.info.run_id)
+    controller, workers = pids.get("controller"), pids.get("workers")
+    if _alive(controller):
+        os.kill(controller, signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_S + 15
+        while _alive(controller) and time.monotonic() < deadline:
+            time.sleep(0.2)
+    if _alive(workers):  # controller gone (or stuck): stop the workers' group ourselves
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(workers, sig)
+            except ProcessLookupError:
+                break
+            time.sleep(2)
+    if run.info.status == "RUNNING":
+        from llmctl.tracking import RunHandle as _Handle, end_run
+
+        end_run(_Handle(uri, run.info.run_id, run.info.experiment_id), "KILLED", "llmctl down")
+    return f"run {run.info.run_id} stopped" if (controller or workers) else f"run {run.info.run_id}: nothing to stop"

@@ -1,0 +1,171 @@
+"""Provider rules and offers, checked before anything is provisioned — offline, from SkyPilot's catalog.
+
+The rules read data from the infra config (``max_nodes``, ``supports_spot``, ...) and SkyPilot's own
+catalog functions (the CSVs under ``~/.sky/catalogs``), so a new provider is a new conf/infra file,
+not a new branch here. ``sky`` is imported inside functions: ``llmctl --help`` must not pay for it.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
+
+from llmctl.backends.sky_task import node_accelerators
+from llmctl.errors import ConfigError
+
+REMOTE_SCHEMES = ("http://", "https://", "databricks")
+
+
+@dataclass(frozen=True)
+class Offer:
+    """One way to get the nodes: an instance type in a region, and what it costs per hour."""
+
+    provider: str
+    instance_type: str
+    region: str
+    per_node_hour: float
+    nodes: int
+
+    @property
+    def total_hour(self) -> float:
+        return self.per_node_hour * self.nodes
+
+
+def _catalog() -> Any:
+    import sky.catalog
+
+    return sky.catalog
+
+
+def known_providers() -> list[str]:
+    from sky.utils import registry
+
+    return sorted(registry.CLOUD_REGISTRY.keys())
+
+
+def check(cfg: Mapping[str, Any], tracking_uri: str) -> None:
+    """Every rule a provider states in its infra config, plus the catalog's accelerator list."""
+    infra = cfg["infra"]
+    provider = infra.get("provider")
+    name = infra["name"]
+    if not provider or provider not in known_providers():
+        raise ConfigError(f"Bad value for 'infra.provider': '{provider}' is not a SkyPilot provider."
+                          f"{_did_you_mean(str(provider), known_providers())}"
+                          f" Fix: infra.provider=<one of: aws, lambda, runpod, slurm, ...>"
+                          f" (all: {', '.join(known_providers())})")
+    if not tracking_uri.startswith(REMOTE_SCHEMES):
+        raise ConfigError(
+            f"infra '{name}' runs on remote nodes, which cannot reach the local MLflow store {tracking_uri}."
+            " Fix: run a tracking server the nodes can reach (e.g. `mlflow server --host 0.0.0.0 --port 5000`)"
+            " and set tracking.uri=http://<that-host>:5000 (or MLFLOW_TRACKING_URI)")
+    max_nodes = int(infra.get("max_nodes") or 0)
+    if max_nodes and infra["nodes"] > max_nodes:
+        raise ConfigError(f"Bad value for 'infra.nodes': {provider} runs at most {max_nodes} node(s) per job"
+                          f" (infra '{name}' has max_nodes={max_nodes}), got {infra['nodes']}."
+                          f" Fix: infra.nodes={max_nodes}, or pick a multi-node infra (aws, lambda, slurm)")
+    if infra["use_spot"] and not infra.get("supports_spot", True):
+        raise ConfigError(f"Bad value for 'infra.use_spot': {provider} has no spot instances."
+                          " Fix: infra.use_spot=false, or pick an infra with spot (aws, runpod)")
+    if infra.get("autostop_minutes") is not None and not infra.get("supports_autostop", True):
+        raise ConfigError(f"Bad value for 'infra.autostop_minutes': {provider} has no autostop."
+                          " Fix: infra.autostop_minutes=null (llmctl releases the nodes when the run ends"
+                          " when infra.down=true)")
+    _check_region(infra)
+    _check_accelerators(infra)
+
+
+def _did_you_mean(word: str, options: list[str]) -> str:
+    close = difflib.get_close_matches(word, options, n=1, cutoff=0.5)
+    return f" Did you mean '{close[0]}'?" if close else ""
+
+
+def _check_region(infra: Mapping[str, Any]) -> None:
+    if not infra.get("region") or not _has_offline_catalog(infra["provider"]):
+        return
+    try:
+        _catalog().validate_region_zone(infra["region"], infra.get("zone"), clouds=infra["provider"])
+    except ValueError as exc:
+        raise ConfigError(f"Bad value for 'infra.region'/'infra.zone': {' '.join(str(exc).split())}") from None
+
+
+def _has_offline_catalog(provider: str) -> bool:
+    """Slurm (and Kubernetes) learn what they offer from the live cluster, not from a CSV."""
+    import importlib
+
+    try:
+        module = importlib.import_module(f"sky.catalog.{provider}_catalog")
+    except ImportError:
+        return False
+    return hasattr(module, "get_instance_type_for_accelerator")
+
+
+def _check_accelerators(infra: Mapping[str, Any]) -> None:
+    acc = node_accelerators(infra)
+    provider = infra["provider"]
+    if acc is None or not _has_offline_catalog(provider):
+        return
+    name, count = acc
+    counts = _catalog().list_accelerator_counts(gpus_only=True, clouds=provider)
+    if name not in counts:
+        offered = ", ".join(f"{g}:{'/'.join(str(int(c)) for c in cs)}" for g, cs in sorted(counts.items()))
+        raise ConfigError(f"Bad value for 'infra.accelerators': {provider} has no '{name}'."
+                          f"{_did_you_mean(name, list(counts))} {provider} offers {offered}"
+                          f" (SkyPilot catalog). Fix: infra.accelerators=<NAME>:<count>")
+    if count not in {int(c) for c in counts[name]}:
+        raise ConfigError(f"Bad value for 'infra.accelerators': {provider} has no node with {count}x {name};"
+                          f" it offers {name} in counts of {', '.join(str(int(c)) for c in counts[name])}"
+                          f" per node. Fix: infra.accelerators={name}:<count> and more infra.nodes")
+
+
+def offers(infra: Mapping[str, Any]) -> list[Offer]:
+    """Every instance type and region that fits, priced by SkyPilot's catalog, cheapest first."""
+    provider = infra["provider"]
+    if not _has_offline_catalog(provider):
+        return []
+    cat = _catalog()
+    acc = node_accelerators(infra)
+    spot = bool(infra["use_spot"])
+    region, zone = infra.get("region"), infra.get("zone")
+    if acc:
+        types, _ = cat.get_instance_type_for_accelerator(acc[0], acc[1], cpus=infra.get("cpus"),
+                                                         memory=infra.get("memory"), use_spot=spot,
+                                                         region=region, zone=zone, clouds=provider)
+    else:
+        default = cat.get_default_instance_type(cpus=infra.get("cpus"), memory=infra.get("memory"),
+                                                region=region, zone=zone, use_spot=spot, clouds=provider)
+        types = [default] if default else []
+    found = []
+    for itype in types or []:
+        for reg in cat.get_region_zones_for_instance_type(itype, spot, clouds=provider):
+            if region and reg.name != region:
+                continue
+            price = cat.get_hourly_cost(itype, spot, reg.name, zone, clouds=provider)
+            found.append(Offer(provider, itype, reg.name, float(price), int(infra["nodes"])))
+    return sorted(found, key=lambda o: (o.total_hour, o.region, o.instance_type))
+
+
+def check_credentials(provider: str) -> None:
+    """What ``sky check <provider>`` reports, in-process, before any MLflow run or cluster exists."""
+    from sky.clouds import CloudCapability
+    from sky.utils import registry
+
+    cloud = registry.CLOUD_REGISTRY.from_str(provider)
+    ok, reason = cloud.check_credentials(CloudCapability.COMPUTE)
+    if ok:
+        return
+    if isinstance(reason, dict):
+        reason = "; ".join(f"{k}: {v}" for k, v in reason.items())
+    detail = " ".join(str(reason or "no credentials").split())
+    raise ConfigError(f"{provider} is not usable: {detail}. Fix: set up {provider} credentials"
+                      f" (docs/providers/{provider}.md), then confirm with `sky check {provider}`")
+
+
+def format_offers(found: list[Offer], infra: Optional[Mapping[str, Any]] = None) -> str:
+    if not found:
+        return "(none in SkyPilot's offline catalog for this provider; Slurm is priced by slurm/pricing.csv, $0 by default)"
+    lines = [f"{'provider':<9} {'instance type':<24} {'region':<14} {'$/h per node':>13} {'$/h total':>10}"]
+    for o in found:
+        lines.append(f"{o.provider:<9} {o.instance_type:<24} {o.region:<14} {o.per_node_hour:>13.2f}"
+                     f" {o.total_hour:>10.2f}")
+    return "\n".join(lines)

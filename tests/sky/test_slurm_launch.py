@@ -1,0 +1,128 @@
+"""A real launch: ``llmctl launch infra=slurm`` through SkyPilot's Slurm backend on a localhost
+Slurm cluster, tracked on a real MLflow server; then ``status``, ``logs`` and ``down`` against it.
+
+Runs by default (CI runs it as root after .ci/run installs slurm-wlm, munge, openssh-server);
+``--no-slurm`` or ``LLMCTL_SKIP_SLURM=1`` skips it locally. Missing prerequisites skip it with the
+reason, except under CI=true, where they fail it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from sky_helpers import run_cli
+from slurm_harness import CLUSTER, PARTITION, Cluster, free_port, missing_prerequisites, slurm_cluster
+
+pytestmark = [pytest.mark.slurm, pytest.mark.timeout(600)]
+
+
+@pytest.fixture(scope="module")
+def prerequisites(request: pytest.FixtureRequest) -> None:
+    if request.config.getoption("--no-slurm") or os.environ.get("LLMCTL_SKIP_SLURM") == "1":
+        pytest.skip("Slurm test disabled (--no-slurm / LLMCTL_SKIP_SLURM=1)")
+    missing = missing_prerequisites()
+    if missing:
+        message = f"localhost Slurm harness needs: {', '.join(missing)} (apt-get install slurm-wlm munge openssh-server rsync; run as root)"
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+            pytest.fail(message)
+        pytest.skip(message)
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(prerequisites: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real tracking server the "remote" nodes can reach (llmctl refuses a local store for them)."""
+    root = tmp_path_factory.mktemp("mlflow-server")
+    port = free_port()
+    mlflow = Path(sys.executable).with_name("mlflow")
+    log = open(root / "server.log", "wb")
+    proc = subprocess.Popen([str(mlflow), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+                             "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
+                             "--artifacts-destination", str(root / "artifacts")],
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    uri = f"http://127.0.0.1:{port}"
+    try:
+        yield uri
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=20)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+
+
+def _wait_healthy(uri: str, timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{uri}/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.5)
+    raise RuntimeError(f"mlflow server at {uri} not healthy after {timeout} s")
+
+
+@pytest.fixture(scope="module")
+def cluster(prerequisites: None, request: pytest.FixtureRequest) -> Iterator[Cluster]:
+    with slurm_cluster(Path(request.config.cache.mkdir("llmctl-slurm"))) as c:
+        yield c
+
+
+def test_launch_status_logs_down_on_real_slurm(mlflow_server: str, cluster: Cluster, tmp_path: Path,
+                                              cli_env: dict[str, str]) -> None:
+    home = Path(cli_env["HOME"])
+    cluster.write_client_config(home, cluster.root / "ssh" / "user_key")
+    env = {**cli_env, "MLFLOW_TRACKING_URI": mlflow_server, "AWS_EC2_METADATA_DISABLED": "true"}
+    sky_bin = str(Path(sys.executable).with_name("sky"))
+    _wait_healthy(mlflow_server)
+    try:
+        out = run_cli(["launch", "infra=slurm", "experiment=smoke", f"infra.region={CLUSTER}",
+                       f"infra.zone={PARTITION}", f"infra.node_python={sys.executable}",
+                       "infra.cpus=1", "infra.memory=2", "infra.down=false", "checkpoint.every=0"],
+                      tmp_path, env, timeout=420)
+        assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+
+        from mlflow.tracking import MlflowClient
+
+        mc = MlflowClient(tracking_uri=mlflow_server)
+        (run,) = mc.search_runs([mc.get_experiment_by_name("llmctl").experiment_id])
+        assert run.info.status == "FINISHED"
+        tags = run.data.tags
+        assert tags["llmctl.sky.cluster"].startswith("llmctl-") and tags["llmctl.sky.job_id"]
+        val = mc.get_metric_history(run.info.run_id, "val/loss")
+        assert val, "the workload on the Slurm node logged into the controller's MLflow run"
+        rid = run.info.run_id
+
+        status = run_cli(["status", rid], tmp_path, env, timeout=120)
+        assert status.returncode == 0, status.stderr
+        assert "FINISHED" in status.stdout and "UP" in status.stdout and "SUCCEEDED" in status.stdout, status.stdout
+        listing = run_cli(["status"], tmp_path, env, timeout=120)
+        assert rid in listing.stdout
+
+        logs = run_cli(["logs", rid], tmp_path, env, timeout=120)
+        assert logs.returncode == 0, logs.stderr
+        assert "val" in logs.stdout and "step" in logs.stdout, logs.stdout[-2000:]
+
+        # clusters stay visible to plain `sky status`
+        assert tags["llmctl.sky.cluster"] in subprocess.run([sky_bin, "status"], env=env, capture_output=True,
+                                                            text=True, timeout=120).stdout
+
+        down = run_cli(["down", rid], tmp_path, env, timeout=180)
+        assert down.returncode == 0 and "is down" in down.stdout, down.stdout + down.stderr
+        after = run_cli(["status", rid], tmp_path, env, timeout=120)
+        assert "gone" in after.stdout, after.stdout
+        assert cluster.squeue().strip() == "", "no Slurm job left behind"
+        # logs still readable from the controller's copy once the cluster is gone
+        assert "step" in run_cli(["logs", rid], tmp_path, env, timeout=120).stdout
+    finally:
+        subprocess.run([sky_bin, "api", "stop"], env=env, capture_output=True, timeout=120)

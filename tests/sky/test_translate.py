@@ -1,0 +1,131 @@
+"""Config → SkyPilot task, per provider: SkyPilot's own YAML loader accepts what we generate, and the
+run script turns a 2-node SKYPILOT_* environment into the right torchrun arguments."""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from llmctl.backends import sky_task
+from llmctl.config import compose
+
+from sky_helpers import REMOTE_URI
+
+
+def _task(overrides: list[str], environ: dict[str, str] | None = None) -> tuple[dict[str, Any], Any]:
+    import sky
+
+    cfg = compose(overrides + [f"tracking.uri={REMOTE_URI}"]).cfg
+    config = sky_task.task_config(cfg, run_id="abc123", tracking_uri=REMOTE_URI, experiment_id="7",
+                                  local_config="/tmp/cfg.yaml", workdir=str(sky_task.project_root()),
+                                  environ=environ or {})
+    task = sky.Task.from_yaml_config(copy.deepcopy(config))  # the loader consumes its input
+    return config, task
+
+
+def _only(resources: Any) -> Any:
+    (res,) = list(resources)
+    return res
+
+
+@pytest.mark.parametrize("overrides, cloud, region, acc, spot, nodes", [
+    (["infra=lambda", "infra.nodes=2"], "Lambda", None, {"H100": 8}, False, 2),
+    (["infra=runpod", "infra.accelerators=H100:8"], "RunPod", None, {"H100-SXM": 8}, False, 1),
+    (["infra=aws", "infra.use_spot=true", "infra.accelerators=A100:8"], "AWS", "us-east-1", {"A100": 8}, True, 1),
+    (["infra=slurm", "infra.region=mycluster", "infra.zone=gpu", "infra.accelerators=H100:4"],
+     "Slurm", "mycluster", {"H100": 4}, False, 1),
+])
+def test_task_round_trips_through_skypilot(sky_home: Path, overrides: list[str], cloud: str,
+                                           region: str | None, acc: dict[str, int], spot: bool, nodes: int) -> None:
+    import sky
+
+    config, task = _task(overrides)
+    res = _only(task.resources)
+    assert str(res.cloud) == cloud
+    assert res.region == region
+    assert res.accelerators == acc  # aliases applied: RunPod's H100 is H100-SXM
+    assert res.use_spot is spot
+    assert task.num_nodes == nodes
+    assert task.envs["MLFLOW_TRACKING_URI"] == REMOTE_URI and task.envs["MLFLOW_RUN_ID"] == "abc123"
+    assert "~/.llmctl/runs/abc123/config.yaml" in task.file_mounts
+    assert "pip install" in task.setup and "-e ." in task.setup
+    assert "workloads.pretrain" in task.run
+    # and once more through YAML text, as `sky launch task.yaml` would read it
+    again = sky.Task.from_yaml_config(task.to_yaml_config())
+    assert _only(again.resources).accelerators == acc and again.num_nodes == nodes
+
+
+def test_autostop_spot_and_managed_are_data(sky_home: Path) -> None:
+    _, lam = _task(["infra=lambda"])
+    assert _only(lam.resources).autostop_config.idle_minutes == 10
+    assert _only(lam.resources).autostop_config.down is True
+    config, slurm = _task(["infra=slurm"])
+    assert "autostop" not in config["resources"]  # Slurm has none
+    config, managed = _task(["infra=aws", "infra.managed=true", "infra.use_spot=true"])
+    assert _only(managed.resources).job_recovery is not None and "autostop" not in config["resources"]
+
+
+def test_bucket_is_a_mount_where_supported_and_a_url_on_runpod(sky_home: Path) -> None:
+    cfg = compose(["infra=aws", "infra.bucket=s3://ckpts/llm", f"tracking.uri={REMOTE_URI}"]).cfg
+    assert sky_task.checkpoint_dir(cfg, "r1") == "/llmctl-ckpt/r1"
+    cfg["checkpoint"]["dir"] = "/llmctl-ckpt/r1"
+    config = sky_task.task_config(cfg, run_id="r1", tracking_uri=REMOTE_URI, experiment_id="1",
+                                  local_config="/tmp/c.yaml", workdir="/tmp", environ={})
+    import sky
+
+    task = sky.Task.from_yaml_config(config)
+    storage = task.storage_mounts["/llmctl-ckpt"]
+    assert storage.source == "s3://ckpts/llm" and storage.mode.value == "MOUNT"
+    cfg = compose(["infra=runpod", "infra.bucket=s3://ckpts/llm", f"tracking.uri={REMOTE_URI}"]).cfg
+    assert sky_task.checkpoint_dir(cfg, "r1") == "s3://ckpts/llm/r1"
+
+
+def test_credentials_are_secrets_never_envs(sky_home: Path) -> None:
+    environ = {"MLFLOW_TRACKING_PASSWORD": "pw", "HF_TOKEN": "hf", "AWS_SECRET_ACCESS_KEY": "k", "UNRELATED": "x"}
+    config, task = _task(["infra=lambda"], environ)
+    assert config["secrets"] == {"MLFLOW_TRACKING_PASSWORD": "pw", "HF_TOKEN": "hf", "AWS_SECRET_ACCESS_KEY": "k"}
+    assert not set(config["secrets"]) & set(task.envs)
+    uri = "https://user:token@mlflow.example"
+    assert sky_task.secrets_from({}, uri) == {"MLFLOW_TRACKING_URI": uri}
+
+
+def _fake_python(tmp_path: Path) -> Path:
+    fake = tmp_path / "python"
+    fake.write_text('#!/bin/sh\nfor a in "$@"; do printf "%s\\n" "$a"; done\n')
+    fake.chmod(0o755)
+    return fake
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_run_script_gives_torchrun_two_node_arguments(tmp_path: Path, rank: int) -> None:
+    """Execute the task's run script under a fake 2-node SkyPilot environment; read the argv."""
+    env = {
+        "PATH": os.environ["PATH"], "HOME": str(tmp_path),
+        "SKYPILOT_NUM_NODES": "2", "SKYPILOT_NODE_RANK": str(rank), "SKYPILOT_NUM_GPUS_PER_NODE": "8",
+        "SKYPILOT_NODE_IPS": "10.0.0.1\n10.0.0.2", "LLMCTL_RUN_ID": "abc123",
+        "LLMCTL_PYTHON": str(_fake_python(tmp_path)),
+    }
+    out = subprocess.run(["bash", "-c", sky_task.RUN], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.splitlines() == [
+        "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=8", f"--node_rank={rank}",
+        "--master_addr=10.0.0.1", "--master_port=29500", "-m", "workloads.pretrain",
+        "--config", f"{tmp_path}/.llmctl/runs/abc123/config.yaml",
+    ]
+
+
+def test_cpu_nodes_take_process_count_from_config(tmp_path: Path) -> None:
+    cfg = compose(["infra=slurm", "parallel=fsdp2", f"tracking.uri={REMOTE_URI}"]).cfg
+    config = sky_task.task_config(cfg, run_id="r", tracking_uri=REMOTE_URI, experiment_id="1",
+                                  local_config="/tmp/c.yaml", workdir="/tmp", environ={})
+    assert config["envs"]["LLMCTL_NPROC_PER_NODE"] == "2"
+    env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "SKYPILOT_NUM_NODES": "1", "SKYPILOT_NODE_RANK": "0",
+           "SKYPILOT_NUM_GPUS_PER_NODE": "0", "SKYPILOT_NODE_IPS": "127.0.0.1", "LLMCTL_RUN_ID": "r",
+           "LLMCTL_PYTHON": str(_fake_python(tmp_path)), **config["envs"]}
+    env["LLMCTL_PYTHON"] = str(_fake_python(tmp_path))
+    out = subprocess.run(["bash", "-c", config["run"]], env=env, capture_output=True, text=True, check=True)
+    assert "--nproc_per_node=2" in out.stdout.splitlines()

@@ -1,0 +1,83 @@
+"""LR schedule, optimizer groups, MFU peaks, and batched MLflow logging into a real sqlite store."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from llmctl.schema import TrainCfg
+from workloads.pretrain.metrics import MetricSink, format_train_line, peak_memory_gb, peak_tflops
+from workloads.pretrain.optim import build_optimizer, lr_factor
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "linear", "constant"])
+def test_warmup_then_decay_to_floor(schedule):
+    tc = TrainCfg(steps=100, warmup_steps=10, min_lr_ratio=0.1, schedule=schedule)
+    assert lr_factor(1, tc) == pytest.approx(0.1)
+    assert lr_factor(10, tc) == pytest.approx(1.0)
+    end = {"cosine": 0.1, "linear": 0.1, "constant": 1.0}[schedule]
+    assert lr_factor(100, tc) == pytest.approx(end)
+    mid = {"cosine": 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)), "linear": 0.55, "constant": 1.0}[schedule]
+    assert lr_factor(55, tc) == pytest.approx(mid)
+    factors = [lr_factor(s, tc) for s in range(10, 101)]
+    assert factors == sorted(factors, reverse=True)
+
+
+def test_weight_decay_only_on_matrices():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    opt = build_optimizer(model, TrainCfg(weight_decay=0.1))
+    decay, no_decay = opt.param_groups
+    assert decay["weight_decay"] == 0.1 and all(p.ndim == 2 for p in decay["params"])
+    assert no_decay["weight_decay"] == 0.0 and len(no_decay["params"]) == 3
+
+
+def test_no_mfu_on_cpu_and_peak_table_order():
+    assert peak_tflops(torch.device("cpu"), "bf16") is None
+    assert peak_memory_gb(torch.device("cpu")) > 0.01
+    line = format_train_line(10, 100, {"train/loss": 6.1234, "train/lr": 3e-3, "train/grad_norm": 0.5,
+                                       "perf/tokens_per_s": 12345.0, "perf/tflops": 0.1, "perf/mfu": None})
+    assert line.startswith("step  10/100 | loss 6.1234 | lr 3.00e-03") and "12,345 tok/s" in line
+    assert line.endswith("MFU n/a (cpu)")
+
+
+def test_peak_table_resolves_real_device_names():
+    from workloads.pretrain.metrics import PEAK_TFLOPS
+
+    def lookup(name):
+        return next(bf16 for key, bf16, _ in PEAK_TFLOPS if key.lower() in name.lower())
+
+    assert lookup("NVIDIA H100 80GB HBM3") == 989
+    assert lookup("NVIDIA H100 PCIe") == 756
+    assert lookup("NVIDIA H100 NVL") == 835
+    assert lookup("NVIDIA H200") == 989
+    assert lookup("NVIDIA A100-SXM4-80GB") == 312
+    assert lookup("NVIDIA L40S") == 362
+    assert lookup("NVIDIA A10G") == 125
+
+
+def test_sink_is_inert_without_run_id(monkeypatch):
+    monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
+    sink = MetricSink()
+    sink.log({"train/loss": 1.0}, 1)
+    sink.flush()
+    assert not sink.active
+
+
+def test_sink_batches_into_a_real_mlflow_run(tmp_path, monkeypatch):
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = MlflowClient(tracking_uri=uri)
+    run = client.create_run(client.create_experiment("wl"))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setenv("MLFLOW_RUN_ID", run.info.run_id)
+
+    sink = MetricSink()
+    for step in range(1, 1201):  # more than one log_batch request's worth
+        sink.log({"train/loss": 10.0 / step, "perf/mfu": None}, step)
+    sink.flush()
+    history = client.get_metric_history(run.info.run_id, "train/loss")
+    assert len(history) == 1200 and sorted(m.step for m in history)[-1] == 1200
+    assert client.get_metric_history(run.info.run_id, "perf/mfu") == []

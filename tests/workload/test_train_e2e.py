@@ -1,0 +1,75 @@
+"""The workload as llmctl runs it: a subprocess with a resolved config, exit codes, MLflow metrics."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+
+def test_tiny_run_learns_and_logs_the_metric_contract(write_tiny_config, workload_env, workload, tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.create_experiment("workload")
+    run = client.create_run(exp)
+    env = {**workload_env, "MLFLOW_TRACKING_URI": uri, "MLFLOW_RUN_ID": run.info.run_id,
+           "MLFLOW_EXPERIMENT_ID": exp}
+
+    proc = workload.run(["--config", str(write_tiny_config())], env)
+    assert proc.returncode == 0, proc.stderr
+    losses = workload.losses(proc.stdout)
+    assert sorted(losses["val"]) == [0, 15, 30]
+    assert sorted(losses["train"]) == [5, 10, 15, 20, 25, 30]
+    assert losses["val"][30] < losses["val"][0] - 0.5, proc.stdout
+    assert f"final val/loss {losses['val'][30]:.4f} (first {losses['val'][0]:.4f})" in proc.stdout
+    assert "MFU n/a (cpu)" in proc.stdout
+
+    metrics = client.get_run(run.info.run_id).data.metrics
+    for key in ("train/loss", "val/loss", "train/lr", "train/grad_norm", "perf/tokens_per_s",
+                "perf/tokens_per_s_per_device", "perf/tflops", "perf/peak_mem_gb"):
+        assert key in metrics, key
+    assert "perf/mfu" not in metrics  # unknown peak on CPU: not guessed
+    val = client.get_metric_history(run.info.run_id, "val/loss")
+    assert sorted(m.step for m in val) == [0, 15, 30]
+    assert len(client.get_metric_history(run.info.run_id, "train/loss")) == 6
+
+
+def test_reference_kernels_bf16_and_overrides_after_config(write_tiny_config, workload_env, workload):
+    proc = workload.run(["--config", str(write_tiny_config(**{"model.kernels": "reference"})),
+                         "train.dtype=bf16", "train.steps=6", "train.val_every=6", "train.log_every=3"],
+                        workload_env)
+    assert proc.returncode == 0, proc.stderr
+    assert "reference kernels, bf16" in proc.stdout
+    assert sorted(workload.losses(proc.stdout)["train"]) == [3, 6]
+
+
+def test_injected_failure_exits_nonzero_with_traceback(write_tiny_config, workload_env, workload):
+    env = {**workload_env, "LLMCTL_FAIL_AT_STEP": "3"}
+    proc = workload.run(["--config", str(write_tiny_config())], env)
+    assert proc.returncode == 1
+    assert "Traceback" in proc.stderr and "LLMCTL_FAIL_AT_STEP=3" in proc.stderr
+    assert "final val/loss" not in proc.stdout
+
+
+def test_bad_config_is_an_error(write_tiny_config, workload_env, workload):
+    proc = workload.run(["--config", str(write_tiny_config(**{"train.seq_len": 1024}))], workload_env)
+    assert proc.returncode == 1 and "max_seq_len" in proc.stderr
+
+
+@pytest.mark.slow
+def test_two_process_data_parallel_matches_one_process(write_tiny_config, workload_env, workload):
+    """torchrun with 2 gloo ranks (local batch 4 each) follows the 1-process run (batch 8)."""
+    cfg = str(write_tiny_config(**{"train.steps": 6, "train.log_every": 1, "train.val_every": 3}))
+    one = workload.run(["--config", cfg], workload_env)
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    two = workload.run(["--config", cfg], workload_env, launcher=launcher)
+    assert one.returncode == 0, one.stderr
+    assert two.returncode == 0, two.stderr
+    assert "world 2 on cpu (1 threads/proc)" in two.stdout
+    a, b = workload.losses(one.stdout), workload.losses(two.stdout)
+    assert sorted(a["train"]) == sorted(b["train"]) == [1, 2, 3, 4, 5, 6]
+    for kind in ("train", "val"):
+        for step, loss in a[kind].items():
+            assert abs(b[kind][step] - loss) <= 2e-4, (kind, step, loss, b[kind][step])

@@ -1,0 +1,1 @@
+"""Training workloads that llmctl launches (``python -m workloads.pretrain`` under torchrun)."""

@@ -1,0 +1,109 @@
+"""Chunked fused linear + cross-entropy.
+
+The LM head is the largest activation in a small-dim / large-vocab model: [tokens, vocab] logits
+(plus their gradient) dwarf everything else (8B Llama, 8k tokens: 128k x 8k x 4 B = 4 GiB each).
+Here the output projection and the loss run together, a chunk of tokens at a time, and the
+gradients w.r.t. the hidden states and the output weight are produced in the same pass, so at most
+one chunk of logits is alive. Backward only scales the stored gradients by the incoming grad.
+
+Same idea as Liger-Kernel's fused linear cross-entropy and torchtitan's discussions of it; this
+is a plain-PyTorch version that runs anywhere (CPU included).
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Elements of fp32 logits per chunk (2**25 = 128 MiB): big enough for efficient matmuls on GPU,
+# small enough that a 128k vocabulary still processes a few hundred tokens at a time.
+_DEFAULT_CHUNK_ELEMENTS = 1 << 25
+
+
+def default_chunk_size(vocab_size: int) -> int:
+    """Tokens per chunk so that one chunk of fp32 logits stays under ~128 MiB."""
+    return max(1, _DEFAULT_CHUNK_ELEMENTS // max(1, vocab_size))
+
+
+def _chunk_logits(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    # The matmul honours an active autocast (bf16 on the GPU tensor cores); softmax math is fp32.
+    return (h @ weight.t()).float()
+
+
+def _chunk_loss(logits: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor):
+    lse = torch.logsumexp(logits, dim=-1)
+    target_logit = logits.gather(1, targets.clamp(min=0).unsqueeze(1)).squeeze(1)
+    return ((lse - target_logit) * valid).sum(), lse
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """Mean CE of ``hidden @ weight.T`` vs ``targets``; grads are computed during forward."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, chunk_size: int, ignore_index: int):
+        valid_all = targets != ignore_index
+        n_valid = valid_all.sum().clamp(min=1).to(torch.float32)
+        # Unclamped count so that "all tokens ignored" gives NaN, like F.cross_entropy.
+        denom = valid_all.sum().to(torch.float32)
+
+        loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad_hidden = torch.empty_like(hidden)
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+
+        for start in range(0, hidden.shape[0], chunk_size):
+            h = hidden[start : start + chunk_size]
+            t = targets[start : start + chunk_size]
+            valid = valid_all[start : start + chunk_size].to(torch.float32)
+            logits = _chunk_logits(h, weight)
+            chunk_loss, lse = _chunk_loss(logits, t, valid)
+            loss_sum += chunk_loss
+
+            # d(mean CE)/d(logits) = (softmax - onehot) / n_valid, zero on ignored rows.
+            grad_logits = torch.exp(logits - lse.unsqueeze(1))
+            rows = torch.arange(t.shape[0], device=t.device)
+            grad_logits[rows, t.clamp(min=0)] -= 1.0
+            grad_logits *= (valid / n_valid).unsqueeze(1)
+
+            g = grad_logits.to(h.dtype) if not torch.is_autocast_enabled(h.device.type) else grad_logits
+            grad_hidden[start : start + chunk_size] = (g @ weight).to(hidden.dtype)
+            grad_weight += (g.t() @ h).float()
+
+        ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
+        return loss_sum / denom
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        return grad_hidden * grad_output, grad_weight * grad_output, None, None, None
+
+
+def _loss_only(hidden, weight, targets, chunk_size: int, ignore_index: int) -> torch.Tensor:
+    """Evaluation path: same chunking, no gradient work."""
+    valid_all = targets != ignore_index
+    loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    for start in range(0, hidden.shape[0], chunk_size):
+        logits = _chunk_logits(hidden[start : start + chunk_size], weight)
+        valid = valid_all[start : start + chunk_size].to(torch.float32)
+        loss_sum += _chunk_loss(logits, targets[start : start + chunk_size], valid)[0]
+    return loss_sum / valid_all.sum().to(torch.float32)
+
+
+def chunked_linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    chunk_size: int | None = None,
+    ignore_index: int = -100,
+) -> torch.Tensor:
+    """Mean cross-entropy of ``hidden @ weight.T`` against ``targets`` without full logits.
+
+    hidden: [..., dim]; weight: [vocab, dim]; targets: [...] (int). Tokens whose target equals
+    ``ignore_index`` are excluded from the mean, like ``F.cross_entropy``. Returns an fp32 scalar.
+    """
+    hidden = hidden.reshape(-1, hidden.shape[-1])
+    targets = targets.reshape(-1)
+    if chunk_size is None:
+        chunk_size = default_chunk_size(weight.shape[0])
+    if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+        return _ChunkedLinearCrossEntropy.apply(hidden, weight, targets, chunk_size, ignore_index)
+    return _loss_only(hidden, weight, targets, chunk_size, ignore_index)

@@ -1,0 +1,285 @@
+"""Llama-style decoder (RMSNorm, RoPE, SwiGLU, GQA), with a reference and a fused kernel path.
+
+Module names follow Llama / torchtitan (``tok_embeddings``, ``layers[i].attention.wq`` ...,
+``norm``, ``output``) so tensor-parallel plans and DCP checkpoints can address them by name.
+Parallel-friendly by construction: q/k/v are separate linears, attention infers its (possibly
+TP-local) head count from the projected tensor, and RoPE tables are non-persistent buffers that
+``init_weights`` recomputes after ``to_empty`` (build on ``meta``, shard, materialise, init).
+
+``kernels='reference'`` is the test oracle: explicit softmax attention, hand RMSNorm and full
+logits, all numerically plain. ``kernels='fused'`` uses SDPA, ``F.rms_norm`` and the chunked
+fused linear-cross-entropy (Liger-Kernel's Triton version on CUDA when it is installed).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workloads.pretrain.losses import chunked_linear_cross_entropy
+
+IGNORE_INDEX = -100
+
+
+def _kernels(cfg: Any) -> str:
+    k = getattr(cfg, "kernels", "fused")
+    k = getattr(k, "value", k)  # Kernels enum (structured config) or plain str (raw YAML)
+    if k not in ("reference", "fused"):
+        raise ValueError(f"model.kernels must be 'reference' or 'fused', got {k!r}")
+    return k
+
+
+def ffn_hidden_dim(dim: int, multiple_of: int, ffn_dim_multiplier: float | None) -> int:
+    """Llama's SwiGLU width: 2/3 of 4*dim (same params as a 4*dim MLP), scaled, rounded up."""
+    hidden = int(2 * 4 * dim / 3)
+    if ffn_dim_multiplier is not None:
+        hidden = int(ffn_dim_multiplier * hidden)
+    return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
+
+
+def rope_tables(head_dim: int, max_seq_len: int, theta: float, device=None):
+    """cos/sin of position * theta^(-2i/d), shape [max_seq_len, head_dim // 2], fp32."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate consecutive pairs (x0, x1), (x2, x3)... as Meta's Llama does; x: [b, s, h, d]."""
+    xf = x.float().unflatten(-1, (-1, 2))
+    x0, x1 = xf[..., 0], xf[..., 1]
+    cos = cos[: x.shape[1]].view(1, x.shape[1], 1, -1)
+    sin = sin[: x.shape[1]].view(1, x.shape[1], 1, -1)
+    out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
+    return out.flatten(-2).type_as(x)
+
+
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """[b, s, kv_heads, d] -> [b, s, kv_heads * n_rep, d]: each kv head serves n_rep query heads."""
+    if n_rep == 1:
+        return x
+    b, s, h, d = x.shape
+    return x[:, :, :, None, :].expand(b, s, h, n_rep, d).reshape(b, s, h * n_rep, d)
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, computed in fp32 on both paths (bf16 squares lose too much)."""
+
+    def __init__(self, dim: int, eps: float, kernels: str):
+        super().__init__()
+        self.eps = eps
+        self.kernels = kernels
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        if self.kernels == "fused":
+            out = F.rms_norm(xf, (xf.shape[-1],), self.weight.float(), self.eps)
+        else:
+            out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()
+        return out.type_as(x)
+
+    def reset_parameters(self):
+        nn.init.ones_(self.weight)
+
+
+class Attention(nn.Module):
+    """Causal GQA self-attention. Head counts come from tensor shapes, so TP-sharded q/k/v work."""
+
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, kernels: str):
+        super().__init__()
+        if dim % n_heads or n_heads % n_kv_heads:
+            raise ValueError(f"need dim % n_heads == 0 and n_heads % n_kv_heads == 0 (got {dim}, {n_heads}, {n_kv_heads})")
+        self.head_dim = dim // n_heads
+        self.kernels = kernels
+        self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        bs, seqlen, _ = x.shape
+        q = self.wq(x).view(bs, seqlen, -1, self.head_dim)
+        k = self.wk(x).view(bs, seqlen, -1, self.head_dim)
+        v = self.wv(x).view(bs, seqlen, -1, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        n_rep = q.shape[2] // k.shape[2]
+        q, k, v = (t.transpose(1, 2) for t in (q, repeat_kv(k, n_rep), repeat_kv(v, n_rep)))
+
+        if self.kernels == "fused":
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            scores = (q @ k.transpose(-2, -1)).float() / math.sqrt(self.head_dim)
+            mask = torch.full((seqlen, seqlen), float("-inf"), device=x.device).triu(1)
+            probs = torch.softmax(scores + mask, dim=-1)
+            out = probs.to(v.dtype) @ v
+        return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm residual block: h = x + attn(norm(x)); out = h + ffn(norm(h))."""
+
+    def __init__(self, cfg: Any, kernels: str):
+        super().__init__()
+        self.attention = Attention(cfg.dim, cfg.n_heads, cfg.n_kv_heads or cfg.n_heads, kernels)
+        self.feed_forward = FeedForward(cfg.dim, ffn_hidden_dim(cfg.dim, cfg.multiple_of, cfg.ffn_dim_multiplier))
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps, kernels)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps, kernels)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    """Causal LM. ``forward(tokens)`` -> logits; ``forward(tokens, targets)`` -> mean loss.
+
+    ``cfg`` is a ``llmctl.schema.ModelCfg`` (or anything with the same attributes).
+    """
+
+    def __init__(self, cfg: Any):
+        super().__init__()
+        self.kernels = _kernels(cfg)
+        self.n_layers = cfg.n_layers
+        self.n_heads = cfg.n_heads
+        self.head_dim = cfg.dim // cfg.n_heads
+        self.tie_embeddings = bool(cfg.tie_embeddings)
+        self.max_seq_len = cfg.max_seq_len
+        self.rope_theta = float(cfg.rope_theta)
+
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        # ModuleDict keyed "0".."L-1": FQNs stay stable if pipeline stages drop some layers.
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, self.kernels) for i in range(cfg.n_layers)})
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps, self.kernels)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        cos, sin = rope_tables(self.head_dim, self.max_seq_len, self.rope_theta)
+        self.register_buffer("freqs_cos", cos, persistent=False)
+        self.register_buffer("freqs_sin", sin, persistent=False)
+        self.tie_weights()
+        if self.output.weight.device.type != "meta":
+            self.init_weights()
+
+    def tie_weights(self):
+        """Share the input embedding with the LM head (redo after ``to_empty``, which unties)."""
+        if self.tie_embeddings and self.output.weight is not self.tok_embeddings.weight:
+            self.output.weight = self.tok_embeddings.weight
+
+    @torch.no_grad()
+    def init_weights(self, buffer_device: torch.device | None = None):
+        """N(0, 0.02) everywhere; residual-branch outputs (wo, w2) scaled by 1/sqrt(2 L) (GPT-2).
+
+        Deterministic given ``torch.manual_seed``; call after ``to_empty`` on a meta-built model.
+        """
+        self.tie_weights()
+        device = buffer_device or self.freqs_cos.device
+        cos, sin = rope_tables(self.head_dim, self.max_seq_len, self.rope_theta, device=device)
+        self.freqs_cos, self.freqs_sin = cos, sin
+        std, out_std = 0.02, 0.02 / math.sqrt(2 * self.n_layers)
+        nn.init.normal_(self.tok_embeddings.weight, std=std)
+        for block in self.layers.values():
+            attn, ffn = block.attention, block.feed_forward
+            for lin in (attn.wq, attn.wk, attn.wv, ffn.w1, ffn.w3):
+                nn.init.normal_(lin.weight, std=std)
+            for lin in (attn.wo, ffn.w2):
+                nn.init.normal_(lin.weight, std=out_std)
+            block.attention_norm.reset_parameters()
+            block.ffn_norm.reset_parameters()
+        self.norm.reset_parameters()
+        if not self.tie_embeddings:
+            nn.init.normal_(self.output.weight, std=std)
+
+    def hidden_states(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Final-norm hidden states [b, s, dim], before the LM head."""
+        seqlen = tokens.shape[1]
+        if seqlen > self.freqs_cos.shape[0]:
+            raise ValueError(f"sequence length {seqlen} exceeds model.max_seq_len {self.freqs_cos.shape[0]}")
+        h = self.tok_embeddings(tokens)
+        for block in self.layers.values():
+            h = block(h, self.freqs_cos, self.freqs_sin)
+        return self.norm(h)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.hidden_states(tokens)
+        if targets is None:
+            return self.output(h)
+        if self.kernels == "reference":
+            logits = self.output(h)
+            return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX)
+        # Reads output.weight directly (no module call): keep `output` in the root FSDP unit.
+        return fused_lm_loss(h, self.output.weight, targets)
+
+    def num_params(self, exclude_embedding: bool = True) -> int:
+        """Parameter count; the input embedding is a lookup (no FLOPs), so FLOP counts omit it.
+
+        With tied embeddings the shared matrix still counts once, as the LM head's weight.
+        """
+        n = sum(p.numel() for p in self.parameters())  # parameters() de-duplicates tied weights
+        if exclude_embedding and not self.tie_embeddings:
+            n -= self.tok_embeddings.weight.numel()
+        return n
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token: 6N (fwd+bwd matmuls) + 12 L H Q T (attention scores/values).
+
+        PaLM appendix B / nanoGPT / torchtitan; N excludes the input embedding.
+        """
+        return 6 * self.num_params(exclude_embedding=True) + 12 * self.n_layers * self.n_heads * self.head_dim * seq_len
+
+
+def fused_lm_loss(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """LM head + CE without full logits: Liger's Triton kernel on CUDA if importable, else ours."""
+    if h.is_cuda:
+        liger_ce = _liger_fused_linear_ce()
+        if liger_ce is not None:
+            return liger_ce(weight, h.flatten(0, 1), targets.flatten())
+    return chunked_linear_cross_entropy(h, weight, targets, ignore_index=IGNORE_INDEX)
+
+
+_LIGER: list = []
+
+
+def _liger_fused_linear_ce():
+    """Liger's fused linear-CE module, or None. Imported lazily: optional, GPU-only."""
+    if not _LIGER:
+        try:
+            from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
+
+            _LIGER.append(LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX))
+        except Exception:  # not installed, or no Triton driver
+            _LIGER.append(None)
+    return _LIGER[0]
+
+
+def build_model(cfg: Any, device: torch.device | str = "cpu") -> Transformer:
+    """Build on ``meta``, materialise on ``device``, initialise from the current RNG state."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model.to_empty(device=device)
+    model.init_weights(buffer_device=torch.device(device))
+    return model
+
+
+def apply_compile(model: Transformer) -> None:
+    """Compile each block in place (``Module.compile`` keeps FQNs, so checkpoints are unaffected).
+
+    Per-block compile reuses one graph for identical blocks and composes with FSDP2/AC.
+    """
+    for block in model.layers.values():
+        block.compile()

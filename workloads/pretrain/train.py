@@ -1,0 +1,382 @@
+"""Entry point: ``python -m workloads.pretrain`` or ``torchrun --nproc_per_node=N -m workloads.pretrain``.
+
+Config: ``--config resolved.yaml`` (written by llmctl, merged over ``llmctl.schema.RootCfg``, with
+optional ``key=value`` dotlist overrides after it), or Hydra-style overrides composed by
+``llmctl.config.compose_config``.
+
+Order of work, top to bottom in ``train``: devices and process group -> data -> model (built on
+meta, materialised, initialised from ``train.seed``) -> ``_parallelize`` -> optimizer -> checkpoint
+resume -> loop (val at step 0, every ``val_every`` and at the end; logs every ``log_every``).
+
+Test hook: ``LLMCTL_FAIL_AT_STEP=N`` raises at the start of step N, so callers can check that a
+failing workload exits non-zero and is reported as failed.
+
+Exit status: 0 on success, 1 on an exception (traceback on stderr), 128+signum on SIGTERM/SIGINT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import signal
+import sys
+import time
+import traceback
+from contextlib import nullcontext
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from workloads.pretrain.data import Sampler, prepare_corpus, val_batches
+from workloads.pretrain.metrics import MetricSink, format_train_line, peak_memory_gb, peak_tflops
+from workloads.pretrain.model import Transformer, apply_compile, build_model
+from workloads.pretrain.optim import build_optimizer, lr_factor
+
+FAIL_AT_STEP_ENV = "LLMCTL_FAIL_AT_STEP"
+
+
+def _value(x: Any) -> Any:
+    """Enum member (structured config) or plain value (raw YAML) -> plain value."""
+    return getattr(x, "value", x)
+
+
+# ----------------------------------------------------------------------------- config
+
+
+def load_config(argv: list[str] | None = None):
+    """Parse ``--config PATH [key=value ...]`` or ``[override ...]`` into a typed DictConfig."""
+    parser = argparse.ArgumentParser(prog="python -m workloads.pretrain", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", help="resolved config YAML written by llmctl")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides (Hydra syntax without --config)")
+    args = parser.parse_args(argv)
+
+    from omegaconf import OmegaConf
+
+    from llmctl.schema import RootCfg
+
+    if args.config:
+        return OmegaConf.merge(
+            OmegaConf.structured(RootCfg), OmegaConf.load(args.config), OmegaConf.from_dotlist(args.overrides)
+        )
+    from llmctl.config import compose_config  # lazy: pulls in Hydra
+
+    return compose_config(list(args.overrides))
+
+
+# ----------------------------------------------------------------------------- devices
+
+
+@dataclass
+class DistEnv:
+    """Where this process sits. v1 has data parallelism only; ``dp_*`` leave room for TP."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+    dp_rank: int
+    dp_size: int
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _resolve_degrees(parallel: Any, world_size: int) -> tuple[int, int]:
+    """(tp, dp) from ``parallel.*`` and the world size; validated before any process-group work."""
+    tp = int(parallel.tp)
+    if tp < 1 or world_size % tp:
+        raise ValueError(f"parallel.tp={tp} must divide the world size {world_size}")
+    dp = world_size // tp
+    shard = int(parallel.dp_shard)
+    replicate = int(parallel.dp_replicate)
+    if shard == -1:
+        shard = dp // replicate if replicate > 0 and dp % replicate == 0 else -1
+    if replicate < 1 or shard < 1 or replicate * shard != dp:
+        raise ValueError(
+            f"parallel.dp_replicate={parallel.dp_replicate} x dp_shard={parallel.dp_shard} x tp={tp} "
+            f"does not match the world size {world_size}"
+        )
+    return tp, dp
+
+
+def init_distributed(cfg: Any) -> DistEnv:
+    """Pick the device, size the CPU thread pool, and join torchrun's process group if any."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    tp, dp = _resolve_degrees(cfg.parallel, world)
+
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+        # Processes sharing a CPU would otherwise each spawn a thread per core and thrash.
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        torch.set_num_threads(max(1, cores // local_world))
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group(backend, timeout=timedelta(minutes=10))
+    return DistEnv(rank, world, local_rank, local_world, device, dp_rank=rank // tp, dp_size=dp)
+
+
+# ----------------------------------------------------------------------------- seams
+
+
+def _parallelize(model: Transformer, env: DistEnv, cfg: Any) -> Transformer:
+    """Seam for ``workloads.pretrain.parallelize`` (TP -> AC -> compile -> FSDP2, in that order).
+
+    v1: no TP/AC/FSDP; per-block compile; plain data parallelism via ``_sync_grads``. It runs on
+    the materialised model; a sharding version can instead take the meta model: ``Transformer(cfg)``
+    under ``torch.device("meta")`` -> parallelize -> ``to_empty(device)`` -> ``init_weights()``.
+    """
+    if int(cfg.parallel.tp) > 1:
+        raise NotImplementedError("parallel.tp > 1 needs workloads/pretrain/parallelize.py (not yet available)")
+    if _value(cfg.parallel.ac) != "none" and env.is_main:
+        print(f"warning: parallel.ac={_value(cfg.parallel.ac)} is not implemented yet; training without "
+              "activation checkpointing", file=sys.stderr, flush=True)
+    if cfg.model.compile:
+        apply_compile(model)
+    if env.dp_size > 1:  # same seed -> same init, but make replicas provably identical
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        dist.broadcast(flat, src=0)
+        _unflatten_into(flat, [p.data for p in model.parameters()])
+    return model
+
+
+def _sync_grads(model: torch.nn.Module, env: DistEnv) -> None:
+    """v1 data parallelism: average gradients with one flat all-reduce after backward.
+
+    Remove this call once ``_parallelize`` applies FSDP2, which reduce-scatters during backward.
+    """
+    if env.dp_size == 1:
+        return
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    flat /= env.dp_size
+    _unflatten_into(flat, grads)
+
+
+def _unflatten_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()
+
+
+class NoCheckpointer:
+    """Seam for DCP checkpointing; the real one lives in ``workloads.pretrain.checkpoint``.
+
+    Contract: ``load()`` restores model/optimizer/sampler state and returns the last completed
+    step (0 for a fresh run); ``maybe_save(step, last=...)`` saves when ``checkpoint.every``
+    divides ``step`` (and at the last step); ``close()`` waits for any async save.
+    """
+
+    def __init__(self, cfg: Any, env: DistEnv, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 sampler: Sampler):
+        if int(cfg.checkpoint.every) > 0 and env.is_main:
+            print("note: checkpoint.every is set but checkpointing is not implemented yet", flush=True)
+
+    def load(self) -> int:
+        return 0
+
+    def maybe_save(self, step: int, *, last: bool = False) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+# ----------------------------------------------------------------------------- loop
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, batches: list, autocast, env: DistEnv) -> float:
+    """Mean loss over the fixed validation batches, averaged across data-parallel ranks."""
+    model.eval()
+    total = torch.zeros((), device=env.device)
+    for x, y in batches:
+        with autocast():
+            total += model(x, y).float()
+    model.train()
+    total /= len(batches)
+    if env.dp_size > 1:
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+        total /= env.dp_size
+    return total.item()
+
+
+def _mean_across(value: torch.Tensor, env: DistEnv) -> float:
+    if env.world_size > 1:
+        value = value.clone()
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+        value /= env.world_size
+    return value.item()
+
+
+def train(cfg: Any) -> dict:
+    """Train per ``cfg`` (a RootCfg-shaped DictConfig). Returns the val losses and final speed."""
+    env = init_distributed(cfg)
+    tc, mc = cfg.train, cfg.model
+    say = (lambda *a: print(*a, flush=True)) if env.is_main else (lambda *a: None)
+    dtype = _value(tc.dtype)
+    if tc.seq_len > mc.max_seq_len:
+        raise ValueError(f"train.seq_len={tc.seq_len} exceeds model.max_seq_len={mc.max_seq_len}")
+
+    corpus = prepare_corpus(cfg.data)
+    if corpus.vocab_size > mc.vocab_size:
+        raise ValueError(f"tokenizer has {corpus.vocab_size} tokens but model.vocab_size={mc.vocab_size}")
+    train_tokens, val_tokens = corpus.split(float(cfg.data.val_fraction))
+    sampler = Sampler(train_tokens, tc.seq_len, tc.batch_size, tc.seed, env.dp_rank, env.dp_size)
+    val_set = val_batches(val_tokens, tc.seq_len, tc.batch_size, tc.val_batches, env.dp_rank, env.dp_size, env.device)
+
+    torch.manual_seed(tc.seed)
+    model = build_model(mc, env.device)
+    flops_per_token = model.flops_per_token(tc.seq_len)
+    n_params = model.num_params()
+    model = _parallelize(model, env, cfg)
+    optimizer = build_optimizer(model, tc)
+    checkpointer = NoCheckpointer(cfg, env, model, optimizer, sampler)
+    start_step = checkpointer.load()
+
+    if dtype == "bf16":
+        autocast = lambda: torch.autocast(env.device.type, dtype=torch.bfloat16)  # noqa: E731
+    else:
+        autocast = nullcontext
+    peak = peak_tflops(env.device, dtype)
+    no_mfu = "cpu" if env.device.type == "cpu" else f"no peak for {torch.cuda.get_device_name(env.device)}"
+    sink = MetricSink(enabled=env.is_main)
+    fail_at = int(os.environ.get(FAIL_AT_STEP_ENV, "0") or 0)
+    tokens_per_step = tc.batch_size * tc.seq_len
+    log_every, val_every = max(1, int(tc.log_every)), max(0, int(tc.val_every))  # val_every 0: start/end only
+
+    say(f"pretrain | model {mc.name}: {n_params / 1e6:.2f}M params (non-embedding), {mc.n_layers} layers, "
+        f"dim {mc.dim}, {mc.n_heads}/{mc.n_kv_heads} heads, {_value(mc.kernels)} kernels, {dtype}"
+        f"{', compiled' if mc.compile else ''}")
+    say(f"pretrain | data {cfg.data.name}: {len(train_tokens):,} train / {len(val_tokens):,} val tokens, "
+        f"vocab {corpus.vocab_size} ({'cached' if corpus.cache_hit else 'built'} {corpus.path}) | "
+        f"{tc.batch_size} x {tc.seq_len} = {tokens_per_step:,} tokens/step | world {env.world_size} on "
+        f"{env.device.type}" + (f" ({torch.get_num_threads()} threads/proc)" if env.device.type == "cpu" else ""))
+
+    first_val = final_val = None
+
+    def run_val(step: int) -> float:
+        loss = evaluate(model, val_set, autocast, env)
+        sink.log({"val/loss": loss}, step)
+        sink.flush()
+        say(f"val step {step} | val/loss {loss:.4f}")
+        return loss
+
+    t_start = time.perf_counter()
+    if start_step == 0:
+        first_val = final_val = run_val(0)
+
+    loss_sum = torch.zeros((), device=env.device)
+    loss_count = 0
+    t_interval, steps_in_interval = time.perf_counter(), 0
+    grad_norm = torch.zeros(())
+    for step in range(start_step + 1, tc.steps + 1):
+        if step == fail_at:
+            raise RuntimeError(f"{FAIL_AT_STEP_ENV}={fail_at}: injected failure at step {step}")
+        lr = float(tc.lr) * lr_factor(step, tc)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+
+        x, y = sampler.next_batch(env.device)
+        with autocast():
+            loss = model(x, y)
+        loss.backward()
+        _sync_grads(model, env)
+        max_norm = float(tc.grad_clip) if tc.grad_clip and tc.grad_clip > 0 else math.inf
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        loss_sum += loss.detach().float()
+        loss_count += 1
+        steps_in_interval += 1
+        last = step == tc.steps
+
+        if step % log_every == 0 or last:
+            train_loss = _mean_across(loss_sum / loss_count, env)  # syncs the device too
+            elapsed = time.perf_counter() - t_interval
+            tok_s = steps_in_interval * tokens_per_step / elapsed
+            tok_s_dev = tok_s / env.world_size
+            tflops = flops_per_token * tok_s_dev / 1e12
+            gn = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+            m = {
+                "train/loss": train_loss,
+                "train/lr": lr,
+                "train/grad_norm": gn.item(),
+                "perf/tokens_per_s": tok_s,
+                "perf/tokens_per_s_per_device": tok_s_dev,
+                "perf/tflops": tflops,
+                "perf/mfu": tflops / peak if peak else None,
+                "perf/peak_mem_gb": peak_memory_gb(env.device),
+            }
+            sink.log(m, step)
+            sink.flush()
+            say(format_train_line(step, tc.steps, m, no_mfu))
+            loss_sum.zero_()
+            loss_count = 0
+            t_interval, steps_in_interval = time.perf_counter(), 0
+
+        if (val_every and step % val_every == 0) or last:
+            t_val = time.perf_counter()
+            final_val = run_val(step)
+            t_interval += time.perf_counter() - t_val  # keep eval out of the throughput numbers
+
+        checkpointer.maybe_save(step, last=last)
+
+    checkpointer.close()
+    sink.flush()
+    wall = time.perf_counter() - t_start
+    first_s = f"{first_val:.4f}" if first_val is not None else "n/a (resumed)"
+    final_s = f"{final_val:.4f}" if final_val is not None else "n/a"
+    say(f"final val/loss {final_s} (first {first_s}) | {tc.steps - start_step} steps in {wall:.1f}s")
+    return {"first_val_loss": first_val, "final_val_loss": final_val, "steps": tc.steps, "wall_s": wall}
+
+
+# ----------------------------------------------------------------------------- process
+
+
+class Interrupted(Exception):
+    def __init__(self, signum: int):
+        super().__init__(f"received {signal.Signals(signum).name}")
+        self.signum = signum
+
+
+def _raise_interrupted(signum, frame):
+    raise Interrupted(signum)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run training; map success / error / signal to an exit status and always leave the group."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _raise_interrupted)
+    try:
+        train(load_config(argv))
+        return 0
+    except Interrupted as e:
+        print(f"pretrain: {e}, exiting", file=sys.stderr, flush=True)
+        return 128 + e.signum
+    except SystemExit as e:  # argparse --help / usage errors
+        return e.code if isinstance(e.code, int) else 2
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        return 1
+    finally:
+        if dist.is_available() and dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
