@@ -260,4 +260,5 @@ def _teardown(root: Path, pidfiles: list[Path], procs: list[subprocess.Popen[byt
             os.kill(int(pid), signal.SIGKILL)
         except ProcessLookupError:
             pass
+    subprocess.run(["userdel", USER], capture_output=True)
     shutil.rmtree(root, ignore_errors=True)

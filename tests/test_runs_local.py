@@ -1,0 +1,55 @@
+"""``status``, ``logs`` and ``down`` by MLflow run id for local runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import mlflow_runs, run_cli
+
+pytestmark = pytest.mark.slow
+
+TINY = ["experiment=smoke", "train.steps=4", "train.val_every=4", "train.log_every=2", "checkpoint.every=0"]
+
+
+def test_status_and_logs_of_a_finished_run(cli_env: dict[str, str], tmp_path: Path) -> None:
+    assert run_cli(["launch", *TINY], tmp_path, cli_env).returncode == 0
+    (run,) = mlflow_runs(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    out = run_cli(["status", run.info.run_id], tmp_path, cli_env)
+    assert out.returncode == 0 and "FINISHED" in out.stdout and "exited" in out.stdout, out.stdout + out.stderr
+    assert run.info.run_id in run_cli(["status"], tmp_path, cli_env).stdout
+    logs = run_cli(["logs", run.info.run_id], tmp_path, cli_env)
+    assert logs.returncode == 0 and "step" in logs.stdout
+    missing = run_cli(["logs", "nosuchrun"], tmp_path, cli_env)
+    assert missing.returncode == 3 and "no run 'nosuchrun'" in missing.stderr
+
+
+def test_down_stops_a_running_local_run(cli_env: dict[str, str], tmp_path: Path) -> None:
+    proc = subprocess.Popen([sys.executable, "-m", "llmctl", "launch", *TINY, "train.steps=100000"], cwd=tmp_path,
+                            env=cli_env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        pids_file = None
+        while time.monotonic() < deadline and pids_file is None:
+            found = list((tmp_path / "llmctl-runs").glob("*/pids.json")) if (tmp_path / "llmctl-runs").exists() else []
+            pids_file = found[0] if found else None
+            time.sleep(0.5)
+        assert pids_file is not None, "the run started"
+        run_id = pids_file.parent.name
+        workers = json.loads(pids_file.read_text())["workers"]
+        assert "alive" in run_cli(["status", run_id], tmp_path, cli_env).stdout
+        out = run_cli(["down", run_id], tmp_path, cli_env)
+        assert out.returncode == 0, out.stderr
+        proc.wait(timeout=60)
+        with pytest.raises(ProcessLookupError):
+            os.killpg(workers, 0)
+        assert [r.info.status for r in mlflow_runs(f"sqlite:///{tmp_path / 'mlflow.db'}")] == ["KILLED"]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
