@@ -1,8 +1,8 @@
 """The ``llmctl`` command line. Data flows one way: compose → plan → backend → tracking.
 
 Only stdlib and typer at module level: hydra, mlflow and torch load inside the commands that
-need them, so ``llmctl --help`` stays instant. Exit codes: 0 ok, 2 usage, 3 bad config,
-1 failed run, 130 interrupted.
+need them, so ``llmctl --help`` stays instant. Exit codes: 0 ok, 2 usage, 3 bad config (or over
+--max-cost), 1 failed run, 4 stopped by the budget guard, 130 interrupted.
 """
 
 from __future__ import annotations
@@ -81,15 +81,45 @@ def _compose_and_plan(overrides: Optional[List[str]], config_dir: Optional[str])
         raise _fail(str(exc), EXIT_CONFIG) from None
 
 
+MultirunOpt = typer.Option(False, "--multirun", "-m", help="Sweep: expand a,b / range() / glob() into trials (see docs/sweeps.md).")
+MaxParallelOpt = typer.Option(None, "--max-parallel", help="Sweep: trials at once (default: local GPUs, else cores/2).")
+
+
 @app.command()
-def plan(overrides: Optional[List[str]] = OverridesArg, config_dir: Optional[str] = ConfigDirOpt) -> None:
+def plan(overrides: Optional[List[str]] = OverridesArg, config_dir: Optional[str] = ConfigDirOpt,
+         multirun: bool = MultirunOpt, max_parallel: Optional[int] = MaxParallelOpt,
+         max_cost: Optional[float] = typer.Option(None, "--max-cost", help="Show whether the estimate (USD) is within this.")) -> None:
     """Show the resolved config and how it would run; changes nothing."""
-    typer.echo(_compose_and_plan(overrides, config_dir).describe())
+    if multirun:
+        from llmctl import sweep
+
+        try:
+            typer.echo(sweep.plan_text(overrides or [], config_dir, max_parallel))
+        except ConfigError as exc:
+            raise _fail(str(exc), EXIT_CONFIG) from None
+        return
+    the_plan = _compose_and_plan(overrides, config_dir)
+    if max_cost is not None and the_plan.estimate is not None:
+        the_plan.estimate.max_cost = max_cost
+    typer.echo(the_plan.describe())
 
 
 @app.command()
-def launch(overrides: Optional[List[str]] = OverridesArg, config_dir: Optional[str] = ConfigDirOpt) -> None:
-    """Train where the config says (default: here), tracked in MLflow."""
+def launch(overrides: Optional[List[str]] = OverridesArg, config_dir: Optional[str] = ConfigDirOpt,
+           multirun: bool = MultirunOpt, max_parallel: Optional[int] = MaxParallelOpt,
+           wait: bool = typer.Option(False, "--wait", help="Sweep: block with a live table until every trial ends."),
+           max_cost: Optional[float] = typer.Option(None, "--max-cost", help="Refuse if the estimated total (USD) is above this; a running job stops after a checkpoint before passing it. With -m: the sweep's total."),
+           metric: str = typer.Option("val/loss", "--metric", help="Sweep: metric that picks the best trial."),
+           mode: str = typer.Option("min", "--mode", help="Sweep: min or max of --metric.")) -> None:
+    """Train where the config says (default: here), tracked in MLflow. With -m, a sweep."""
+    if multirun:
+        from llmctl import sweep
+
+        try:
+            code = sweep.launch_cli(overrides or [], config_dir, max_parallel, wait, max_cost, metric, mode, typer.echo)
+        except ConfigError as exc:
+            raise _fail(str(exc), EXIT_CONFIG) from None
+        raise typer.Exit(code)
     the_plan = _compose_and_plan(overrides, config_dir)
     from llmctl import tracking
     from llmctl.backends import backend_for
@@ -100,9 +130,17 @@ def launch(overrides: Optional[List[str]] = OverridesArg, config_dir: Optional[s
         getattr(backend, "preflight", lambda plan: None)(the_plan)
     except ConfigError as exc:
         raise _fail(str(exc), EXIT_CONFIG) from None
+    from llmctl.cost import hooks as cost
+
+    try:  # --max-cost: refuse before anything exists
+        cost.check_budget(the_plan, max_cost)
+    except ConfigError as exc:
+        raise _fail(str(exc), EXIT_CONFIG) from None
     handle = tracking.create_run(the_plan.cfg, the_plan.choices)
     cfg = backend.finalize(the_plan, handle)
     tracking.describe_run(handle, cfg, to_yaml(cfg))
+    attempt, cost_env = cost.on_launch(handle, the_plan, max_cost)  # estimate logged, billing attempt opened
+    os.environ.update(cost_env)  # the workload's budget guard reads these
     typer.echo(f"llmctl: run {handle.run_id} on {the_plan.where}, {the_plan.world_size} process(es)"
                f" on {the_plan.device}")
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
@@ -117,13 +155,19 @@ def launch(overrides: Optional[List[str]] = OverridesArg, config_dir: Optional[s
         raise _fail(f"run {handle.run_id} failed to start: {exc}", EXIT_FAILED) from None
     finally:
         signal.signal(signal.SIGTERM, previous)
+        budget_stop, cost_line = cost.on_end(handle, the_plan, attempt)
     elapsed = time.monotonic() - started
     if code != 0:
         tracking.end_run(handle, "FAILED", f"workload exited with code {code}")
         raise _fail(f"run {handle.run_id} FAILED: workload exited with code {code}"
                     f" (log: {backend.run_dir(handle.run_id) / 'output.log'})", EXIT_FAILED)
-    tracking.end_run(handle, "FINISHED")
+    tracking.end_run(handle, "FINISHED", budget_stop or "")
     typer.echo(tracking.summary(handle, elapsed))
+    if cost_line:
+        typer.echo(cost_line)
+    if budget_stop:
+        typer.echo(f"llmctl: run {handle.run_id} {budget_stop}", err=True)
+        raise typer.Exit(cost.EXIT_BUDGET)
 
 
 def _raise_interrupt(signum: int, frame: Any) -> None:
@@ -145,16 +189,30 @@ def _run_and_backend(run_id: str, tracking_uri: Optional[str]) -> Any:
 
 
 @app.command()
-def status(run_id: Optional[str] = typer.Argument(None, help="MLflow run id; omit to list recent runs."),
+def status(run_id: Optional[str] = typer.Argument(None, help="MLflow run id or sweep id; omit to list recent runs."),
            tracking_uri: Optional[str] = TrackingUriOpt) -> None:
-    """Show a run's MLflow status and whether its processes, cluster or managed job are alive."""
+    """Show a run's status: MLflow state, processes, cluster or job.
+
+    Without RUN_ID, lists recent runs.
+    """
     from llmctl import runs
 
     if run_id is None:
         typer.echo(runs.table(runs.recent(runs.tracking_uri(tracking_uri))))
         return
+    if run_id.startswith("sweep-"):  # a sweep id: every trial's state, metrics and cost
+        from llmctl import sweep
+
+        try:
+            typer.echo(sweep.status_text(run_id, tracking_uri))
+        except ConfigError as exc:
+            raise _fail(str(exc), EXIT_CONFIG) from None
+        return
     uri, run, backend = _run_and_backend(run_id, tracking_uri)
     lines = backend.status(run, uri)
+    from llmctl.cost import hooks as cost
+
+    lines += cost.status_lines(uri, runs.get_run(run_id, uri))  # estimate vs ledger; refreshes cost/*
     typer.echo(runs.describe(runs.get_run(run_id, uri), lines))
 
 
@@ -162,7 +220,7 @@ def status(run_id: Optional[str] = typer.Argument(None, help="MLflow run id; omi
 def logs(run_id: str = typer.Argument(..., help="MLflow run id."),
          follow: bool = typer.Option(False, "--follow", "-f", help="Keep streaming until the run ends."),
          tracking_uri: Optional[str] = TrackingUriOpt) -> None:
-    """Print what a run printed (local log file, cluster job or managed job)."""
+    """Print a run's output (local log, cluster or managed job)."""
     uri, run, backend = _run_and_backend(run_id, tracking_uri)
     try:
         raise typer.Exit(backend.logs(run, uri, follow))
@@ -171,14 +229,61 @@ def logs(run_id: str = typer.Argument(..., help="MLflow run id."),
 
 
 @app.command()
-def down(run_id: str = typer.Argument(..., help="MLflow run id."),
+def down(run_id: str = typer.Argument(..., help="MLflow run id or sweep id."),
          tracking_uri: Optional[str] = TrackingUriOpt) -> None:
-    """Stop a run and release what it holds: local processes, its cluster, or its managed job."""
+    """Stop a run and release its processes, cluster or managed job. A sweep id cancels every trial."""
+    if run_id.startswith("sweep-"):
+        from llmctl import sweep
+
+        try:
+            typer.echo(f"llmctl: {sweep.down(run_id, tracking_uri)}")
+        except ConfigError as exc:
+            raise _fail(str(exc), EXIT_CONFIG) from None
+        return
     uri, run, backend = _run_and_backend(run_id, tracking_uri)
     try:
         typer.echo(f"llmctl: {backend.down(run, uri)}")
     except ConfigError as exc:
         raise _fail(str(exc), EXIT_CONFIG) from None
+
+
+SinceOpt = typer.Option(None, "--since", help="Only runs started since: 30m, 12h, 7d, 2w or a date (2026-11-01).")
+JsonOpt = typer.Option(False, "--json", help="Print JSON instead of a table.")
+
+
+@app.command("runs")
+def runs_cmd(since: Optional[str] = SinceOpt,
+             experiment: Optional[str] = typer.Option(None, "--experiment", "-e", help="Only this MLflow experiment."),
+             limit: int = typer.Option(50, "--limit", help="At most this many runs, newest first."),
+             as_json: bool = JsonOpt, tracking_uri: Optional[str] = TrackingUriOpt) -> None:
+    """List runs: status, infra, accelerator, steps, loss, tokens/s, MFU, estimated vs actual cost."""
+    import json
+
+    from llmctl.cost import report
+    from llmctl.tracking import resolve_uri
+
+    try:
+        rows = report.runs_rows(resolve_uri(tracking_uri), since, experiment, limit)
+    except ConfigError as exc:
+        raise _fail(str(exc), EXIT_CONFIG) from None
+    typer.echo(json.dumps(rows, indent=2) if as_json else report.runs_table(rows))
+
+
+@app.command("cost")
+def cost_cmd(since: Optional[str] = SinceOpt,
+             by: str = typer.Option("experiment", "--by", help="Group by experiment, infra or accelerator."),
+             as_json: bool = JsonOpt, tracking_uri: Optional[str] = TrackingUriOpt) -> None:
+    """Spend over a period (from each run's billed attempts), grouped by experiment, infra or accelerator."""
+    import json
+
+    from llmctl.cost import report
+    from llmctl.tracking import resolve_uri
+
+    try:
+        rows = report.cost_rows(resolve_uri(tracking_uri), since, by)
+    except ConfigError as exc:
+        raise _fail(str(exc), EXIT_CONFIG) from None
+    typer.echo(json.dumps(rows, indent=2) if as_json else report.cost_table(rows, by, since))
 
 
 @config_app.command("show")

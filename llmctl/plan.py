@@ -26,6 +26,7 @@ class Plan:
     command: list[str]
     tracking_uri: str
     notes: list[str] = field(default_factory=list)
+    estimate: Any = None  # llmctl.cost.estimate.Estimate, filled by make_plan
 
     @property
     def world_size(self) -> int:
@@ -50,6 +51,8 @@ class Plan:
             f"checkpoints: {redact(checkpoint)}",
         ]
         lines += [f"note:        {n}" for n in self.notes]
+        if self.estimate is not None:
+            lines += ["", self.estimate.describe()]
         return "\n".join(lines)
 
 
@@ -60,4 +63,10 @@ def make_plan(composed: Composed) -> Plan:
     backend = backend_for(composed.cfg["infra"]["kind"])
     plan: Plan = backend.plan(composed)
     plan.tracking_uri = resolve_uri(composed.cfg["tracking"]["uri"])
+    try:  # what it will cost: catalog prices, and earlier runs of this shape in MLflow (read-only)
+        from llmctl.cost.estimate import for_plan
+
+        plan.estimate = for_plan(plan)
+    except Exception as exc:  # noqa: BLE001 - the plan stands without it; --max-cost then refuses
+        plan.notes.append(f"no cost estimate: {type(exc).__name__}: {exc}")
     return plan

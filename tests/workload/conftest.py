@@ -66,12 +66,64 @@ def make_tiny_cfg():
     return tiny_cfg
 
 
-@pytest.fixture()
+@pytest.fixture(scope="session")
 def workload():
-    """Namespace of helpers: ``workload.run(args, env)`` and ``workload.losses(stdout)``."""
+    """Namespace of helpers: ``workload.run(args, env[, launcher=workload.torchrun(n)])``,
+    ``workload.losses(stdout)``, ``workload.loss_file(path)``, ``workload.cfg(**dotlist)``."""
 
     class _W:
         run = staticmethod(run_workload)
         losses = staticmethod(parse_losses)
+        torchrun = staticmethod(torchrun)
+        loss_file = staticmethod(read_loss_file)
+        cfg = staticmethod(tiny_cfg)
 
     return _W
+
+
+def torchrun(nproc: int) -> list[str]:
+    """Launcher prefix for ``run_workload``: ``nproc`` gloo ranks on this machine."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+
+
+def read_loss_file(path: Path) -> dict[str, dict[int, float]]:
+    """{'train': {step: loss}, 'val': {step: loss}} at full precision from ``$LLMCTL_LOSS_FILE``."""
+    import json
+
+    out: dict[str, dict[int, float]] = {"train": {}, "val": {}}
+    for line in path.read_text().splitlines():
+        rec = json.loads(line)
+        kind = "train" if "train/loss" in rec else "val"
+        out[kind][rec["step"]] = rec[f"{kind}/loss"]
+    return out
+
+
+@pytest.fixture(scope="session")
+def moto_s3():
+    """A real local S3 endpoint (moto server mode; s3fs cannot use in-process ``mock_aws``).
+
+    Returns the environment that points boto/s3fs at it; create buckets with ``make_bucket``.
+    """
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    env = {"AWS_ENDPOINT_URL_S3": f"http://{host}:{port}", "AWS_ACCESS_KEY_ID": "testing",
+           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+    yield env
+    server.stop()
+
+
+@pytest.fixture()
+def s3_bucket(moto_s3, monkeypatch, request):
+    """A fresh bucket on the moto endpoint, with this process's env pointed at it: (url, env)."""
+    import re
+
+    import s3fs
+
+    for k, v in moto_s3.items():
+        monkeypatch.setenv(k, v)
+    name = "ckpt-" + re.sub(r"[^a-z0-9-]", "-", request.node.name.lower())[:40].strip("-")
+    s3fs.S3FileSystem(skip_instance_cache=True).mkdir(name)
+    return f"s3://{name}", dict(moto_s3)

@@ -18,26 +18,7 @@ import time
 
 import torch
 
-# (device-name substring, dense bf16 TFLOP/s, fp32 non-tensor-core TFLOP/s). First match wins,
-# so more specific names come first ("H100 PCIe" before "H100", "L40S" before "L40" before "L4").
-PEAK_TFLOPS: list[tuple[str, float, float]] = [
-    ("GH200", 989.0, 67.0),
-    ("H200", 989.0, 67.0),
-    ("H100 PCIe", 756.0, 51.0),
-    ("H100 NVL", 835.0, 60.0),
-    ("H100", 989.0, 67.0),  # SXM (reported as "NVIDIA H100 80GB HBM3")
-    ("H800", 989.0, 67.0),
-    ("B200", 2250.0, 80.0),
-    ("A100", 312.0, 19.5),
-    ("A800", 312.0, 19.5),
-    ("L40S", 362.0, 91.6),
-    ("L40", 181.0, 90.5),
-    ("L4", 121.0, 30.3),
-    ("A10G", 125.0, 31.2),
-    ("A10", 125.0, 31.2),
-    ("RTX 4090", 165.0, 82.6),
-    ("RTX 3090", 71.0, 35.6),
-]
+from llmctl.cost.peaks import PEAK_TFLOPS  # stdlib table, shared with the cost estimator
 
 
 def peak_tflops(device: torch.device, dtype: str) -> float | None:
@@ -98,11 +79,30 @@ class MetricSink:
                 self._client = MlflowClient()
             points = [Metric(key=k, value=v, timestamp=ts, step=s) for k, v, s, ts in self._buffer]
             for i in range(0, len(points), self.MAX_BATCH):
-                self._client.log_batch(self.run_id, metrics=points[i : i + self.MAX_BATCH])
+                self._log_batch(points[i : i + self.MAX_BATCH])
         except Exception as e:  # tracking is best-effort; the run's stdout still has everything
             print(f"warning: MLflow log_batch failed ({type(e).__name__}: {e}); dropped "
                   f"{len(self._buffer)} metric points", file=sys.stderr, flush=True)
         self._buffer.clear()
+
+    LOCKED_RETRIES = 10  # ~1 min of backoff in all
+
+    def _log_batch(self, points: list) -> None:
+        """One ``log_batch`` (one transaction: a failed one wrote nothing), retried while sqlite is locked.
+
+        Parallel trials (``llmctl launch -m``) write one sqlite file; a writer can get 'database is
+        locked' past sqlite's busy timeout, and dropping the batch would lose metric points.
+        """
+        delay = 0.2
+        for attempt in range(self.LOCKED_RETRIES + 1):
+            try:
+                self._client.log_batch(self.run_id, metrics=points)
+                return
+            except Exception as e:  # MlflowException or sqlalchemy OperationalError, same text
+                if "database is locked" not in str(e) or attempt == self.LOCKED_RETRIES:
+                    raise
+                time.sleep(delay)
+                delay = min(2 * delay, 10.0)
 
 
 def format_train_line(step: int, steps: int, m: dict, no_mfu_reason: str = "cpu") -> str:

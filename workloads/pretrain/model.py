@@ -163,6 +163,9 @@ class Transformer(nn.Module):
         self.tie_embeddings = bool(cfg.tie_embeddings)
         self.max_seq_len = cfg.max_seq_len
         self.rope_theta = float(cfg.rope_theta)
+        # Set by parallelize.apply_tp: the LM head yields vocab-sharded logits (a DTensor), so the
+        # loss is plain cross-entropy on them under ``loss_parallel()``, not the chunked kernel.
+        self.vocab_parallel_loss = False
 
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         # ModuleDict keyed "0".."L-1": FQNs stay stable if pipeline stages drop some layers.
@@ -219,7 +222,7 @@ class Transformer(nn.Module):
         h = self.hidden_states(tokens)
         if targets is None:
             return self.output(h)
-        if self.kernels == "reference":
+        if self.kernels == "reference" or self.vocab_parallel_loss:
             logits = self.output(h)
             return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX)
         # Reads output.weight directly (no module call): keep `output` in the root FSDP unit.

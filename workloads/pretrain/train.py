@@ -4,12 +4,17 @@ Config: ``--config resolved.yaml`` (written by llmctl, merged over ``llmctl.sche
 optional ``key=value`` dotlist overrides after it), or Hydra-style overrides composed by
 ``llmctl.config.compose_config``.
 
-Order of work, top to bottom in ``train``: devices and process group -> data -> model (built on
-meta, materialised, initialised from ``train.seed``) -> ``_parallelize`` -> optimizer -> checkpoint
-resume -> loop (val at step 0, every ``val_every`` and at the end; logs every ``log_every``).
+Order of work, top to bottom in ``train``: layout validation -> devices, process group and
+DeviceMesh -> data -> model (built on meta, materialised, initialised from ``train.seed``, the
+same on every rank) -> ``parallelize`` (TP -> AC -> compile -> FSDP2) -> optimizer -> resume from
+the newest complete checkpoint -> loop (val at step 0, every ``val_every`` and at the end; logs
+every ``log_every``; checkpoints every ``checkpoint.every`` and at the end).
 
 Test hook: ``LLMCTL_FAIL_AT_STEP=N`` raises at the start of step N, so callers can check that a
 failing workload exits non-zero and is reported as failed.
+
+Test hook: ``LLMCTL_LOSS_FILE=PATH`` makes rank 0 append one JSON line per logged step
+(``{"step": N, "train/loss": ..., ...}`` or ``{"step": N, "val/loss": ...}``) at full precision.
 
 Exit status: 0 on success, 1 on an exception (traceback on stderr), 128+signum on SIGTERM/SIGINT.
 """
@@ -17,6 +22,7 @@ Exit status: 0 on success, 1 on an exception (traceback on stderr), 128+signum o
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import signal
@@ -31,12 +37,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from workloads.pretrain.budget import BudgetGuard
+from workloads.pretrain.checkpoint import Checkpointer
 from workloads.pretrain.data import Sampler, prepare_corpus, val_batches
 from workloads.pretrain.metrics import MetricSink, format_train_line, peak_memory_gb, peak_tflops
-from workloads.pretrain.model import Transformer, apply_compile, build_model
+from workloads.pretrain.model import build_model
 from workloads.pretrain.optim import build_optimizer, lr_factor
+from workloads.pretrain.parallelize import ParallelDims, local_loss, loss_context, parallelize
 
 FAIL_AT_STEP_ENV = "LLMCTL_FAIL_AT_STEP"
+LOSS_FILE_ENV = "LLMCTL_LOSS_FILE"
 
 
 def _value(x: Any) -> Any:
@@ -72,46 +82,40 @@ def load_config(argv: list[str] | None = None):
 
 @dataclass
 class DistEnv:
-    """Where this process sits. v1 has data parallelism only; ``dp_*`` leave room for TP."""
+    """Where this process sits: its rank, the validated mesh degrees and the DeviceMesh."""
 
     rank: int
     world_size: int
     local_rank: int
     local_world_size: int
     device: torch.device
-    dp_rank: int
-    dp_size: int
+    dims: ParallelDims
+    mesh: Any  # DeviceMesh, or None for one process
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
 
+    @property
+    def dp_rank(self) -> int:
+        return self.dims.dp_rank(self.rank)
 
-def _resolve_degrees(parallel: Any, world_size: int) -> tuple[int, int]:
-    """(tp, dp) from ``parallel.*`` and the world size; validated before any process-group work."""
-    tp = int(parallel.tp)
-    if tp < 1 or world_size % tp:
-        raise ValueError(f"parallel.tp={tp} must divide the world size {world_size}")
-    dp = world_size // tp
-    shard = int(parallel.dp_shard)
-    replicate = int(parallel.dp_replicate)
-    if shard == -1:
-        shard = dp // replicate if replicate > 0 and dp % replicate == 0 else -1
-    if replicate < 1 or shard < 1 or replicate * shard != dp:
-        raise ValueError(
-            f"parallel.dp_replicate={parallel.dp_replicate} x dp_shard={parallel.dp_shard} x tp={tp} "
-            f"does not match the world size {world_size}"
-        )
-    return tp, dp
+    @property
+    def dp_size(self) -> int:
+        return self.dims.dp
 
 
 def init_distributed(cfg: Any) -> DistEnv:
-    """Pick the device, size the CPU thread pool, and join torchrun's process group if any."""
+    """Validate the layout, pick the device, size the CPU thread pool, join torchrun's group.
+
+    Multi-node needs nothing else: torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR ...)
+    is all ``init_process_group`` reads. gloo on CPU, nccl on GPU.
+    """
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    tp, dp = _resolve_degrees(cfg.parallel, world)
+    dims = ParallelDims.from_config(cfg, world)  # before any process-group work
 
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank)
@@ -123,77 +127,24 @@ def init_distributed(cfg: Any) -> DistEnv:
         # Processes sharing a CPU would otherwise each spawn a thread per core and thrash.
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         torch.set_num_threads(max(1, cores // local_world))
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group(backend, timeout=timedelta(minutes=10))
-    return DistEnv(rank, world, local_rank, local_world, device, dp_rank=rank // tp, dp_size=dp)
+    mesh = None
+    if world > 1:
+        if not dist.is_initialized():
+            dist.init_process_group(backend, timeout=timedelta(minutes=10))
+        mesh = dims.build_mesh(device.type)
+    return DistEnv(rank, world, local_rank, local_world, device, dims, mesh)
 
 
-# ----------------------------------------------------------------------------- seams
+class LossFile:
+    """``$LLMCTL_LOSS_FILE`` on rank 0: full-precision losses for tests (no-op when unset)."""
 
+    def __init__(self, enabled: bool):
+        self.path = os.environ.get(LOSS_FILE_ENV) if enabled else None
 
-def _parallelize(model: Transformer, env: DistEnv, cfg: Any) -> Transformer:
-    """Seam for ``workloads.pretrain.parallelize`` (TP -> AC -> compile -> FSDP2, in that order).
-
-    v1: no TP/AC/FSDP; per-block compile; plain data parallelism via ``_sync_grads``. It runs on
-    the materialised model; a sharding version can instead take the meta model: ``Transformer(cfg)``
-    under ``torch.device("meta")`` -> parallelize -> ``to_empty(device)`` -> ``init_weights()``.
-    """
-    if int(cfg.parallel.tp) > 1:
-        raise NotImplementedError("parallel.tp > 1 needs workloads/pretrain/parallelize.py (not yet available)")
-    if _value(cfg.parallel.ac) != "none" and env.is_main:
-        print(f"warning: parallel.ac={_value(cfg.parallel.ac)} is not implemented yet; training without "
-              "activation checkpointing", file=sys.stderr, flush=True)
-    if cfg.model.compile:
-        apply_compile(model)
-    if env.dp_size > 1:  # same seed -> same init, but make replicas provably identical
-        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-        dist.broadcast(flat, src=0)
-        _unflatten_into(flat, [p.data for p in model.parameters()])
-    return model
-
-
-def _sync_grads(model: torch.nn.Module, env: DistEnv) -> None:
-    """v1 data parallelism: average gradients with one flat all-reduce after backward.
-
-    Remove this call once ``_parallelize`` applies FSDP2, which reduce-scatters during backward.
-    """
-    if env.dp_size == 1:
-        return
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-    flat /= env.dp_size
-    _unflatten_into(flat, grads)
-
-
-def _unflatten_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
-    offset = 0
-    for t in tensors:
-        t.copy_(flat[offset : offset + t.numel()].view_as(t))
-        offset += t.numel()
-
-
-class NoCheckpointer:
-    """Seam for DCP checkpointing; the real one lives in ``workloads.pretrain.checkpoint``.
-
-    Contract: ``load()`` restores model/optimizer/sampler state and returns the last completed
-    step (0 for a fresh run); ``maybe_save(step, last=...)`` saves when ``checkpoint.every``
-    divides ``step`` (and at the last step); ``close()`` waits for any async save.
-    """
-
-    def __init__(self, cfg: Any, env: DistEnv, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 sampler: Sampler):
-        if int(cfg.checkpoint.every) > 0 and env.is_main:
-            print("note: checkpoint.every is set but checkpointing is not implemented yet", flush=True)
-
-    def load(self) -> int:
-        return 0
-
-    def maybe_save(self, step: int, *, last: bool = False) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
+    def write(self, step: int, metrics: dict) -> None:
+        if self.path:
+            with open(self.path, "a") as f:
+                f.write(json.dumps({"step": step, **metrics}) + "\n")
 
 
 # ----------------------------------------------------------------------------- loop
@@ -204,15 +155,12 @@ def evaluate(model: torch.nn.Module, batches: list, autocast, env: DistEnv) -> f
     """Mean loss over the fixed validation batches, averaged across data-parallel ranks."""
     model.eval()
     total = torch.zeros((), device=env.device)
-    for x, y in batches:
-        with autocast():
-            total += model(x, y).float()
+    with loss_context(env.dims)():
+        for x, y in batches:
+            with autocast():
+                total += local_loss(model(x, y)).float()
     model.train()
-    total /= len(batches)
-    if env.dp_size > 1:
-        dist.all_reduce(total, op=dist.ReduceOp.SUM)
-        total /= env.dp_size
-    return total.item()
+    return _mean_across(total / len(batches), env)  # tp ranks hold equal values: mean over dp
 
 
 def _mean_across(value: torch.Tensor, env: DistEnv) -> float:
@@ -239,14 +187,18 @@ def train(cfg: Any) -> dict:
     sampler = Sampler(train_tokens, tc.seq_len, tc.batch_size, tc.seed, env.dp_rank, env.dp_size)
     val_set = val_batches(val_tokens, tc.seq_len, tc.batch_size, tc.val_batches, env.dp_rank, env.dp_size, env.device)
 
+    # Every rank builds the same full model from the seed, then keeps its shards: the init is
+    # identical to a single process for any layout. (Past one device's memory, init on meta and
+    # shard first, as torchtitan does; per-shard random init then depends on the layout.)
     torch.manual_seed(tc.seed)
     model = build_model(mc, env.device)
     flops_per_token = model.flops_per_token(tc.seq_len)
     n_params = model.num_params()
-    model = _parallelize(model, env, cfg)
+    model = parallelize(model, env.dims, env.mesh, cfg)
     optimizer = build_optimizer(model, tc)
-    checkpointer = NoCheckpointer(cfg, env, model, optimizer, sampler)
+    checkpointer = Checkpointer(cfg, env, model, optimizer, sampler)
     start_step = checkpointer.load()
+    step_context = loss_context(env.dims)
 
     if dtype == "bf16":
         autocast = lambda: torch.autocast(env.device.type, dtype=torch.bfloat16)  # noqa: E731
@@ -255,8 +207,9 @@ def train(cfg: Any) -> dict:
     peak = peak_tflops(env.device, dtype)
     no_mfu = "cpu" if env.device.type == "cpu" else f"no peak for {torch.cuda.get_device_name(env.device)}"
     sink = MetricSink(enabled=env.is_main)
+    loss_file = LossFile(enabled=env.is_main)
     fail_at = int(os.environ.get(FAIL_AT_STEP_ENV, "0") or 0)
-    tokens_per_step = tc.batch_size * tc.seq_len
+    tokens_per_step = tc.batch_size * tc.seq_len  # global: the batch is split over dp ranks
     log_every, val_every = max(1, int(tc.log_every)), max(0, int(tc.val_every))  # val_every 0: start/end only
 
     say(f"pretrain | model {mc.name}: {n_params / 1e6:.2f}M params (non-embedding), {mc.n_layers} layers, "
@@ -266,17 +219,26 @@ def train(cfg: Any) -> dict:
         f"vocab {corpus.vocab_size} ({'cached' if corpus.cache_hit else 'built'} {corpus.path}) | "
         f"{tc.batch_size} x {tc.seq_len} = {tokens_per_step:,} tokens/step | world {env.world_size} on "
         f"{env.device.type}" + (f" ({torch.get_num_threads()} threads/proc)" if env.device.type == "cpu" else ""))
+    d = env.dims
+    say(f"pretrain | mesh dp_replicate {d.dp_replicate} x dp_shard {d.dp_shard} x tp {d.tp} | "
+        f"ac {_value(cfg.parallel.ac)} | checkpoints {cfg.checkpoint.dir or 'off (checkpoint.dir unset)'}")
+    if start_step:
+        say(f"pretrain | resumed from step {start_step} ({cfg.checkpoint.dir})")
 
     first_val = final_val = None
 
     def run_val(step: int) -> float:
+        t0 = time.perf_counter()
         loss = evaluate(model, val_set, autocast, env)
-        sink.log({"val/loss": loss}, step)
+        sink.log({"val/loss": loss, "time/val_s": time.perf_counter() - t0}, step)  # time: cost calibration
+        loss_file.write(step, {"val/loss": loss})
         sink.flush()
         say(f"val step {step} | val/loss {loss:.4f}")
         return loss
 
     t_start = time.perf_counter()
+    guard = BudgetGuard.from_env()  # --max-cost: stop after a checkpoint before the spend passes it
+    sink.log({"time/startup_s": time.time() - guard.billing_start}, start_step)
     if start_step == 0:
         first_val = final_val = run_val(0)
 
@@ -292,10 +254,10 @@ def train(cfg: Any) -> dict:
             group["lr"] = lr
 
         x, y = sampler.next_batch(env.device)
-        with autocast():
-            loss = model(x, y)
-        loss.backward()
-        _sync_grads(model, env)
+        with step_context():  # loss_parallel under TP; FSDP reduce-scatters grads inside backward
+            with autocast():
+                loss = local_loss(model(x, y))
+            loss.backward()
         max_norm = float(tc.grad_clip) if tc.grad_clip and tc.grad_clip > 0 else math.inf
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         optimizer.step()
@@ -303,7 +265,8 @@ def train(cfg: Any) -> dict:
         loss_sum += loss.detach().float()
         loss_count += 1
         steps_in_interval += 1
-        last = step == tc.steps
+        stop = guard.should_stop(env.device)  # every rank gets the same answer
+        last = step == tc.steps or stop
 
         if step % log_every == 0 or last:
             train_loss = _mean_across(loss_sum / loss_count, env)  # syncs the device too
@@ -324,6 +287,7 @@ def train(cfg: Any) -> dict:
             }
             sink.log(m, step)
             sink.flush()
+            loss_file.write(step, m)
             say(format_train_line(step, tc.steps, m, no_mfu))
             loss_sum.zero_()
             loss_count = 0
@@ -335,6 +299,9 @@ def train(cfg: Any) -> dict:
             t_interval += time.perf_counter() - t_val  # keep eval out of the throughput numbers
 
         checkpointer.maybe_save(step, last=last)
+        if stop:
+            guard.record_stop(step, env.is_main, checkpoint=bool(cfg.checkpoint.dir))
+            break
 
     checkpointer.close()
     sink.flush()

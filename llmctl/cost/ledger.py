@@ -1,0 +1,138 @@
+"""What a run did cost: billed attempts, recorded as tags on its MLflow run, summed.
+
+One attempt = one span of billed time on one set of nodes (a launch, a managed job's recovery,
+a ``resume``). Each is five tags, so any process that provisions nodes appends one without
+reading or rewriting the others::
+
+    llmctl.attempt.<n>.start          epoch seconds, when billing starts (provisioning / process start)
+    llmctl.attempt.<n>.end            epoch seconds, when billing stops (teardown / exit); absent while open
+    llmctl.attempt.<n>.usd_per_hour   $/h of the whole attempt (all nodes) — the price snapshot
+    llmctl.attempt.<n>.nodes          nodes billed
+    llmctl.attempt.<n>.devices        priced devices (GPUs; a CPU node counts one)
+
+    cost/actual_usd       = sum over attempts of hours x usd_per_hour (an open attempt counts to now)
+    cost/device_hours     = sum of hours x devices
+    cost/usd_per_1m_tokens = cost/actual_usd / (tokens trained / 1e6)
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
+
+PREFIX = "llmctl.attempt."
+_TAG = re.compile(r"^llmctl\.attempt\.(\d+)\.(start|end|usd_per_hour|nodes|devices)$")
+
+
+@dataclass
+class Attempt:
+    n: int
+    start: float
+    end: Optional[float]
+    usd_per_hour: float
+    nodes: int
+    devices: int
+
+    def hours(self, now: float) -> float:
+        return max(0.0, ((self.end if self.end is not None else now) - self.start) / 3600.0)
+
+
+@dataclass
+class Ledger:
+    attempts: list[Attempt]
+    actual_usd: float
+    device_hours: float
+    billed_hours: float
+    open: bool
+    tokens: Optional[int] = None
+
+    @property
+    def usd_per_1m_tokens(self) -> Optional[float]:
+        return self.actual_usd / (self.tokens / 1e6) if self.tokens else None
+
+    def metrics(self) -> dict[str, float]:
+        out = {"cost/actual_usd": self.actual_usd, "cost/device_hours": self.device_hours,
+               "cost/billed_hours": self.billed_hours, "cost/attempts": float(len(self.attempts))}
+        if self.tokens:
+            out["cost/tokens"] = float(self.tokens)
+        if self.usd_per_1m_tokens is not None:
+            out["cost/usd_per_1m_tokens"] = self.usd_per_1m_tokens
+        return out
+
+    def describe(self) -> str:
+        state = " (attempt open: counted to now)" if self.open else ""
+        per = f", ${self.usd_per_1m_tokens:,.4f} per 1M tokens" if self.usd_per_1m_tokens is not None else ""
+        return (f"cost:        ${self.actual_usd:,.2f} over {len(self.attempts)} attempt(s){state};"
+                f" {self.device_hours:,.3f} device-hours{per}")
+
+
+def attempts(tags: Mapping[str, str]) -> list[Attempt]:
+    """Attempts recorded in a run's tags, in order; malformed or start-less entries are skipped."""
+    found: dict[int, dict[str, str]] = {}
+    for key, value in tags.items():
+        m = _TAG.match(key)
+        if m:
+            found.setdefault(int(m.group(1)), {})[m.group(2)] = value
+    out = []
+    for n in sorted(found):
+        a = found[n]
+        try:
+            out.append(Attempt(n=n, start=float(a["start"]), end=float(a["end"]) if a.get("end") else None,
+                               usd_per_hour=float(a.get("usd_per_hour", 0) or 0), nodes=int(a.get("nodes", 1) or 1),
+                               devices=int(a.get("devices", 1) or 1)))
+        except (KeyError, ValueError):
+            continue
+    return out
+
+
+def compute(tags: Mapping[str, str], now: Optional[float] = None, tokens: Optional[int] = None) -> Ledger:
+    now = time.time() if now is None else now
+    found = attempts(tags)
+    return Ledger(attempts=found,
+                  actual_usd=sum(a.hours(now) * a.usd_per_hour for a in found),
+                  device_hours=sum(a.hours(now) * a.devices for a in found),
+                  billed_hours=sum(a.hours(now) for a in found),
+                  open=any(a.end is None for a in found), tokens=tokens)
+
+
+def open_attempt(mc: Any, run_id: str, *, usd_per_hour: float, nodes: int, devices: int,
+                 start: Optional[float] = None) -> int:
+    """Append attempt n+1 (n = the highest recorded) and return its number."""
+    existing = attempts(mc.get_run(run_id).data.tags)
+    n = (existing[-1].n if existing else 0) + 1
+    from mlflow.entities import RunTag
+
+    mc.log_batch(run_id, tags=[RunTag(f"{PREFIX}{n}.{k}", v) for k, v in {
+        "start": f"{time.time() if start is None else start:.3f}", "usd_per_hour": f"{usd_per_hour:.6f}",
+        "nodes": str(nodes), "devices": str(devices)}.items()])
+    return n
+
+
+def close_attempt(mc: Any, run_id: str, n: int, end: Optional[float] = None) -> None:
+    mc.set_tag(run_id, f"{PREFIX}{n}.end", f"{time.time() if end is None else end:.3f}")
+
+
+def tokens_trained(mc: Any, run: Any) -> Optional[int]:
+    """Tokens in the final model: last trained step x global batch x seq_len."""
+    from llmctl.cost.history import steps_done
+
+    p = run.data.params
+    try:
+        per_step = int(p["train.batch_size"]) * int(p["train.seq_len"])
+    except (KeyError, ValueError):
+        return None
+    done = steps_done(mc, run.info.run_id)
+    return done * per_step if done else None
+
+
+def update(mc: Any, run_id: str, now: Optional[float] = None) -> Ledger:
+    """Recompute the ledger from the run's tags and log it as ``cost/*`` metrics (status and run end)."""
+    from mlflow.entities import Metric
+
+    run = mc.get_run(run_id)
+    led = compute(run.data.tags, now, tokens_trained(mc, run))
+    ts = int(time.time() * 1000)
+    mc.log_batch(run_id, metrics=[Metric(k, v, ts, 0) for k, v in led.metrics().items()])
+    return led

@@ -1,0 +1,168 @@
+"""``llmctl runs`` and ``llmctl cost``: read MLflow, print rich tables (or JSON).
+
+Spend is recomputed from each run's ledger tags (so a RUNNING run counts to now, and a run whose
+``cost/actual_usd`` was never refreshed is still right); the estimate is ``cost/estimate_usd``.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from datetime import datetime, timezone
+from typing import Any, Optional
+
+from llmctl.cost import ledger
+from llmctl.errors import ConfigError
+
+GROUPS = ("experiment", "infra", "accelerator")
+_SPAN = re.compile(r"^(\d+(?:\.\d+)?)([mhdw])$")
+_UNIT_S = {"m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def since_epoch(since: Optional[str], now: Optional[float] = None) -> Optional[float]:
+    """``7d``, ``12h``, ``30m``, ``2w`` ago, or an ISO date/time (UTC if no zone); None: all time."""
+    if not since:
+        return None
+    now = time.time() if now is None else now
+    m = _SPAN.match(since.strip())
+    if m:
+        return now - float(m.group(1)) * _UNIT_S[m.group(2)]
+    try:
+        dt = datetime.fromisoformat(since.strip())
+    except ValueError:
+        raise ConfigError(f"--since '{since}': use a span (30m, 12h, 7d, 2w) or a date (2026-11-01)") from None
+    return (dt if dt.tzinfo else dt.replace(tzinfo=timezone.utc)).timestamp()
+
+
+def fetch(uri: str, since: Optional[float] = None, experiment: Optional[str] = None,
+          limit: int = 1000) -> list[tuple[Any, str]]:
+    """(run, experiment name) newest first, across experiments (or one), started since ``since``."""
+    from llmctl.cost.history import store_exists
+    from llmctl.tracking import client
+
+    if not store_exists(uri):
+        return []
+    mc = client(uri)
+    exps = {e.experiment_id: e.name for e in mc.search_experiments()}
+    if experiment:
+        exps = {k: v for k, v in exps.items() if v == experiment}
+    if not exps:
+        return []
+    query = f"attributes.start_time >= {int(since * 1000)}" if since else ""
+    found: list[Any] = []
+    token = None
+    while len(found) < limit:  # pages of 1000: the store caps one request
+        page = mc.search_runs(list(exps), query, max_results=min(1000, limit - len(found)),
+                              order_by=["attributes.start_time DESC"], page_token=token)
+        found.extend(page)
+        token = page.token
+        if not token:
+            break
+    return [(r, exps.get(r.info.experiment_id, r.info.experiment_id)) for r in found]
+
+
+def run_row(run: Any, experiment: str, now: Optional[float] = None) -> dict[str, Any]:
+    tags, params, m = run.data.tags, run.data.params, run.data.metrics
+    led = ledger.compute(tags, now, int(m["cost/tokens"]) if m.get("cost/tokens") else None)
+    steps = m.get("train/steps_done")
+    return {
+        "run_id": run.info.run_id, "name": run.info.run_name, "experiment": experiment,
+        "status": run.info.status, "detail": tags.get("llmctl.status", ""),
+        "infra": tags.get("llmctl.infra", params.get("infra.name", "?")),
+        "accelerator": tags.get("llmctl.accelerator", "?"),
+        "nodes": int(params.get("infra.nodes", 1) or 1),
+        "start": (run.info.start_time or 0) / 1000.0,
+        "steps": int(steps) if steps is not None else None, "steps_target": _int(params.get("train.steps")),
+        "train_loss": m.get("train/loss"), "val_loss": m.get("val/loss"),
+        "tokens_per_s": m.get("perf/tokens_per_s_steady", m.get("perf/tokens_per_s")), "mfu": m.get("perf/mfu"),
+        "estimate_usd": m.get("cost/estimate_usd"), "estimate_h": m.get("time/estimate_h"),
+        "actual_usd": led.actual_usd if led.attempts else None,
+        "wall_h": led.billed_hours if led.attempts else None,
+        "device_hours": led.device_hours if led.attempts else None,
+        "usd_per_1m_tokens": led.usd_per_1m_tokens, "tokens": led.tokens, "attempts": len(led.attempts),
+    }
+
+
+def _int(v: Any) -> Optional[int]:
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        return None
+
+
+def runs_rows(uri: str, since: Optional[str] = None, experiment: Optional[str] = None,
+              limit: int = 50) -> list[dict[str, Any]]:
+    now = time.time()
+    return [run_row(r, e, now) for r, e in fetch(uri, since_epoch(since, now), experiment, limit)]
+
+
+def cost_rows(uri: str, since: Optional[str] = None, by: str = "experiment") -> list[dict[str, Any]]:
+    """Spend grouped by experiment, infra or accelerator, most expensive first, with a total row."""
+    if by not in GROUPS:
+        raise ConfigError(f"--by '{by}': one of {', '.join(GROUPS)}")
+    groups: dict[str, dict[str, Any]] = {}
+    total = {by: "TOTAL", "runs": 0, "actual_usd": 0.0, "estimate_usd": 0.0, "device_hours": 0.0, "tokens": 0}
+    for row in runs_rows(uri, since, limit=100000):
+        g = groups.setdefault(str(row[by]), {by: str(row[by]), "runs": 0, "actual_usd": 0.0, "estimate_usd": 0.0,
+                                             "device_hours": 0.0, "tokens": 0})
+        for acc in (g, total):
+            acc["runs"] += 1
+            acc["actual_usd"] += row["actual_usd"] or 0.0
+            acc["estimate_usd"] += row["estimate_usd"] or 0.0
+            acc["device_hours"] += row["device_hours"] or 0.0
+            acc["tokens"] += row["tokens"] or 0
+    out = sorted(groups.values(), key=lambda g: -g["actual_usd"]) + ([total] if groups else [])
+    for g in out:
+        g["usd_per_1m_tokens"] = g["actual_usd"] / (g["tokens"] / 1e6) if g["tokens"] else None
+    return out
+
+
+# ----------------------------------------------------------------------------- rendering
+
+
+def _money(v: Optional[float]) -> str:
+    return "-" if v is None else f"${v:,.2f}"
+
+
+def _num(v: Optional[float], fmt: str = "{:.4f}") -> str:
+    return "-" if v is None else fmt.format(v)
+
+
+def render(title: str, header: list[str], rows: list[list[str]], right: set[int]) -> str:
+    """A rich table as text (rich imported here only); wide enough not to wrap when piped."""
+    import io
+
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title, show_lines=False, header_style="bold")
+    for i, h in enumerate(header):
+        table.add_column(h, justify="right" if i in right else "left", no_wrap=True)
+    for r in rows:
+        table.add_row(*r)
+    buf = io.StringIO()
+    Console(file=buf, width=250, color_system=None, highlight=False).print(table)
+    return "\n".join(line.rstrip() for line in buf.getvalue().splitlines())
+
+
+def runs_table(rows: list[dict[str, Any]]) -> str:
+    header = ["run", "name", "status", "infra", "accelerator", "steps", "loss", "val loss", "tok/s", "MFU",
+              "est $", "actual $", "est h", "actual h"]
+    body = []
+    for r in rows:
+        status = r["status"] + (" (budget stop)" if r["detail"].startswith("stopped: budget") else "")
+        steps = f"{r['steps'] if r['steps'] is not None else '-'}/{r['steps_target'] if r['steps_target'] else '?'}"
+        body.append([r["run_id"][:12], (r["name"] or "")[:24], status, r["infra"], r["accelerator"], steps,
+                     _num(r["train_loss"]), _num(r["val_loss"]), _num(r["tokens_per_s"], "{:,.0f}"),
+                     _num(None if r["mfu"] is None else 100 * r["mfu"], "{:.1f}%"),
+                     _money(r["estimate_usd"]), _money(r["actual_usd"]),
+                     _num(r["estimate_h"], "{:.3f}"), _num(r["wall_h"], "{:.3f}")])
+    return render(f"{len(rows)} run(s)", header, body, right=set(range(5, 14)))
+
+
+def cost_table(rows: list[dict[str, Any]], by: str, since: Optional[str]) -> str:
+    header = [by, "runs", "actual $", "estimated $", "device-hours", "tokens", "$ per 1M tokens"]
+    body = [[str(g[by]), str(g["runs"]), _money(g["actual_usd"]), _money(g["estimate_usd"]),
+             f"{g['device_hours']:,.3f}", f"{g['tokens']:,}", _money(g["usd_per_1m_tokens"])] for g in rows]
+    return render(f"spend by {by}" + (f" since {since}" if since else " (all time)"), header, body,
+                  right=set(range(1, 7)))

@@ -1,0 +1,134 @@
+"""``llmctl launch -m`` end to end: real supervisor, real torchrun trials, one real sqlite store."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import run_cli
+
+pytestmark = pytest.mark.slow
+
+STEPS, LOG_EVERY, VAL_EVERY = 4, 1, 2
+TINY = ["experiment=smoke", f"train.steps={STEPS}", f"train.log_every={LOG_EVERY}", f"train.val_every={VAL_EVERY}",
+        "checkpoint.every=0", "train.val_batches=1"]
+
+
+def _client(tmp: Path) -> Any:
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=f"sqlite:///{tmp / 'mlflow.db'}")
+
+
+def _sweep_runs(tmp: Path) -> tuple[Any, list[Any]]:
+    mc = _client(tmp)
+    runs = mc.search_runs([e.experiment_id for e in mc.search_experiments()])
+    [parent] = [r for r in runs if r.data.tags.get("llmctl.kind") == "sweep"]
+    children = sorted((r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id),
+                      key=lambda r: int(r.data.tags["llmctl.trial"]))
+    return parent, children
+
+
+def _sweep_id(stdout: str) -> str:
+    return next(w.rstrip(":") for w in stdout.split() if w.startswith("sweep-"))
+
+
+def _processes_mentioning(*needles: str) -> list[str]:
+    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if any(n in line for n in needles) and "ps -eo" not in line]
+
+
+def test_sweep_of_four_trials_two_at_a_time(cli_env: dict[str, str], tmp_path: Path) -> None:
+    t0 = time.monotonic()
+    out = run_cli(["launch", "-m", "--max-parallel", "2", "--wait", *TINY, "train.lr=1e-3,3e-4", "train.seed=0,1"],
+                  tmp_path, cli_env)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    sid = _sweep_id(out.stdout)
+    parent, children = _sweep_runs(tmp_path)
+    assert parent.info.status == "FINISHED"
+    assert parent.data.tags["llmctl.sweep_id"] == sid and parent.data.params["sweep.max_parallel"] == "2"
+    assert [c.info.status for c in children] == ["FINISHED"] * 4
+    assert [c.data.tags["llmctl.trial.overrides"].split()[-2:] for c in children] == [
+        ["train.lr=0.001", "train.seed=0"], ["train.lr=0.001", "train.seed=1"],
+        ["train.lr=0.0003", "train.seed=0"], ["train.lr=0.0003", "train.seed=1"]]
+    assert {c.data.tags["llmctl.sweep_id"] for c in children} == {sid}
+    assert [c.data.params["train.lr"] for c in children] == ["0.001", "0.001", "0.0003", "0.0003"]
+
+    # no metric point lost: 4 trials wrote one sqlite file at the same time
+    mc = _client(tmp_path)
+    for c in children:
+        train = mc.get_metric_history(c.info.run_id, "train/loss")
+        val = mc.get_metric_history(c.info.run_id, "val/loss")
+        tok = mc.get_metric_history(c.info.run_id, "perf/tokens_per_s")
+        assert sorted(m.step for m in train) == list(range(LOG_EVERY, STEPS + 1, LOG_EVERY))
+        assert sorted(m.step for m in val) == list(range(0, STEPS + 1, VAL_EVERY))
+        assert len(tok) == STEPS // LOG_EVERY
+
+    # at most two trials trained at once (first and last metric timestamps of each)
+    spans = []
+    for c in children:
+        ts = [m.timestamp for key in ("val/loss", "train/loss") for m in mc.get_metric_history(c.info.run_id, key)]
+        spans.append((min(ts), max(ts)))
+    for s, _ in spans:
+        assert sum(1 for a, b in spans if a <= s <= b) <= 2, spans
+
+    # the best trial, by val/loss (min), is named and tagged
+    best = min(children, key=lambda c: c.data.metrics["val/loss"])
+    assert parent.data.tags["llmctl.sweep.best_run_id"] == best.info.run_id
+    assert f"run {best.info.run_id}" in out.stdout
+
+    status = run_cli(["status", sid], tmp_path, cli_env)
+    assert status.returncode == 0, status.stderr
+    assert "supervisor exited" in status.stdout and "4 FINISHED" in status.stdout
+    assert status.stdout.count("FINISHED") >= 5 and "best:" in status.stdout and "n/a" in status.stdout
+    for c in children:
+        assert c.info.run_id[:12] in status.stdout
+    assert _processes_mentioning(sid, *(c.info.run_id for c in children)) == []
+    print(f"4-trial sweep: {time.monotonic() - t0:.1f} s")
+
+
+def test_failing_trial_does_not_stop_the_others(cli_env: dict[str, str], tmp_path: Path) -> None:
+    # data.val_fraction=0.000001 passes the schema but leaves the workload no validation batch:
+    # that one trial fails at start, at run time, like a real bad hyperparameter would
+    out = run_cli(["launch", "-m", "--max-parallel", "2", "--wait", *TINY, "train.steps=2",
+                   "data.val_fraction=0.05,0.04,0.000001,0.03"], tmp_path, cli_env)
+    assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
+    parent, children = _sweep_runs(tmp_path)
+    assert [c.info.status for c in children] == ["FINISHED", "FINISHED", "FAILED", "FINISHED"]
+    assert "exited with code" in children[2].data.tags["llmctl.status"]
+    assert parent.info.status == "FAILED" and "1 FAILED" in parent.data.tags["llmctl.status"]
+    assert "3 FINISHED" in parent.data.tags["llmctl.status"]
+
+
+def test_down_cancels_running_and_pending_trials(cli_env: dict[str, str], tmp_path: Path) -> None:
+    out = run_cli(["launch", "-m", "--max-parallel", "2", *TINY, "train.steps=100000", "train.seed=0,1,2"],
+                  tmp_path, cli_env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    sid = _sweep_id(out.stdout)  # returned at once: the sweep runs in the background
+    sdir = tmp_path / "llmctl-runs" / "sweeps" / sid
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:  # until both running trials are really training
+        state = json.loads((sdir / "state.json").read_text()) if (sdir / "state.json").exists() else {"trials": {}}
+        logs = [tmp_path / "llmctl-runs" / t["run_id"] / "output.log" for t in state["trials"].values()
+                if t["state"] == "RUNNING"]
+        if len(logs) == 2 and all(p.exists() and "step" in p.read_text() for p in logs):
+            break
+        time.sleep(1)
+    else:
+        pytest.fail("trials did not start training: " + (sdir / "supervisor.log").read_text())
+    status = run_cli(["status", sid], tmp_path, cli_env)
+    assert "2 RUNNING" in status.stdout and "1 PENDING" in status.stdout, status.stdout
+
+    down = run_cli(["down", sid], tmp_path, cli_env, timeout=180)
+    assert down.returncode == 0, down.stderr
+    assert "3 KILLED" in down.stdout
+    parent, children = _sweep_runs(tmp_path)
+    assert parent.info.status == "KILLED"
+    assert [c.info.status for c in children] == ["KILLED"] * 3
+    assert "before this trial started" in children[2].data.tags["llmctl.status"]
+    assert _processes_mentioning(sid, *(c.info.run_id for c in children)) == []

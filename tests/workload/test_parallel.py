@@ -1,0 +1,88 @@
+"""FSDP2 / TP / 2-D / HSDP on real gloo process groups reproduce the single-process loss curve.
+
+Compare losses, not parameters (Adam amplifies rounding noise on tiny gradients). Layouts also
+turn on activation checkpointing (full / selective), which must not change the numbers.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+SHORT = {"train.steps": 6, "train.log_every": 1, "train.val_every": 3}
+
+
+def loss_env(path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "LLMCTL_"))}
+    return {**env, "PYTHONUNBUFFERED": "1", "LLMCTL_LOSS_FILE": str(path)}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, cache_dir, workload):
+    """(config path, single-process losses) shared by every layout."""
+    from omegaconf import OmegaConf
+
+    tmp = tmp_path_factory.mktemp("parallel")
+    cfg = tmp / "config.yaml"
+    OmegaConf.save(workload.cfg(**{"data.cache_dir": str(cache_dir), **SHORT}), cfg)
+    proc = workload.run(["--config", str(cfg)], loss_env(tmp / "ref.jsonl"))
+    assert proc.returncode == 0, proc.stderr
+    return cfg, workload.loss_file(tmp / "ref.jsonl")
+
+
+@pytest.mark.parametrize("nproc, overrides, mesh", [
+    (2, ["parallel.dp_shard=2", "parallel.ac=full"], "dp_replicate 1 x dp_shard 2 x tp 1"),
+    (2, ["parallel.dp_shard=1", "parallel.tp=2"], "dp_replicate 1 x dp_shard 1 x tp 2"),
+    (4, ["parallel.dp_shard=2", "parallel.tp=2", "parallel.ac=selective"], "dp_replicate 1 x dp_shard 2 x tp 2"),
+    (2, ["parallel.dp_replicate=2", "parallel.dp_shard=1"], "dp_replicate 2 x dp_shard 1 x tp 1"),
+], ids=["fsdp2-ac_full", "tp2", "dp2xtp2-ac_selective", "hsdp2x1"])
+def test_layout_matches_single_process(reference, workload, tmp_path, nproc, overrides, mesh):
+    cfg, ref = reference
+    proc = workload.run(["--config", str(cfg), *overrides], loss_env(tmp_path / "losses.jsonl"),
+                        launcher=workload.torchrun(nproc))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert f"mesh {mesh}" in proc.stdout and f"world {nproc} on cpu" in proc.stdout
+    got = workload.loss_file(tmp_path / "losses.jsonl")
+    for kind in ("train", "val"):
+        assert sorted(got[kind]) == sorted(ref[kind]), kind
+        for step, loss in ref[kind].items():
+            assert abs(got[kind][step] - loss) <= 1e-5, (kind, step, loss, got[kind][step])
+
+
+@pytest.mark.parametrize("nproc, overrides, message", [
+    (1, ["parallel.tp=3"], "tp=3 must divide model.n_heads=4"),
+    (2, ["parallel.tp=4"], "tp=4 must divide model.n_kv_heads=2"),
+    (2, ["parallel.dp_shard=2", "parallel.tp=2"], "= 4 but the job has 2 processes"),
+    (2, ["train.batch_size=7"], "7 sequences cannot be split over 2 data-parallel ranks"),
+], ids=["tp3-heads", "tp4-kv_heads", "mesh-vs-world", "batch"])
+def test_workload_rejects_bad_layouts_before_process_groups(reference, workload, tmp_path, nproc, overrides,
+                                                             message):
+    """``init_distributed`` validates before ``init_process_group``: no rank waits on a peer."""
+    cfg, _ = reference
+    launcher = workload.torchrun(nproc) if nproc > 1 else None
+    proc = workload.run(["--config", str(cfg), *overrides], loss_env(tmp_path / "l.jsonl"),
+                        launcher=launcher, timeout=120)
+    assert proc.returncode != 0
+    assert message in proc.stderr and "ConfigError" in proc.stderr, proc.stderr[-3000:]
+    assert "init_process_group" not in proc.stderr and "pretrain | model" not in proc.stdout
+
+
+def test_cli_rejects_tp_that_does_not_divide_heads(cli_env, tmp_path):
+    out = subprocess.run([sys.executable, "-m", "llmctl", "launch", "model=tiny", "parallel.tp=3"], cwd=tmp_path,
+                         env=cli_env, text=True, capture_output=True, timeout=120)
+    assert out.returncode != 0
+    assert "parallel.tp" in out.stderr and "tp=3 must divide model.n_heads=4" in out.stderr, out.stderr
+    assert not (tmp_path / "llmctl-runs").exists()  # refused before planning a run
+
+
+def test_parallel_dims_resolve_the_mesh_without_a_process_group(workload):
+    from workloads.pretrain.parallelize import ParallelDims
+
+    dims = ParallelDims.from_config(workload.cfg(**{"parallel.tp": 2}), 4)
+    assert (dims.dp_replicate, dims.dp_shard, dims.tp, dims.dp) == (1, 2, 2, 2)
+    assert [dims.dp_rank(r) for r in range(4)] == [0, 0, 1, 1]
