@@ -36,7 +36,7 @@ TAG_KIND = "llmctl.kind"
 TAG_TRIAL = "llmctl.trial"
 TAG_TRIAL_OVERRIDES = "llmctl.trial.overrides"
 TAG_PARENT = "mlflow.parentRunId"
-KEY_METRICS = ("train/loss", "val/loss", "perf/tokens_per_s")
+KEY_METRICS = ("train/loss", "val/loss", "perf/tokens_per_s", "cost/actual_usd")
 TERMINAL = ("FINISHED", "FAILED", "KILLED")
 DOWN_GRACE_S = 60.0
 
@@ -99,12 +99,13 @@ def retry(fn: Callable[..., T], *args: Any, attempts: int = 8, **kwargs: Any) ->
 
 
 def estimate_cost(plan: Any) -> Optional[float]:
-    """Estimated USD for one trial's plan; None while llmctl has no cost estimator.
+    """Estimated USD for one trial's plan (``llmctl.cost``'s estimate, filled by ``make_plan``); None if unknown.
 
-    The seam for the estimator: return a number and ``plan -m`` shows it per trial and in total,
-    and ``--max-cost`` starts refusing sweeps whose total is above the limit.
+    ``plan -m`` shows it per trial and in total; ``--max-cost`` refuses sweeps whose total is above
+    the limit, and says the cost is unknown when any trial has no estimate.
     """
-    return None
+    est = getattr(plan, "estimate", None)
+    return None if est is None else float(est.total_usd)
 
 
 def total_cost(costs: list[Optional[float]]) -> Optional[float]:
@@ -214,7 +215,7 @@ def make_sweep_plan(overrides: list[str], config_dir: Optional[str] = None,
     slot = gpu_slots(parallel)[0]
     trials: list[Trial] = []
     errors: list[TrialError] = []
-    with _visible_gpus(slot):
+    with _visible_gpus(slot), _history_cache():
         for i, c in enumerate(composed):
             try:
                 plan = make_plan(Composed(cfg=c.cfg, choices=c.choices, overrides=c.overrides))
@@ -234,6 +235,35 @@ def make_sweep_plan(overrides: list[str], config_dir: Optional[str] = None,
     if any(t.plan.backend != "local" for t in trials):
         sp.notes.append("non-local trials each launch through their backend; --max-parallel caps how many at once")
     return sp
+
+
+class _history_cache:
+    """Trials of one shape share one cost-history lookup (an MLflow query each would cost ~40 ms x trials).
+
+    ``make_plan`` asks ``llmctl.cost.history.find`` for earlier runs of the trial's shape; within one
+    planning pass the answer for the same arguments is the same, so it is memoized here and the
+    original restored afterwards.
+    """
+
+    def __enter__(self) -> None:
+        try:
+            from llmctl.cost import history
+        except ImportError:
+            self.history = None
+            return
+        self.history, self.original, cache = history, history.find, {}
+
+        def find(uri: str, shape: str, accelerator: str, cfg: Any) -> Any:
+            key = (uri, shape, accelerator, cfg["infra"]["nodes"], cfg["train"]["batch_size"])
+            if key not in cache:
+                cache[key] = self.original(uri, shape, accelerator, cfg)
+            return cache[key]
+
+        history.find = find
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.history is not None:
+            self.history.find = self.original
 
 
 class _visible_gpus:
@@ -494,7 +524,7 @@ def get_status(sweep_id: str, uri: Optional[str] = None) -> SweepStatus:
         status = "PENDING" if run.info.status == "SCHEDULED" else run.info.status
         trials.append(TrialStatus(t["index"], t["overrides"], run.info.run_id, status,
                                   {k: v for k, v in run.data.metrics.items() if k in KEY_METRICS},
-                                  run.data.tags.get("llmctl.status", "")))
+                                  run.data.tags.get("llmctl.status", ""), run.data.metrics.get("cost/actual_usd")))
     return SweepStatus(spec=spec, parent_status=parent.info.status,
                        supervisor_alive=pid_alive(supervisor_pid(sweep_id)), trials=trials)
 

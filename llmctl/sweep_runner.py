@@ -53,6 +53,7 @@ def run_trial(d: Path, index: int, run_id: str) -> int:
     from llmctl import tracking
     from llmctl.backends import backend_for
     from llmctl.config import Composed, to_yaml
+    from llmctl.cost import hooks as cost
     from llmctl.plan import make_plan
     from llmctl.tracking import RunHandle
 
@@ -76,9 +77,14 @@ def run_trial(d: Path, index: int, run_id: str) -> int:
         sweep.retry(mc.set_tag, run_id, "llmctl.status", "running")
         cfg = backend.finalize(plan, handle)
         sweep.retry(tracking.describe_run, handle, cfg, to_yaml(cfg))
+        attempt, cost_env = cost.on_launch(handle, plan, None)  # as `llmctl launch`: estimate, billing attempt
+        os.environ.update(cost_env)
         print(f"trial {index}: run {run_id} on {plan.where}, {plan.world_size} process(es) on {plan.device}",
               flush=True)
-        code = backend.launch(plan, handle, echo=_Null())
+        try:
+            code = backend.launch(plan, handle, echo=_Null())
+        finally:
+            cost.on_end(handle, plan, attempt)
     except KeyboardInterrupt:
         end("KILLED", "sweep cancelled")
         return 130

@@ -1,16 +1,15 @@
-"""Shared fixtures: a hermetic working directory, a real sqlite MLflow store, the real CLI."""
+"""Shared fixtures: a hermetic working directory and tokenizer cache for the real CLI.
+
+Helpers that tests import live in ``helpers.py``: every conftest.py is imported under the same
+module name, so ``from conftest import ...`` would pick whichever conftest was loaded last.
+"""
 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="session")
@@ -31,18 +30,3 @@ def cli_env(cache_dir: Path, tmp_path: Path) -> dict[str, str]:
     })
     (tmp_path / "home").mkdir(exist_ok=True)
     return env
-
-
-def run_cli(args: list[str], cwd: Path, env: dict[str, str], timeout: float = 600,
-            **kwargs: Any) -> subprocess.CompletedProcess[str]:
-    """The real CLI in a subprocess, exactly as a user runs it."""
-    return subprocess.run([sys.executable, "-m", "llmctl", *args], cwd=cwd, env=env, text=True,
-                          capture_output=True, timeout=timeout, **kwargs)
-
-
-def mlflow_runs(tracking_uri: str) -> list[Any]:
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(tracking_uri=tracking_uri)
-    exps = client.search_experiments()
-    return client.search_runs([e.experiment_id for e in exps]) if exps else []

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_cli
+from helpers import run_cli
 
 # (override, text the message must contain: the key, and the fix or the options)
 BAD = [

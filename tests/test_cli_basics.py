@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import ROOT, run_cli
+from helpers import ROOT, run_cli
 
 HEAVY = ("torch", "hydra", "omegaconf", "mlflow", "sky")
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import mlflow_runs, run_cli
+from helpers import mlflow_runs, run_cli
 
 pytestmark = pytest.mark.slow
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_cli
+from helpers import run_cli
 from llmctl import sweep
 from llmctl.config import compose
 from llmctl.errors import ConfigError
@@ -104,11 +104,12 @@ def test_cli_plan_m_shows_trials_and_total(cli_env: dict[str, str], tmp_path: Pa
     header = next(line for line in lines if line.startswith("#  "))
     assert header.split() == ["#", "train.lr", "model", "train.seed", "procs", "device", "tokens", "est.", "cost"]
     assert sum(1 for line in lines if line.split()[:1] and line.split()[0].isdigit()) == 12
-    assert lines[-1].startswith("total:") and "12 trials" in lines[-1] and "estimated cost n/a" in lines[-1]
+    assert lines[-1].startswith("total:") and "12 trials" in lines[-1] and "estimated cost $0.00" in lines[-1]
     assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "llmctl-runs").exists()
 
 
 def test_max_cost_seam(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sweep, "estimate_cost", lambda plan: None)  # an estimator that cannot price it
     sp = sweep.make_sweep_plan(["train.lr=1e-3,3e-4"], max_parallel=1)
     assert sp.total_cost is None
     assert "unknown" in sweep.check_budget(sp, 10.0)  # no estimator: accepted, said so

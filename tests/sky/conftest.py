@@ -13,21 +13,6 @@ import pytest
 from sky_helpers import install_catalog
 
 
-def _reexport_parent_conftest() -> None:
-    """pytest imports tests/conftest.py and this file under the same name, "conftest": re-export the
-    parent's helpers so `from conftest import run_cli, ROOT, ...` in tests/ works whichever is current."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("llmctl_tests_conftest", Path(__file__).parents[1] / "conftest.py")
-    assert spec and spec.loader
-    parent = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(parent)
-    globals().update({k: v for k, v in vars(parent).items() if not k.startswith("__") and k not in globals()})
-
-
-_reexport_parent_conftest()
-
-
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--no-slurm", action="store_true", default=False,
                      help="skip the test that brings up Slurm on localhost (needs root and apt packages)")

@@ -31,9 +31,10 @@ def test_builtin_corpus_is_real_english(corpus):
     assert " the " in text and "<|endoftext|>" not in text  # EOT separators are special tokens
 
 
-def test_other_sources_are_a_clear_not_implemented():
-    with pytest.raises(NotImplementedError, match="builtin:pydoc"):
-        load_texts(DataCfg(name="files", source="s3://bucket/*.jsonl"))
+def test_missing_file_source_is_a_clear_error(tmp_path):
+    # File sources are covered in test_prepare.py; a glob matching nothing names data.source.
+    with pytest.raises(ValueError, match=r"data\.source=.*matched nothing"):
+        list(load_texts(DataCfg(name="files", source=str(tmp_path / "*.jsonl"))))
 
 
 def test_tokenizer_round_trips_text(corpus):

@@ -8,7 +8,7 @@ The controller (``llmctl launch --max-cost``) hands the price over in the enviro
     LLMCTL_SPENT_USD        spend of earlier attempts (a resumed run), default 0
 
 After every step each rank projects the spend at the end of the *next* step plus a reserve for the
-final validation pass and checkpoint (one more step time): if that passes the limit, the step is
+final validation pass and checkpoint (one more step time, at least ``RESERVE_S``): if that passes the limit, the step is
 treated as the last one (logged, validated, checkpointed) and the loop ends. Ranks decide from their
 own clocks, so the decision is all-reduced (MAX): all stop at the same step or none does.
 Rank 0 then tags the MLflow run ``llmctl.budget_stop`` (JSON) and the workload exits 0 — torchrun
@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 TAG = "llmctl.budget_stop"
+RESERVE_S = 5.0  # at least this long is kept for the last validation pass and the checkpoint save
 
 
 class BudgetGuard:
@@ -57,9 +58,9 @@ class BudgetGuard:
         return self.spent_before + self.usd_per_hour * max(0.0, now - self.billing_start) / 3600.0
 
     def over(self, now: float, step_s: float) -> bool:
-        """Would the spend pass the limit by the end of the next step plus a one-step reserve?"""
+        """Would the spend pass the limit by the end of the next step plus the reserve?"""
         assert self.max_cost is not None
-        return self.spent(now + 2 * step_s) > self.max_cost
+        return self.spent(now + step_s + max(step_s, RESERVE_S)) > self.max_cost
 
     def should_stop(self, device: torch.device) -> bool:
         """Call once per step on every rank; returns the same answer everywhere."""

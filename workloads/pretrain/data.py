@@ -9,7 +9,18 @@ A byte-level BPE is trained on it with ``tokenizers`` and the tokenized corpus i
 in a temp dir and renamed into place, under an ``O_EXCL`` lock file, so concurrent ranks (or
 concurrent jobs) build it once and never see a half-written cache.
 
-Other sources (fsspec URLs/globs of .txt/.jsonl/.parquet) plug in at ``load_texts``.
+User text: ``data.source`` is an fsspec URL, local path, directory or glob
+(``s3://bucket/corpus/*.jsonl``, ``gs://...``, ``file:///data/*.txt``, ``./corpus/``) of ``.txt``
+(one document per file), ``.jsonl`` (one per line, field ``data.text_field``) or ``.parquet``
+(column ``data.text_field``) files, optionally ``.gz``. Files are read in sorted path order, so
+the tokens (and the train/val split: the last ``data.val_fraction`` of tokens) are deterministic.
+The cache key covers the source, the file listing with each file's size and ETag/mtime, the
+vocab size, the text field and the ``tokenizers`` version: changed data means a new cache entry.
+
+``data.cache_dir`` may itself be a URL (``s3://bucket/llmctl-cache``): entries are then built in
+the local cache (``$LLMCTL_CACHE_DIR`` or ``~/.cache/llmctl``) and uploaded there, and another
+node with the same key downloads them instead of tokenizing again. ``meta.json`` is uploaded
+last and is what marks a remote entry complete.
 """
 
 from __future__ import annotations
@@ -26,7 +37,7 @@ import sysconfig
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -37,19 +48,116 @@ EOT = "<|endoftext|>"
 CORPUS_VERSION = 1
 _MIN_DOC_CHARS = 40
 _LOCK_STALE_S = 3600.0
+FILE_FORMATS = (".txt", ".jsonl", ".parquet")
+_COMPRESSIONS = (".gz",)
+# The BPE is trained on at most this many characters (the first ones, in file order); the whole
+# source is still tokenized. Merges are settled long before this on any natural-language corpus.
+TOKENIZER_TRAIN_CHARS = 1_000_000_000
+_ENCODE_BATCH_DOCS = 1024
+CACHE_FILES = ("tokenizer.json", "tokens.npy", "meta.json")  # meta.json last: the commit marker
 
 
 # ----------------------------------------------------------------------------- corpus text
 
 
 def load_texts(data_cfg: Any) -> Iterable[str]:
-    """Documents for ``data.source``. The seam for user data: add URL/glob readers here."""
+    """Documents for ``data.source``, in a deterministic order (a generator for file sources)."""
     if data_cfg.source == BUILTIN_SOURCE:
         return builtin_pydoc_texts()
-    raise NotImplementedError(
-        f"data.source={data_cfg.source!r}: only {BUILTIN_SOURCE!r} is supported so far "
-        "(fsspec URLs/globs of .txt/.jsonl/.parquet files are planned)"
-    )
+    return file_texts(list_source_files(data_cfg.source), data_cfg.text_field)
+
+
+# ----------------------------------------------------------------------------- file sources
+
+
+@dataclass(frozen=True)
+class SourceFile:
+    """One input file: its URL, size and version stamp (ETag, generation or mtime)."""
+
+    url: str
+    size: int
+    version: str
+
+
+def _format_of(path: str) -> str | None:
+    base = path.lower()
+    for comp in _COMPRESSIONS:
+        if base.endswith(comp):
+            base = base[: -len(comp)]
+    return next((ext for ext in FILE_FORMATS if base.endswith(ext)), None)
+
+
+def _version_stamp(info: dict) -> str:
+    for key in ("ETag", "etag", "md5Hash", "generation", "mtime", "LastModified", "last_modified", "updated", "created"):
+        if info.get(key) not in (None, ""):
+            return f"{key}={info[key]}"
+    return ""
+
+
+def list_source_files(source: str) -> list[SourceFile]:
+    """The ``.txt/.jsonl/.parquet`` files ``data.source`` names (URL, path, directory or glob), sorted.
+
+    Raises ``ValueError`` naming ``data.source`` if it is empty or matches no such file.
+    """
+    from fsspec.core import url_to_fs
+
+    if not source or not str(source).strip():
+        raise ValueError("data.source is empty: set data.source=<fsspec URL, path or glob of "
+                         ".txt/.jsonl/.parquet files> (e.g. data.source='s3://bucket/corpus/*.jsonl')")
+    fs, path = url_to_fs(str(source))
+    if any(c in path for c in "*?["):
+        entries = fs.glob(path, detail=True)
+    elif fs.isdir(path):
+        entries = fs.find(path, detail=True)
+    elif fs.exists(path):
+        entries = {path: fs.info(path)}
+    else:
+        entries = {}
+    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+    files = [
+        SourceFile(p if protocol == "file" else fs.unstrip_protocol(p),
+                   int(info.get("size") or 0), _version_stamp(info))
+        for p, info in entries.items()
+        if info.get("type", "file") == "file" and _format_of(p)
+    ]
+    if not files:
+        what = f"{len(entries)} entries, none of them" if entries else "nothing; expected"
+        raise ValueError(f"data.source={source!r} matched {what} .txt/.jsonl/.parquet files "
+                         f"(optionally .gz): check the path/glob and credentials")
+    return sorted(files, key=lambda f: f.url)
+
+
+def file_texts(files: list[SourceFile], text_field: str) -> Iterator[str]:
+    """Documents of ``files`` in order: a whole .txt file, each .jsonl line's / .parquet row's field."""
+    import fsspec
+
+    for f in files:
+        fmt = _format_of(f.url)
+        with fsspec.open(f.url, "rb", compression="infer") as fh:
+            if fmt == ".txt":
+                text = fh.read().decode("utf-8")
+                if text:
+                    yield text
+            elif fmt == ".jsonl":
+                for lineno, line in enumerate(fh, 1):
+                    if not line.strip():
+                        continue
+                    rec = json.loads(line)
+                    if not isinstance(rec, dict) or text_field not in rec:
+                        raise ValueError(f"{f.url}:{lineno}: no field data.text_field={text_field!r} in this record")
+                    if rec[text_field]:
+                        yield str(rec[text_field])
+            else:  # .parquet: one column, a row group at a time
+                import pyarrow.parquet as pq
+
+                pf = pq.ParquetFile(fh)
+                if text_field not in pf.schema_arrow.names:
+                    raise ValueError(f"{f.url}: no column data.text_field={text_field!r} "
+                                     f"(columns: {', '.join(pf.schema_arrow.names)})")
+                for i in range(pf.num_row_groups):
+                    for text in pf.read_row_group(i, columns=[text_field]).column(0).to_pylist():
+                        if text:
+                            yield str(text)
 
 
 def builtin_pydoc_texts() -> list[str]:
@@ -111,18 +219,41 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int):
 
 
 def cache_root(data_cfg: Any) -> Path:
-    """``data.cache_dir``, else ``$LLMCTL_CACHE_DIR``, else ``~/.cache/llmctl``."""
-    root = getattr(data_cfg, "cache_dir", None) or os.environ.get("LLMCTL_CACHE_DIR")
+    """Local cache: ``data.cache_dir`` (a path or file:// URL), else ``$LLMCTL_CACHE_DIR``, else
+    ``~/.cache/llmctl``. A remote ``data.cache_dir`` (s3://...) is a shared copy on top of it."""
+    root = getattr(data_cfg, "cache_dir", None)
+    if root and _remote_root(data_cfg) is None:
+        return Path(str(root).removeprefix("file://")).expanduser()
+    root = os.environ.get("LLMCTL_CACHE_DIR")
     return Path(root).expanduser() if root else Path.home() / ".cache" / "llmctl"
 
 
-def cache_key(data_cfg: Any) -> str:
-    """What the cached tokens depend on. The builtin corpus is fixed per Python version."""
+def _remote_root(data_cfg: Any) -> str | None:
+    root = str(getattr(data_cfg, "cache_dir", None) or "")
+    return root.rstrip("/") if "://" in root and not root.startswith("file://") else None
+
+
+def source_files(data_cfg: Any) -> list[SourceFile] | None:
+    """The listing of a file source (None for the builtin corpus)."""
+    return None if data_cfg.source == BUILTIN_SOURCE else list_source_files(data_cfg.source)
+
+
+def cache_key(data_cfg: Any, files: list[SourceFile] | None = None) -> str:
+    """What the cached tokens depend on: the source and, for files, every file's URL, size and
+    ETag/mtime; vocab size; text field; tokenizers version. Builtin: fixed per Python version."""
+    import tokenizers
+
+    builtin = data_cfg.source == BUILTIN_SOURCE
+    if not builtin and files is None:
+        files = list_source_files(data_cfg.source)
     ident = {
         "source": data_cfg.source,
         "vocab_size": int(data_cfg.vocab_size),
         "corpus_version": CORPUS_VERSION,
-        "python": platform.python_version() if data_cfg.source == BUILTIN_SOURCE else None,
+        "tokenizers": tokenizers.__version__,
+        "python": platform.python_version() if builtin else None,
+        "text_field": None if builtin else data_cfg.text_field,
+        "files": None if builtin else [[f.url, f.size, f.version] for f in files],
     }
     digest = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
     return f"{data_cfg.name}-v{int(data_cfg.vocab_size)}-{digest}"
@@ -130,12 +261,17 @@ def cache_key(data_cfg: Any) -> str:
 
 @dataclass
 class Corpus:
-    """A cached tokenized corpus. ``tokens`` is a read-only memmap of the whole corpus."""
+    """A cached tokenized corpus. ``tokens`` is a read-only memmap of the whole corpus.
+
+    ``origin``: "cache" (found locally), "built" (tokenized here) or "downloaded" (from a remote
+    ``data.cache_dir``).
+    """
 
     path: Path
     tokens: np.ndarray
     tokenizer: Any
     cache_hit: bool
+    origin: str = "cache"
 
     @property
     def vocab_size(self) -> int:
@@ -150,38 +286,122 @@ class Corpus:
 
 
 def prepare_corpus(data_cfg: Any, *, timeout_s: float = 1800.0) -> Corpus:
-    """Load the cached corpus for ``data_cfg``, building it first if no process has yet."""
+    """Load the cached corpus for ``data_cfg``, building (or downloading) it first if needed."""
     from tokenizers import Tokenizer
 
-    final = cache_root(data_cfg) / cache_key(data_cfg)
-    built = _build_once(final, lambda tmp: _build(data_cfg, tmp), timeout_s)
+    files = source_files(data_cfg)
+    key = cache_key(data_cfg, files)
+    final = cache_root(data_cfg) / key
+    remote = _remote_root(data_cfg)
+    origin = ["built"]
+
+    def build(tmp: Path) -> None:
+        if remote and _download(f"{remote}/{key}", tmp):
+            origin[0] = "downloaded"
+            return
+        _build(data_cfg, tmp, files)
+        if remote:
+            _upload(tmp, f"{remote}/{key}")
+
+    built = _build_once(final, build, timeout_s)
     return Corpus(
         path=final,
         tokens=np.load(final / "tokens.npy", mmap_mode="r"),
         tokenizer=Tokenizer.from_file(str(final / "tokenizer.json")),
         cache_hit=not built,
+        origin=origin[0] if built else "cache",
     )
 
 
-def _build(data_cfg: Any, out: Path) -> None:
+def _download(remote_dir: str, out: Path) -> bool:
+    """Fetch a complete remote cache entry into ``out``; False if there is none."""
+    from fsspec.core import url_to_fs
+
+    fs, path = url_to_fs(remote_dir)
+    if not fs.exists(f"{path}/meta.json"):
+        return False
+    for name in CACHE_FILES:
+        fs.get_file(f"{path}/{name}", str(out / name))
+    return True
+
+
+def _upload(local_dir: Path, remote_dir: str) -> None:
+    """Copy a built entry to the shared cache, ``meta.json`` last (readers wait for it)."""
+    from fsspec.core import url_to_fs
+
+    fs, path = url_to_fs(remote_dir)
+    for name in CACHE_FILES:
+        fs.put_file(str(local_dir / name), f"{path}/{name}")
+
+
+def _counted(texts: Iterable[str], stats: dict, max_chars: int) -> Iterator[str]:
+    """``texts`` up to ``max_chars`` characters in all, counting documents and characters."""
+    for text in texts:
+        if stats["chars"] >= max_chars:
+            return
+        stats["docs"] += 1
+        stats["chars"] += len(text)
+        yield text
+
+
+def _batched(it: Iterable[str], n: int) -> Iterator[list[str]]:
+    batch: list[str] = []
+    for x in it:
+        batch.append(x)
+        if len(batch) == n:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def _build(data_cfg: Any, out: Path, files: list[SourceFile] | None = None) -> None:
+    """Train the BPE on the source, then stream it through the tokenizer into ``tokens.npy``.
+
+    File sources are read twice (tokenizer training, then encoding) so that no more than a batch
+    of documents is ever held in memory; token ids go to disk as they are produced.
+    """
     t0 = time.time()
-    texts = list(load_texts(data_cfg))
-    tok = train_tokenizer(texts, int(data_cfg.vocab_size))
+    texts = (lambda: builtin_pydoc_texts()) if files is None else (lambda: file_texts(files, data_cfg.text_field))
+    if files is None:
+        docs = texts()
+        texts = lambda: docs  # noqa: E731  (build the builtin list once)
+    seen = {"docs": 0, "chars": 0}
+    tok = train_tokenizer(_counted(texts(), seen, TOKENIZER_TRAIN_CHARS), int(data_cfg.vocab_size))
+    if seen["chars"] == 0:
+        raise ValueError(f"data.source={data_cfg.source!r}: its files hold no text "
+                         f"(empty files, or empty data.text_field={data_cfg.text_field!r} values)")
     eot = tok.token_to_id(EOT)
-    ids: list[int] = []
-    for enc in tok.encode_batch(texts):
-        ids.extend(enc.ids)
-        ids.append(eot)
     dtype = np.uint16 if tok.get_vocab_size() <= np.iinfo(np.uint16).max + 1 else np.uint32
-    np.save(out / "tokens.npy", np.asarray(ids, dtype=dtype))
+    sha = hashlib.sha256()
+    n_docs = n_chars = n_tokens = 0
+    raw = out / "tokens.bin"
+    with open(raw, "wb") as fh:
+        for batch in _batched(texts(), _ENCODE_BATCH_DOCS):
+            for text, enc in zip(batch, tok.encode_batch(batch)):
+                ids = np.asarray(enc.ids + [eot], dtype=dtype)
+                fh.write(ids.tobytes())
+                n_tokens += len(ids)
+                sha.update(("\x00" if n_docs else "").encode() + text.encode())
+                n_docs += 1
+                n_chars += len(text)
+    arr = np.lib.format.open_memmap(out / "tokens.npy", mode="w+", dtype=dtype, shape=(n_tokens,))
+    src = np.memmap(raw, dtype=dtype, mode="r", shape=(n_tokens,)) if n_tokens else np.empty(0, dtype)
+    for i in range(0, n_tokens, 1 << 24):
+        arr[i : i + (1 << 24)] = src[i : i + (1 << 24)]
+    arr.flush()
+    del arr, src
+    raw.unlink()
     tok.save(str(out / "tokenizer.json"))
     meta = {
         "source": data_cfg.source,
+        "files": None if files is None else [{"url": f.url, "size": f.size, "version": f.version} for f in files],
         "vocab_size": tok.get_vocab_size(),
-        "documents": len(texts),
-        "chars": sum(map(len, texts)),
-        "tokens": len(ids),
-        "text_sha256": hashlib.sha256("\x00".join(texts).encode()).hexdigest(),
+        "documents": n_docs,
+        "chars": n_chars,
+        "tokens": n_tokens,
+        "tokenizer_train_chars": seen["chars"],
+        "text_sha256": sha.hexdigest(),
         "corpus_version": CORPUS_VERSION,
         "build_seconds": round(time.time() - t0, 2),
     }

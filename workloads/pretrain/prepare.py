@@ -1,0 +1,60 @@
+"""Tokenize ``data.source`` into the token cache ahead of training (``llmctl data prepare``).
+
+``python -m workloads.pretrain.prepare [--config resolved.yaml] [key=value ...]`` takes the same
+config as the trainer (Hydra-style overrides, e.g. ``data=files data.source='s3://b/c/*.jsonl'``),
+builds the cache entry the trainer will look up (or finds it already there) and prints its path.
+The trainer then starts with a cache hit; with a remote ``data.cache_dir`` other nodes download
+the entry instead of tokenizing again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from workloads.pretrain.data import prepare_corpus
+
+
+def prepare(data_cfg: Any) -> Path:
+    """Build (or find) the token cache for ``data_cfg`` (a DataCfg); returns its directory."""
+    return prepare_corpus(data_cfg).path
+
+
+def _load_config(argv: list[str] | None):
+    parser = argparse.ArgumentParser(prog="python -m workloads.pretrain.prepare", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", help="resolved config YAML written by llmctl")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides (Hydra syntax without --config)")
+    args = parser.parse_args(argv)
+    from omegaconf import OmegaConf
+
+    if args.config:
+        from llmctl.config import load_resolved
+
+        return OmegaConf.merge(load_resolved(args.config), OmegaConf.from_dotlist(args.overrides))
+    from llmctl.config import compose_config
+
+    return compose_config(list(args.overrides))
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = _load_config(argv)
+    t0 = time.perf_counter()
+    try:
+        corpus = prepare_corpus(cfg.data)
+    except (ValueError, FileNotFoundError, PermissionError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    meta = json.loads((corpus.path / "meta.json").read_text())
+    n_files = len(meta.get("files") or []) or "builtin"
+    print(f"prepare | data {cfg.data.name}: {cfg.data.source} | {n_files} files, {meta['documents']:,} documents, "
+          f"{meta['tokens']:,} tokens, vocab {corpus.vocab_size} | {corpus.origin} in {time.perf_counter() - t0:.1f}s")
+    print(corpus.path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
