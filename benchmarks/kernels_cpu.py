@@ -1,17 +1,22 @@
 """Fused vs reference kernel path: training tokens/s on CPU, from one run.
 
 Model: conf/model/smoke.yaml (4 x 128, vocab 4096); batch 16 x seq 128 (conf/train/default.yaml),
-fp32, the machine's default thread count. One timed unit is a real training step, as
-``workloads/pretrain/train.py`` runs it: forward + loss, backward, grad-norm clip, AdamW step,
-zero_grad. Both models start from the same weights and see the same (random) batch.
+fp32, ONE intra-op thread (``KERNELS_CPU_THREADS`` to change). Why one: these 2 cores are shared,
+and when another process holds a core, every 2-thread OpenMP region waits for the descheduled
+thread: a 2048x352 elementwise mul measured 0.9 ms on 1 thread vs 12 ms on 2, a matmul 61 vs
+7.5 GFLOP/s. With 2 threads the figure measures the neighbours' load, not the kernels.
 
-Timing: warmup steps excluded (both paths); then ``ROUNDS`` rounds, each timing ``STEPS`` steps
+One timed unit is a real training step, as ``workloads/pretrain/train.py`` runs it: forward +
+loss, backward, grad-norm clip, fused AdamW step, zero_grad. Both models start from the same weights and see the same (random) batch.
+
+Timing: warmup steps excluded (both paths); then ``ROUNDS`` rounds, each timing ``STEPS`` step(s)
 of one path and then the other, alternating which goes first, so load from other processes on
 these shared cores falls on both. tokens/s per path is the median over rounds; the ratio is the
 median of the per-round ratios (paired, so a noisy round cancels out).
 
 ``model.compile`` is off on both paths: the fused path is eager PyTorch (SDPA, F.rms_norm,
-chunked fused linear-CE), so the figure needs no Inductor build (~30 s per block here).
+complex-multiply RoPE, chunked fused linear-CE with CPU-sized chunks), so the figure needs no
+Inductor build (~30 s per block here) and is what ``model.kernels=fused`` gives by default.
 
 Run: ``python benchmarks/kernels_cpu.py``. Last line: ``kernels_cpu: <fused/reference>x``.
 """
@@ -19,6 +24,7 @@ Run: ``python benchmarks/kernels_cpu.py``. Last line: ``kernels_cpu: <fused/refe
 from __future__ import annotations
 
 import math
+import os
 import statistics
 import sys
 import time
@@ -33,7 +39,8 @@ from workloads.pretrain.model import build_model  # noqa: E402
 from workloads.pretrain.optim import build_optimizer  # noqa: E402
 
 BATCH, SEQ_LEN = 16, 128
-WARMUP, ROUNDS, STEPS = 3, 7, 4
+WARMUP, ROUNDS, STEPS = 3, 15, 2
+THREADS = int(os.environ.get("KERNELS_CPU_THREADS", "1"))
 
 
 def model_cfg(kernels: str):
@@ -85,6 +92,7 @@ class Path_:
 
 
 def main() -> int:
+    torch.set_num_threads(THREADS)
     cfg = model_cfg("fused")
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, cfg.vocab_size, (BATCH, SEQ_LEN + 1), generator=g)
@@ -92,7 +100,7 @@ def main() -> int:
     ref, fused = Path_("reference", x, y), Path_("fused", x, y)
     n_params = ref.model.num_params()
     print(f"kernels_cpu | model smoke ({n_params / 1e6:.2f}M params, {cfg.n_layers}x{cfg.dim}, vocab {cfg.vocab_size}) "
-          f"| batch {BATCH} x seq {SEQ_LEN} fp32 | torch {torch.__version__}, {torch.get_num_threads()} threads "
+          f"| batch {BATCH} x seq {SEQ_LEN} fp32 | torch {torch.__version__}, {torch.get_num_threads()} thread(s) "
           f"| compile off | {WARMUP} warmup + {ROUNDS} rounds x {STEPS} steps per path", flush=True)
 
     l_ref, l_fused = ref.step(), fused.step()  # first step: same weights, same batch -> same loss

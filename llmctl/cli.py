@@ -286,6 +286,65 @@ def cost_cmd(since: Optional[str] = SinceOpt,
     typer.echo(json.dumps(rows, indent=2) if as_json else report.cost_table(rows, by, since))
 
 
+@app.command("eval")
+def eval_cmd(target: str = typer.Argument(..., help="MLflow run id, or a checkpoint URL (root or step-N directory)."),
+             overrides: Optional[List[str]] = OverridesArg,
+             nproc: int = typer.Option(1, "--nproc", help="Eval processes (torchrun); any number loads any checkpoint."),
+             hf: Optional[str] = typer.Option(None, "--hf", help="Score this Hugging Face export (transformers + accelerate) instead."),
+             tasks: Optional[str] = typer.Option(None, "--tasks", help="lm-eval-harness tasks (comma-separated), run on an HF export."),
+             limit: Optional[float] = typer.Option(None, "--limit", help="lm-eval: examples per task (or fraction)."),
+             config_dir: Optional[str] = ConfigDirOpt, tracking_uri: Optional[str] = TrackingUriOpt) -> None:
+    """Score a checkpoint: val loss, perplexity, bits/byte, samples; logged into its run (docs/eval.md)."""
+    from llmctl import eval as ev
+
+    try:
+        if tasks:
+            ev.require_lm_eval()  # before any work: the message names the install
+        t = ev.resolve_target(target, overrides or [], tracking_uri, config_dir)
+        if tasks:
+            hf_dir, step = (hf, ev.export_step(hf) or 0) if hf else ev.export_hf(t, None, typer.echo)
+            ev.run_lm_eval(t, hf_dir, step, [x for x in tasks.split(",") if x], limit, typer.echo)
+            return
+        if hf:
+            result = ev.run_workload(t, 1, ["--hf", str(hf)], typer.echo)
+            result["step"] = ev.export_step(hf) or 0
+        else:
+            result = ev.run_workload(t, nproc, [], typer.echo)
+        ev.log_result(t, result, ev.metric_prefix(t.cfg, bool(hf)))
+    except ConfigError as exc:
+        raise _fail(str(exc), EXIT_CONFIG) from None
+    except LaunchError as exc:
+        raise _fail(str(exc), EXIT_FAILED) from None
+    except KeyboardInterrupt:
+        raise _fail("eval interrupted", EXIT_INTERRUPTED) from None
+    where = f"run {t.run_id} at step {result.get('step')}" if t.run_id else "nothing (no run: a bare checkpoint URL)"
+    typer.echo(f"llmctl: eval of {result.get('checkpoint') or hf} logged to {where}")
+
+
+@app.command("export")
+def export_cmd(target: str = typer.Argument(..., help="MLflow run id, or a checkpoint URL."),
+               fmt: str = typer.Option("hf", "--format", help="Output format: hf (transformers Llama: safetensors + config + tokenizer)."),
+               out: Optional[str] = typer.Option(None, "--out", help="Directory (default: llmctl-runs/<run>/export-hf)."),
+               step: Optional[int] = typer.Option(None, "--step", help="Checkpoint step (default: newest complete)."),
+               upload: bool = typer.Option(False, "--upload", help="Also copy the files into the run's artifacts (export/hf)."),
+               config_dir: Optional[str] = ConfigDirOpt, tracking_uri: Optional[str] = TrackingUriOpt) -> None:
+    """Export a checkpoint for other tools (transformers, lm-eval, vLLM); tags the run with its path."""
+    from llmctl import eval as ev
+
+    if fmt != "hf":
+        raise _fail(f"--format {fmt}: only 'hf' is supported", 2)
+    try:
+        t = ev.resolve_target(target, [f"eval.step={step}"] if step is not None else [], tracking_uri, config_dir)
+        out_dir, got = ev.export_hf(t, out, typer.echo)
+        if upload:
+            ev.upload_export(t, out_dir)
+    except ConfigError as exc:
+        raise _fail(str(exc), EXIT_CONFIG) from None
+    except LaunchError as exc:
+        raise _fail(str(exc), EXIT_FAILED) from None
+    typer.echo(f"llmctl: exported step {got} to {out_dir}" + (f" (tag llmctl.export.hf on run {t.run_id})" if t.run_id else ""))
+
+
 @config_app.command("show")
 def config_show(overrides: Optional[List[str]] = OverridesArg, config_dir: Optional[str] = ConfigDirOpt) -> None:
     """Print the composed, validated config as YAML."""

@@ -95,9 +95,11 @@ def _check_override(raw: str, key: str, is_add: bool, is_delete: bool, value: An
             raise ConfigError(f"'{raw}': the config group '{key}' cannot be removed; pick an option: "
                               + ", ".join(group_options(key, extra_dir)))
         options = group_options(key, extra_dir)
+        if key == "experiment" and value is None:  # experiment=null: no preset
+            return
         if not isinstance(value, str):
             raise ConfigError(f"'{raw}': {key} is a config group; pick one of: {', '.join(options)}")
-        if value not in options and not (key == "experiment" and value == "null"):
+        if value not in options:
             raise ConfigError(f"Unknown {key} '{value}' in '{raw}'."
                               f"{_did_you_mean(value, options)} Options for {key}: {', '.join(options)}")
         return

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 
 class Kernels(str, enum.Enum):
@@ -158,6 +158,25 @@ class TrackingCfg:
 
 
 @dataclass
+class EvalCfg:
+    """``llmctl eval``: held-out metrics and samples of a checkpoint (docs/eval.md)."""
+
+    prompts: List[str] = field(default_factory=lambda: ["The ", "def ", "Return a"])
+    max_new_tokens: int = 32
+    temperature: float = 0.8  # the sampled completion; a greedy one is always made too
+    top_k: Optional[int] = 50
+    seed: int = 0
+    # None: train.val_batches (the fixed set training's val/loss uses, so the numbers agree)
+    val_batches: Optional[int] = None
+    # None: the newest complete checkpoint
+    step: Optional[int] = None
+    # Another data set (fsspec URL/glob, like data.source), tokenized with the run's tokenizer;
+    # None: the held-out split. ``llmctl eval RUN data.source=...`` sets this.
+    source: Optional[str] = None
+    text_field: str = "text"
+
+
+@dataclass
 class RootCfg:
     model: ModelCfg = field(default_factory=ModelCfg)
     data: DataCfg = field(default_factory=DataCfg)
@@ -166,6 +185,7 @@ class RootCfg:
     infra: InfraCfg = field(default_factory=InfraCfg)
     checkpoint: CheckpointCfg = field(default_factory=CheckpointCfg)
     tracking: TrackingCfg = field(default_factory=TrackingCfg)
+    eval: EvalCfg = field(default_factory=EvalCfg)
 
 
 def schema_keys(node: type = RootCfg, prefix: str = "") -> list[str]:

@@ -139,7 +139,18 @@ def end_run(handle: RunHandle, status: str, reason: str = "") -> None:
     """Close the run as FINISHED, FAILED or KILLED (never leave it RUNNING)."""
     mc = client(handle.uri)
     mc.set_tag(handle.run_id, "llmctl.status", redact(reason or status.lower())[:5000])
+    log_loss_curve(handle, mc)
     mc.set_terminated(handle.run_id, status=status)
+
+
+def log_loss_curve(handle: RunHandle, mc: Any = None) -> None:
+    """Attach ``loss_curve.svg`` (train and val loss by step) to the run."""
+    from llmctl.plot import loss_curve_svg
+
+    mc = mc or client(handle.uri)
+    curves = {name: [(m.step, m.value) for m in mc.get_metric_history(handle.run_id, name)]
+              for name in ("train/loss", "val/loss")}
+    mc.log_text(handle.run_id, loss_curve_svg(curves, f"run {handle.run_id}"), "loss_curve.svg")
 
 
 def summary(handle: RunHandle, elapsed_s: float) -> str:

@@ -53,6 +53,8 @@ def test_launch_finishes_with_tracked_run(cli_env: dict[str, str], tmp_path: Pat
     # artifacts: the resolved config as it ran
     local = client.download_artifacts(run.info.run_id, "config.yaml", str(tmp_path / "dl"))
     assert "steps: 12" in Path(local).read_text()
+    svg = Path(client.download_artifacts(run.info.run_id, "loss_curve.svg", str(tmp_path / "dl"))).read_text()
+    assert svg.startswith("<svg") and svg.count("<polyline") == 2 and "val/loss" in svg
     assert (tmp_path / "llmctl-runs" / run.info.run_id / "output.log").read_text().count("step") >= 4
 
 

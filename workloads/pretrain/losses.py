@@ -17,11 +17,16 @@ import torch
 # Elements of fp32 logits per chunk (2**25 = 128 MiB): big enough for efficient matmuls on GPU,
 # small enough that a 128k vocabulary still processes a few hundred tokens at a time.
 _DEFAULT_CHUNK_ELEMENTS = 1 << 25
+# On CPU the softmax passes are memory-bound: a 4 MiB chunk stays in cache. Measured on the smoke
+# model's head (2048 tokens x 4096 vocab, 1 thread): 256 tokens/chunk 1.53x F.cross_entropy's
+# speed (fwd+bwd), one 8192-token chunk 1.31x.
+_CPU_CHUNK_ELEMENTS = 1 << 20
 
 
-def default_chunk_size(vocab_size: int) -> int:
-    """Tokens per chunk so that one chunk of fp32 logits stays under ~128 MiB."""
-    return max(1, _DEFAULT_CHUNK_ELEMENTS // max(1, vocab_size))
+def default_chunk_size(vocab_size: int, device_type: str = "cuda") -> int:
+    """Tokens per chunk: one chunk of fp32 logits under ~128 MiB (GPU) or ~4 MiB (CPU)."""
+    budget = _CPU_CHUNK_ELEMENTS if device_type == "cpu" else _DEFAULT_CHUNK_ELEMENTS
+    return max(1, budget // max(1, vocab_size))
 
 
 def _chunk_logits(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -110,7 +115,7 @@ def chunked_linear_cross_entropy(
     hidden = hidden.reshape(-1, hidden.shape[-1])
     targets = targets.reshape(-1)
     if chunk_size is None:
-        chunk_size = default_chunk_size(weight.shape[0])
+        chunk_size = default_chunk_size(weight.shape[0], hidden.device.type)
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         return _ChunkedLinearCrossEntropy.apply(hidden, weight, targets, chunk_size, ignore_index)
     return _loss_only(hidden, weight, targets, chunk_size, ignore_index)
