@@ -91,12 +91,14 @@ def _check_override(raw: str, key: str, is_add: bool, is_delete: bool, value: An
         raise ConfigError(f"'{raw}' has no key: write key=value (e.g. train.steps=50)")
     top = key.split(".")[0].split("@")[0]
     if key in GROUPS:
-        if is_delete:
+        if is_delete and key != "experiment":
             raise ConfigError(f"'{raw}': the config group '{key}' cannot be removed; pick an option: "
                               + ", ".join(group_options(key, extra_dir)))
         options = group_options(key, extra_dir)
-        if key == "experiment" and value is None:  # experiment=null: no preset
+        if key == "experiment" and is_delete:  # ~experiment: no preset
             return
+        if key == "experiment" and value is None:
+            raise ConfigError(f"'{raw}': to run without an experiment preset, write ~experiment")
         if not isinstance(value, str):
             raise ConfigError(f"'{raw}': {key} is a config group; pick one of: {', '.join(options)}")
         if value not in options:
