@@ -2,7 +2,8 @@
 
 Only stdlib and typer at module level: hydra, mlflow and torch load inside the commands that
 need them, so ``llmctl --help`` stays instant. Exit codes: 0 ok, 2 usage, 3 bad config (or over
---max-cost), 1 failed run, 4 stopped by the budget guard, 130 interrupted.
+--max-cost), 1 failed run, 4 stopped by the budget guard, 75 preempted (state saved: ``llmctl resume``),
+130 interrupted.
 """
 
 from __future__ import annotations
@@ -158,6 +159,12 @@ def launch(overrides: Optional[List[str]] = OverridesArg, config_dir: Optional[s
         budget_stop, cost_line = cost.on_end(handle, the_plan, attempt)
     elapsed = time.monotonic() - started
     if code != 0:
+        from llmctl import resume as resume_mod
+
+        preempted = resume_mod.preempted_reason(handle)  # SIGTERM / llmctl down: KILLED, resumable
+        if preempted:
+            tracking.end_run(handle, "KILLED", preempted)
+            raise _fail(f"run {handle.run_id} {preempted}", resume_mod.EXIT_PREEMPTED)
         tracking.end_run(handle, "FAILED", f"workload exited with code {code}")
         raise _fail(f"run {handle.run_id} FAILED: workload exited with code {code}"
                     f" (log: {backend.run_dir(handle.run_id) / 'output.log'})", EXIT_FAILED)
@@ -172,6 +179,24 @@ def launch(overrides: Optional[List[str]] = OverridesArg, config_dir: Optional[s
 
 def _raise_interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
+
+
+@app.command()
+def resume(run_id: str = typer.Argument(..., help="MLflow run id of a stopped (preempted, failed, killed) run."),
+           overrides: Optional[List[str]] = OverridesArg, config_dir: Optional[str] = ConfigDirOpt,
+           tracking_uri: Optional[str] = typer.Option(None, "--tracking-uri", help="MLflow store of the run (default: $MLFLOW_TRACKING_URI, else ./mlflow.db).")) -> None:
+    """Continue a run from its newest complete checkpoint, in the same MLflow run (docs/resume.md).
+
+    Overrides change where and how it runs: infra=aws, parallel.dp_shard=1, train.steps=400.
+    """
+    from llmctl import resume as resume_mod
+
+    try:
+        code = resume_mod.resume(run_id, overrides or [], config_dir, tracking_uri,
+                                 lambda msg: typer.echo(msg, err=msg.startswith("error:")))
+    except ConfigError as exc:
+        raise _fail(str(exc), EXIT_CONFIG) from None
+    raise typer.Exit(code)
 
 
 TrackingUriOpt = typer.Option(None, "--tracking-uri", help="MLflow store of the run (default: $MLFLOW_TRACKING_URI, else ./mlflow.db).")

@@ -31,7 +31,8 @@ def get_run(run_id: str, uri: str) -> Any:
 def backend_of(run: Any) -> Any:
     from llmctl.backends import backend_for
 
-    return backend_for(run.data.params.get("infra.kind", "local"))
+    # a resumed run may have moved: llmctl.backend (set by `llmctl resume`) wins over the first launch's params
+    return backend_for(run.data.tags.get("llmctl.backend") or run.data.params.get("infra.kind", "local"))
 
 
 def recent(uri: str, limit: int = RECENT) -> list[Any]:

@@ -146,6 +146,7 @@ class CheckpointCfg:
     every: int = 0
     keep: int = 2
     async_save: bool = False
+    preempt_grace_s: float = 20.0  # SIGTERM/SIGUSR1: emergency save only if it can finish within this (docs/resume.md)
 
 
 @dataclass

@@ -113,6 +113,28 @@ def _stop(proc: subprocess.Popen[Any]) -> None:
             continue
 
 
+def _forward_sigterm(proc: subprocess.Popen[Any], grace_s: float) -> Any:
+    """SIGTERM to the controller (``llmctl down``) = preemption: pass it to torchrun and the workers,
+    which checkpoint and exit 75 (docs/resume.md); keep teeing their output. Past the grace period
+    (or on a second SIGTERM) stop them the hard way."""
+    import threading
+
+    state: dict[str, Any] = {}
+
+    def handler(signum: int, frame: Any) -> None:
+        if state:
+            raise KeyboardInterrupt
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        state["timer"] = threading.Timer(grace_s + STOP_GRACE_S, lambda: _stop(proc))
+        state["timer"].daemon = True
+        state["timer"].start()
+
+    return handler
+
+
 def launch(plan: Plan, handle: RunHandle, echo: Optional[Any] = None) -> int:
     """Run torchrun, tee its output, return its exit code (KeyboardInterrupt after stopping it)."""
     rdir = run_dir(handle.run_id)
@@ -121,11 +143,13 @@ def launch(plan: Plan, handle: RunHandle, echo: Optional[Any] = None) -> int:
     config_path.write_text(to_yaml(plan.cfg))
     cmd = torchrun_command(plan.nproc_per_node, str(config_path))
     out = echo or sys.stdout
-    with open(rdir / "output.log", "w") as log:
+    with open(rdir / "output.log", "a") as log:  # a resumed run appends its next attempt
         # own process group: Ctrl-C reaches the controller, which stops the group in order
         proc = subprocess.Popen(cmd, env=_worker_env(plan, handle, rdir), stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True)
         (rdir / PIDS_FILE).write_text(json.dumps({"controller": os.getpid(), "workers": proc.pid}))
+        grace = float(plan.cfg["checkpoint"].get("preempt_grace_s") or 0)
+        previous = signal.signal(signal.SIGTERM, _forward_sigterm(proc, grace))
         try:
             assert proc.stdout is not None
             for line in proc.stdout:
@@ -138,6 +162,7 @@ def launch(plan: Plan, handle: RunHandle, echo: Optional[Any] = None) -> int:
             _stop(proc)
             raise
         finally:
+            signal.signal(signal.SIGTERM, previous)
             if proc.poll() is None:
                 _stop(proc)
 
@@ -200,8 +225,9 @@ def down(run: Any, uri: str) -> str:
     pids = _pids(run.info.run_id)
     controller, workers = pids.get("controller"), pids.get("workers")
     if _alive(controller):
-        os.kill(controller, signal.SIGTERM)
-        deadline = time.monotonic() + STOP_GRACE_S + 15
+        os.kill(controller, signal.SIGTERM)  # the controller passes it on: workers checkpoint, exit 75
+        grace = float(run.data.params.get("checkpoint.preempt_grace_s") or 0)
+        deadline = time.monotonic() + STOP_GRACE_S + 15 + grace
         while _alive(controller) and time.monotonic() < deadline:
             time.sleep(0.2)
     if _alive(workers):  # controller gone (or stuck): stop the workers' group ourselves
@@ -211,6 +237,9 @@ def down(run: Any, uri: str) -> str:
             except ProcessLookupError:
                 break
             time.sleep(2)
+    from llmctl.tracking import client
+
+    run = client(uri).get_run(run.info.run_id)  # the controller has closed it (KILLED: preempted ...)
     if run.info.status == "RUNNING":
         from llmctl.tracking import RunHandle as _Handle, end_run
 

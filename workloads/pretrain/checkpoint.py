@@ -22,6 +22,7 @@ which stays right under any resharding.
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 from concurrent.futures import Future
@@ -33,6 +34,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 MARKER = ".complete"
+PAUSE_ENV = "LLMCTL_CKPT_PAUSE_S"  # test hook: sleep between the DCP write and the marker (SIGKILL mid-save)
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
@@ -91,6 +93,8 @@ class Checkpointer:
         self.every, self.keep, self.async_save = int(ck.every), int(ck.keep), bool(ck.async_save)
         self.env, self.model, self.optimizer, self.sampler = env, model, optimizer, sampler
         self._pending: tuple[int, Future] | None = None
+        self.last_committed: int | None = None  # newest step with a marker (loaded or saved)
+        self.save_s = 0.0  # duration of the last save: the emergency save on preemption is judged by it
         # Background saves run collectives from another thread: give them their own gloo group so
         # they never interleave with training's collectives (and work when training uses NCCL).
         self._pg = dist.new_group(backend="gloo") if self.async_save and dist.is_initialized() else None
@@ -125,6 +129,7 @@ class Checkpointer:
         dcp.load(state, checkpoint_id=self._step_dir(step), no_dist=not dist.is_initialized())
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"])
+        self.last_committed = step
         self.sampler.load_state_dict(state["train"]["sampler"])
         _set_rng_state(state["train"]["rng"])
         if int(state["train"]["step"]) != step:
@@ -144,6 +149,7 @@ class Checkpointer:
 
     def save(self, step: int) -> None:
         self._finish_pending()  # at most one save in flight; it must be complete before the next
+        t0 = time.monotonic()
         path = self._step_dir(step)
         if self.env.rank == 0:  # leftovers of a crashed save of this step
             fs, p = _fs(path)
@@ -158,6 +164,7 @@ class Checkpointer:
             dcp.save(state, checkpoint_id=path, no_dist=not dist.is_initialized())
             self._barrier()
             self._commit(step)
+        self.save_s = time.monotonic() - t0
 
     def _finish_pending(self) -> None:
         if self._pending is None:
@@ -169,8 +176,13 @@ class Checkpointer:
 
     def _commit(self, step: int) -> None:
         """Rank 0: write the marker, then drop all but the newest ``keep`` and stale partial saves."""
+        self.last_committed = step
         if self.env.rank != 0:
             return
+        pause = float(os.environ.get(PAUSE_ENV, "0") or 0)
+        if pause > 0:  # test hook: a SIGKILL now leaves step-N written but unmarked
+            print(f"checkpoint | step-{step} written, pausing {pause:g}s before its marker ({PAUSE_ENV})", flush=True)
+            time.sleep(pause)
         fs, path = _fs(self._step_dir(step))
         with fs.open(_join(path, MARKER), "w") as f:
             json.dump({"step": step, "world_size": self.env.world_size, "time": time.time()}, f)

@@ -35,6 +35,7 @@ import os
 import sys
 import time
 import traceback
+import warnings
 from contextlib import nullcontext
 from datetime import timedelta
 from typing import Any, Optional
@@ -84,7 +85,9 @@ def load_model(model_cfg: Any, step_dir: str, device: torch.device | str = "cpu"
 
     model = build_model(model_cfg, device)
     state = {"model": get_model_state_dict(model)}
-    dcp.load(state, checkpoint_id=step_dir, no_dist=not dist.is_initialized())
+    with warnings.catch_warnings():  # one process: DCP warns that it assumes so
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=step_dir, no_dist=not dist.is_initialized())
     set_model_state_dict(model, state["model"])
     return model.eval()
 

@@ -55,6 +55,7 @@ class MetricSink:
     def __init__(self, enabled: bool = True):
         self.run_id = os.environ.get("MLFLOW_RUN_ID") if enabled else None
         self._buffer: list[tuple[str, float, int, int]] = []
+        self.skip_upto: dict[str, int] = {}  # resumed run: {metric: last step already logged}
         self._client = None
 
     @property
@@ -65,7 +66,8 @@ class MetricSink:
         if not self.active:
             return
         ts = int(time.time() * 1000)
-        self._buffer += [(k, float(v), step, ts) for k, v in metrics.items() if v is not None]
+        self._buffer += [(k, float(v), step, ts) for k, v in metrics.items()
+                         if v is not None and step > self.skip_upto.get(k, -1)]
 
     def flush(self) -> None:
         if not self.active or not self._buffer:

@@ -16,7 +16,9 @@ failing workload exits non-zero and is reported as failed.
 Test hook: ``LLMCTL_LOSS_FILE=PATH`` makes rank 0 append one JSON line per logged step
 (``{"step": N, "train/loss": ..., ...}`` or ``{"step": N, "val/loss": ...}``) at full precision.
 
-Exit status: 0 on success, 1 on an exception (traceback on stderr), 128+signum on SIGTERM/SIGINT.
+Exit status: 0 on success, 1 on an exception (traceback on stderr), 130 on SIGINT, 75 when preempted:
+SIGTERM/SIGUSR1 finish the current step, write an emergency checkpoint within
+``checkpoint.preempt_grace_s`` and tag the run ``llmctl.preempted`` (``preempt.py``, docs/resume.md).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from workloads.pretrain.metrics import MetricSink, format_train_line, peak_memor
 from workloads.pretrain.model import build_model
 from workloads.pretrain.optim import build_optimizer, lr_factor
 from workloads.pretrain.parallelize import ParallelDims, local_loss, loss_context, parallelize
+from workloads.pretrain import preempt
 
 FAIL_AT_STEP_ENV = "LLMCTL_FAIL_AT_STEP"
 LOSS_FILE_ENV = "LLMCTL_LOSS_FILE"
@@ -207,6 +210,7 @@ def train(cfg: Any) -> dict:
     peak = peak_tflops(env.device, dtype)
     no_mfu = "cpu" if env.device.type == "cpu" else f"no peak for {torch.cuda.get_device_name(env.device)}"
     sink = MetricSink(enabled=env.is_main)
+    sink.skip_upto = preempt.on_start(env.is_main, start_step, env.world_size)  # no step logged twice
     loss_file = LossFile(enabled=env.is_main)
     fail_at = int(os.environ.get(FAIL_AT_STEP_ENV, "0") or 0)
     tokens_per_step = tc.batch_size * tc.seq_len  # global: the batch is split over dp ranks
@@ -299,6 +303,10 @@ def train(cfg: Any) -> dict:
             t_interval += time.perf_counter() - t_val  # keep eval out of the throughput numbers
 
         checkpointer.maybe_save(step, last=last)
+        if not last:  # SIGTERM/SIGUSR1 on any rank: every rank stops after this same step
+            save = preempt.PREEMPTION.check(env.device, float(cfg.checkpoint.preempt_grace_s), checkpointer.save_s)
+            if save is not None:
+                raise preempt.stop(checkpointer, step, save)
         if stop:
             guard.record_stop(step, env.is_main, checkpoint=bool(cfg.checkpoint.dir))
             break
@@ -327,11 +335,14 @@ def _raise_interrupted(signum, frame):
 
 def main(argv: list[str] | None = None) -> int:
     """Run training; map success / error / signal to an exit status and always leave the group."""
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, _raise_interrupted)
+    signal.signal(signal.SIGINT, _raise_interrupted)
+    preempt.PREEMPTION.install()  # SIGTERM, SIGUSR1: stop after the step, with a checkpoint
     try:
         train(load_config(argv))
         return 0
+    except preempt.Preempted as e:
+        preempt.record(e, int(os.environ.get("RANK", "0")) == 0)
+        return preempt.EXIT_PREEMPTED
     except Interrupted as e:
         print(f"pretrain: {e}, exiting", file=sys.stderr, flush=True)
         return 128 + e.signum

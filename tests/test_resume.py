@@ -1,0 +1,205 @@
+"""``llmctl resume`` end to end: real torchrun (2 gloo ranks), real sqlite MLflow, real moto S3.
+
+One uninterrupted reference run is shared by the module; each scenario stops a run (SIGTERM to
+the workers as a spot reclaim does, ``llmctl down``, or SIGKILL in the middle of a checkpoint
+write), resumes it with ``llmctl resume`` and compares the per-step fp32 losses with the reference.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers import mlflow_runs, run_cli
+
+pytestmark = pytest.mark.slow
+
+STEPS = 16
+RUN = ["experiment=smoke", f"train.steps={STEPS}", "train.log_every=1", "train.val_every=8", "checkpoint.every=5",
+       "parallel.dp_shard=2"]
+WORKLOAD_METRICS = ("train/loss", "train/lr", "train/grad_norm", "val/loss", "perf/tokens_per_s")
+
+
+def _env(base: dict[str, str], loss_file: Path) -> dict[str, str]:
+    return {**base, "LLMCTL_LOSS_FILE": str(loss_file)}
+
+
+def _losses(path: Path) -> dict[int, float]:
+    """Train loss per step; a step recomputed after a resume keeps its last value."""
+    out: dict[int, float] = {}
+    for line in path.read_text().splitlines():
+        rec = json.loads(line)
+        if "train/loss" in rec:
+            out[rec["step"]] = rec["train/loss"]
+    return out
+
+
+def _assert_same_losses(got: dict[int, float], ref: dict[int, float], tol: float = 1e-6) -> None:
+    assert sorted(got) == sorted(ref) == list(range(1, STEPS + 1))
+    worst = max(abs(got[s] - ref[s]) for s in ref)
+    assert worst <= tol, {s: (got[s], ref[s]) for s in ref if abs(got[s] - ref[s]) > tol}
+
+
+@pytest.fixture(scope="module")
+def base_env(cache_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    home = tmp_path_factory.mktemp("home")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "LLMCTL_"))}
+    env.update({"LLMCTL_CACHE_DIR": str(cache_dir), "PYTHONUNBUFFERED": "1", "HOME": str(home),
+                "SKYPILOT_DISABLE_USAGE_COLLECTION": "1", "DO_NOT_TRACK": "1"})
+    return env
+
+
+@pytest.fixture(scope="module")
+def reference(base_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
+    tmp = tmp_path_factory.mktemp("reference")
+    out = run_cli(["launch", *RUN], tmp, _env(base_env, tmp / "losses.jsonl"))
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    return _losses(tmp / "losses.jsonl")
+
+
+def _start(args: list[str], cwd: Path, env: dict[str, str]) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "llmctl", "launch", *args], cwd=cwd, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def _wait_for_step(loss_file: Path, step: int, proc: subprocess.Popen[str], timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "the run ended before it was interrupted"
+        if loss_file.exists() and any(s >= step for s in _losses(loss_file)):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"step {step} not reached")
+
+
+def _pids(cwd: Path) -> tuple[str, dict[str, int]]:
+    (rdir,) = list((cwd / "llmctl-runs").iterdir())
+    return rdir.name, json.loads((rdir / "pids.json").read_text())
+
+
+def _run(uri: str, run_id: str):
+    return next(r for r in mlflow_runs(uri) if r.info.run_id == run_id)
+
+
+def _assert_one_run_two_attempts(uri: str, run_id: str, world_sizes: tuple[str, str] = ("2", "2")) -> None:
+    from mlflow.tracking import MlflowClient
+
+    (run,) = mlflow_runs(uri)  # never a second run
+    assert run.info.run_id == run_id and run.info.status == "FINISHED"
+    tags = run.data.tags
+    assert tags["llmctl.attempt"] == "2"
+    assert tags["llmctl.attempt.1.status"].startswith(("preempted", "workload exited")), tags["llmctl.attempt.1.status"]
+    assert tags["llmctl.attempt.2.status"] == "finished"
+    assert (tags["llmctl.attempt.1.world_size"], tags["llmctl.attempt.2.world_size"]) == world_sizes
+    for n in (1, 2):
+        assert float(tags[f"llmctl.attempt.{n}.end"]) >= float(tags[f"llmctl.attempt.{n}.start"])
+    mc = MlflowClient(tracking_uri=uri)
+    for key in WORKLOAD_METRICS:
+        steps = [m.step for m in mc.get_metric_history(run_id, key)]
+        assert len(steps) == len(set(steps)), (key, sorted(steps))  # no step logged twice
+    assert sorted(m.step for m in mc.get_metric_history(run_id, "train/loss")) == list(range(1, STEPS + 1))
+    assert sorted(m.step for m in mc.get_metric_history(run_id, "val/loss")) == [0, 8, 16]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_sigterm_at_a_random_step_then_resume_is_exact(seed: int, reference, base_env, tmp_path: Path) -> None:
+    at = random.Random(seed).randint(2, STEPS - 3)
+    loss_file = tmp_path / "losses.jsonl"
+    env = _env(base_env, loss_file)
+    proc = _start(RUN, tmp_path, env)
+    _wait_for_step(loss_file, at, proc)
+    run_id, pids = _pids(tmp_path)
+    if seed == 0:  # `llmctl down`: SIGTERM to the controller, which passes it on
+        down = run_cli(["down", run_id], tmp_path, env, timeout=120)
+        assert down.returncode == 0, down.stderr[-2000:]
+    else:  # a spot reclaim: SIGTERM to every process of the job
+        os.killpg(pids["workers"], signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 75, out[-2000:] + err[-2000:]
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    run = _run(uri, run_id)
+    status = run.data.tags["llmctl.status"]
+    assert run.info.status == "KILLED" and status.startswith("preempted at step ")
+    assert f"resume with: llmctl resume {run_id}" in status
+    stopped = json.loads(run.data.tags["llmctl.preempted"])
+    assert stopped["saved"] or stopped["checkpoint"] == stopped["step"]  # emergency save (or a regular one)
+
+    res = run_cli(["resume", run_id], tmp_path, env)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert f"from step {stopped['step']}" in res.stdout
+    assert f"resumed from step {stopped['step']}" in res.stdout
+    _assert_same_losses(_losses(loss_file), reference)
+    _assert_one_run_two_attempts(uri, run_id)
+
+
+def test_sigkill_during_a_checkpoint_write_resumes_from_the_previous_one(reference, base_env, tmp_path: Path) -> None:
+    loss_file = tmp_path / "losses.jsonl"
+    env = _env(base_env, loss_file)
+    proc = _start(RUN, tmp_path, {**env, "LLMCTL_CKPT_PAUSE_S": "60"})
+    assert proc.stdout is not None
+    deadline = time.monotonic() + 240
+    for line in proc.stdout:  # step-5 is committed after its pause; kill inside step-10's
+        if "step-10 written, pausing" in line or time.monotonic() > deadline:
+            break
+    run_id, pids = _pids(tmp_path)
+    ckpts = tmp_path / "llmctl-runs" / run_id / "checkpoints"
+    assert (ckpts / "step-5" / ".complete").exists()
+    os.killpg(pids["workers"], signal.SIGKILL)
+    proc.communicate(timeout=60)
+    assert proc.returncode == 1
+    assert (ckpts / "step-10" / ".metadata").exists() and not (ckpts / "step-10" / ".complete").exists()
+
+    res = run_cli(["resume", run_id], tmp_path, env)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "resumed from step 5" in res.stdout
+    got = _losses(loss_file)
+    assert got[STEPS] == reference[STEPS]
+    _assert_same_losses(got, reference)
+    _assert_one_run_two_attempts(f"sqlite:///{tmp_path / 'mlflow.db'}", run_id)
+
+
+def test_resume_from_s3_on_one_process(reference, base_env, moto_s3, tmp_path: Path) -> None:
+    import s3fs
+
+    for k, v in moto_s3.items():
+        os.environ[k] = v
+    s3fs.S3FileSystem(skip_instance_cache=True).mkdir("resume-s3")
+    loss_file = tmp_path / "losses.jsonl"
+    env = {**_env(base_env, loss_file), **moto_s3}
+    proc = _start([*RUN, "checkpoint.dir=s3://resume-s3/run"], tmp_path, env)
+    _wait_for_step(loss_file, 7, proc)
+    run_id, pids = _pids(tmp_path)
+    os.killpg(pids["workers"], signal.SIGTERM)
+    proc.communicate(timeout=120)
+    assert proc.returncode == 75
+    res = run_cli(["resume", run_id, "parallel.dp_shard=1"], tmp_path, env)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "1 process(es)" in res.stdout and "s3://resume-s3/run" in res.stdout
+    _assert_same_losses(_losses(loss_file), reference)
+    _assert_one_run_two_attempts(f"sqlite:///{tmp_path / 'mlflow.db'}", run_id, ("2", "1"))
+
+
+def test_resume_refuses_bad_overrides_and_finished_runs(base_env, tmp_path: Path) -> None:
+    out = run_cli(["launch", "experiment=smoke", "train.steps=3", "train.val_every=3"], tmp_path, base_env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    (run,) = mlflow_runs(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    rid = run.info.run_id
+    bad = run_cli(["resume", rid, "train.lrr=1"], tmp_path, base_env)
+    assert bad.returncode == 3 and "train.lrr" in bad.stderr, bad.stderr
+    typed = run_cli(["resume", rid, "train.steps=abc"], tmp_path, base_env)
+    assert typed.returncode == 3 and "train.steps" in typed.stderr, typed.stderr
+    done = run_cli(["resume", rid], tmp_path, base_env)
+    assert done.returncode == 3 and "train.steps=<N>" in done.stderr, done.stderr
+    model = run_cli(["resume", rid, "model=smoke"], tmp_path, base_env)
+    assert model.returncode == 3 and "keeps its model" in model.stderr
+    assert run_cli(["resume", "nosuchrun"], tmp_path, base_env).returncode == 3
+    (run,) = mlflow_runs(f"sqlite:///{tmp_path / 'mlflow.db'}")  # untouched by the refusals
+    assert run.info.status == "FINISHED" and "llmctl.attempt" not in run.data.tags
