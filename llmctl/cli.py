@@ -34,6 +34,8 @@ app = typer.Typer(
 )
 config_app = typer.Typer(help="Inspect the config tree.", no_args_is_help=True)
 app.add_typer(config_app, name="config")
+data_app = typer.Typer(help="Prepare training data.", no_args_is_help=True)
+app.add_typer(data_app, name="data")
 
 
 def complete_override(incomplete: str) -> list[str]:
@@ -368,6 +370,26 @@ def export_cmd(target: str = typer.Argument(..., help="MLflow run id, or a check
     except LaunchError as exc:
         raise _fail(str(exc), EXIT_FAILED) from None
     typer.echo(f"llmctl: exported step {got} to {out_dir}" + (f" (tag llmctl.export.hf on run {t.run_id})" if t.run_id else ""))
+
+
+@data_app.command("prepare")
+def data_prepare(overrides: Optional[List[str]] = OverridesArg, config_dir: Optional[str] = ConfigDirOpt) -> None:
+    """Tokenize data.source into the cache now, so launches start training at once."""
+    import tempfile
+
+    from llmctl.config import compose, to_yaml
+
+    try:
+        composed = compose(overrides or [], config_dir)
+    except ConfigError as exc:
+        raise _fail(str(exc), EXIT_CONFIG) from None
+    from workloads.pretrain.prepare import main as prepare_main
+
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml") as resolved:
+        resolved.write(to_yaml(composed.cfg))
+        resolved.flush()
+        code = prepare_main(["--config", resolved.name])
+    raise typer.Exit(EXIT_FAILED if code else 0)
 
 
 @config_app.command("show")
