@@ -392,6 +392,21 @@ def data_prepare(overrides: Optional[List[str]] = OverridesArg, config_dir: Opti
     raise typer.Exit(EXIT_FAILED if code else 0)
 
 
+@app.command()
+def smoke(overrides: Optional[List[str]] = OverridesArg,
+          min_loss_drop: float = typer.Option(0.5, "--min-loss-drop", help="Fail unless val/loss falls by this much (nats)."),
+          junit_xml: Optional[str] = typer.Option(None, "--junit-xml", help="Write the stages as JUnit XML here."),
+          tracking_uri: Optional[str] = typer.Option(None, "--tracking-uri", help="MLflow store (default as for launch).")) -> None:
+    """CI gate: launch, checkpoint, resume, eval; fail if loss won't fall."""
+    from llmctl import smoke as smoke_mod
+
+    result = smoke_mod.run_smoke(overrides or [], min_loss_drop, tracking_uri, typer.echo)
+    if junit_xml:
+        smoke_mod.write_junit(result, junit_xml)
+    typer.echo(smoke_mod.summary(result))
+    raise typer.Exit(0 if result.ok else EXIT_FAILED)
+
+
 @config_app.command("show")
 def config_show(overrides: Optional[List[str]] = OverridesArg, config_dir: Optional[str] = ConfigDirOpt) -> None:
     """Print the composed, validated config as YAML."""
