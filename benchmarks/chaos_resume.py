@@ -72,10 +72,12 @@ def trial(n: int, rng: random.Random, ref: dict[int, float], base: Path, cache: 
     rdir = next((cwd / "llmctl-runs").iterdir())
     pgid = json.loads((rdir / "pids.json").read_text())["workers"]
     killed_after = max(losses(loss_file))
-    try:
-        os.killpg(pgid, sig)
-    except ProcessLookupError:
-        pass
+    kids = subprocess.run(["pgrep", "-P", str(pgid)], capture_output=True, text=True).stdout.split()
+    for pid in [pgid, *map(int, kids)]:  # the whole "node": torchrun and its workers (own sessions)
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
     proc.wait(timeout=300)
     res = llmctl(["resume", rdir.name], cwd, env)
     what = f"{sig.name} after step {killed_after} (launch exit {proc.returncode}, resume exit {res.returncode})"

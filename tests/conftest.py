@@ -12,6 +12,12 @@ from pathlib import Path
 import pytest
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    # here, not in tests/sky/conftest.py: options must be known before collection starts
+    parser.addoption("--no-slurm", action="store_true", default=False,
+                     help="skip the test that brings up Slurm on localhost (needs root and apt packages)")
+
+
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One tokenizer/corpus cache per test session (training the BPE takes a few seconds)."""

@@ -13,11 +13,6 @@ import pytest
 from sky_helpers import install_catalog
 
 
-def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--no-slurm", action="store_true", default=False,
-                     help="skip the test that brings up Slurm on localhost (needs root and apt packages)")
-
-
 @pytest.fixture(scope="session")
 def sky_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """In-process SkyPilot reads HOME once, at import: point it at a temp dir for this session."""
