@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from llmctl.errors import ConfigError, LaunchError
+from llmctl.procs import pid_alive
 
 EXIT_PREEMPTED = 75  # launch/resume: the run was preempted (SIGTERM) with its state saved; resume it
 TAG_PREEMPTED = "llmctl.preempted"  # JSON written by the workload's rank 0 (workloads/pretrain/preempt.py)
@@ -152,7 +153,7 @@ def _check_not_running(run: Any, backend: Any) -> None:
     rid = run.info.run_id
     if backend.__name__.endswith(".local"):
         pids = backend._pids(rid)
-        if not (backend._alive(pids.get("controller")) or backend._alive(pids.get("workers"))):
+        if not (pid_alive(pids.get("controller")) or pid_alive(pids.get("workers"))):
             return  # its controller died without closing it: safe to take over
         raise ConfigError(f"run {rid} is still running (controller pid {pids.get('controller')}); stop it"
                           f" first: llmctl down {rid}")
@@ -235,6 +236,12 @@ def resume(run_id: str, overrides: list[str], config_dir: Optional[str], trackin
     except Exception as exc:  # noqa: BLE001 - unreachable bucket, bad credentials ...
         raise ConfigError(f"cannot list checkpoints in {tracking.redact(str(root))}: {type(exc).__name__}: {exc}") from None
     total = int(plan.cfg["train"]["steps"])
+    if step is not None and step >= total and run.info.status != "FINISHED":
+        # the work is done (e.g. killed after its last checkpoint): close the run, nothing to rerun
+        handle = tracking.RunHandle(uri=uri, run_id=run_id, experiment_id=run.info.experiment_id)
+        tracking.end_run(handle, "FINISHED", f"finished: complete checkpoint at step {step} of {total}")
+        echo(f"llmctl: run {run_id} already has its final checkpoint (step {step} of {total}); marked FINISHED")
+        return 0
     if step is not None and step >= total:
         raise ConfigError(f"run {run_id} already has a complete checkpoint at step {step} of train.steps={total}:"
                           f" nothing to resume. To train further, raise it: llmctl resume {run_id} train.steps=<N>")

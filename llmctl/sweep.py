@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, TypeVar
 
+from llmctl.procs import pid_alive
 from llmctl.errors import ConfigError
 
 PREFIX = "sweep-"
@@ -484,28 +485,6 @@ def supervisor_pid(sweep_id: str) -> Optional[int]:
         return int((sweep_dir(sweep_id) / PID_FILE).read_text().strip())
     except (OSError, ValueError):
         return None
-
-
-def pid_alive(pid: Optional[int]) -> bool:
-    """A live process of ours (reaps it first if it is our exited child: ``--wait``)."""
-    if not pid:
-        return False
-    try:
-        if os.waitpid(pid, os.WNOHANG)[0] == pid:
-            return False
-    except ChildProcessError:
-        pass
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        if stat.rsplit(")", 1)[1].split()[0] == "Z":
-            return False
-        return b"python" in Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        try:
-            os.kill(pid, 0)
-        except (ProcessLookupError, PermissionError):
-            return False
-        return True
 
 
 def get_status(sweep_id: str, uri: Optional[str] = None) -> SweepStatus:

@@ -24,6 +24,7 @@ from typing import Any, Optional
 
 from llmctl import sweep
 from llmctl.errors import ConfigError, LaunchError
+from llmctl.procs import signal_tree
 
 POLL_S = 0.5
 STOP_GRACE_S = 45.0  # the local backend's own stop escalation takes up to ~25 s
@@ -196,10 +197,7 @@ class Supervisor:
 
         pids = local._pids(self.run_ids[index])
         for pid in filter(None, [pids.get("workers")]):
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+            signal_tree(pid, signal.SIGKILL)
         proc.kill()
 
     def kill_pending(self) -> None:

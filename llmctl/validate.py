@@ -18,7 +18,7 @@ def _require(ok: bool, key: str, message: str) -> None:
 
 def validate(cfg: dict[str, Any]) -> None:
     """Value ranges and cross-key consistency of a resolved config."""
-    model, data, train, par = cfg["model"], cfg["data"], cfg["train"], cfg["parallel"]
+    model, data, train = cfg["model"], cfg["data"], cfg["train"]
     for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "max_seq_len", "multiple_of"):
         _require(model[key] > 0, f"model.{key}", f"must be a positive integer, got {model[key]}. Fix: model.{key}=<n > 0>")
     _require(model["dim"] % model["n_heads"] == 0, "model.dim",

@@ -18,6 +18,7 @@ from typing import Any, Optional
 
 from llmctl.config import Composed, to_yaml
 from llmctl.plan import Plan
+from llmctl.procs import pid_alive, signal_tree
 from llmctl.tracking import RunHandle
 from llmctl.validate import resolve_layout
 
@@ -103,10 +104,7 @@ def _stop(proc: subprocess.Popen[Any]) -> None:
     for sig, wait_s in ((signal.SIGINT, STOP_GRACE_S), (signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
         if proc.poll() is not None:
             return
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
+        signal_tree(proc.pid, sig)
         try:
             proc.wait(timeout=wait_s)
         except subprocess.TimeoutExpired:
@@ -175,27 +173,12 @@ def _pids(run_id: str) -> dict[str, int]:
         return {}
 
 
-def _alive(pid: Optional[int]) -> bool:
-    """Whether ``pid`` is still one of ours (a python process), not a recycled pid."""
-    if not pid:
-        return False
-    try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        try:
-            os.kill(pid, 0)
-        except (ProcessLookupError, PermissionError):
-            return False
-        return True
-    return b"python" in cmdline or b"llmctl" in cmdline
-
-
 def status(run: Any, uri: str) -> list[str]:
     """Whether the run's processes are alive (runs are looked up in ``./llmctl-runs``)."""
     pids = _pids(run.info.run_id)
     if not pids:
         return [f"process:     unknown (no {run_dir(run.info.run_id) / PIDS_FILE}; run llmctl from where you launched)"]
-    alive = _alive(pids.get("controller")) or _alive(pids.get("workers"))
+    alive = pid_alive(pids.get("controller")) or pid_alive(pids.get("workers"))
     return [f"process:     {'alive' if alive else 'exited'} (controller pid {pids.get('controller')},"
             f" workers pgid {pids.get('workers')})"]
 
@@ -214,7 +197,7 @@ def logs(run: Any, uri: str, follow: bool) -> int:
             if chunk:
                 sys.stdout.write(chunk)
                 sys.stdout.flush()
-            if not follow or not (_alive(pids.get("controller")) or _alive(pids.get("workers"))):
+            if not follow or not (pid_alive(pids.get("controller")) or pid_alive(pids.get("workers"))):
                 sys.stdout.write(f.read())
                 return 0
             time.sleep(0.5)
@@ -224,18 +207,15 @@ def down(run: Any, uri: str) -> str:
     """Stop a running local run: SIGTERM to the controller (it stops the workers and marks KILLED)."""
     pids = _pids(run.info.run_id)
     controller, workers = pids.get("controller"), pids.get("workers")
-    if _alive(controller):
+    if pid_alive(controller):
         os.kill(controller, signal.SIGTERM)  # the controller passes it on: workers checkpoint, exit 75
         grace = float(run.data.params.get("checkpoint.preempt_grace_s") or 0)
         deadline = time.monotonic() + STOP_GRACE_S + 15 + grace
-        while _alive(controller) and time.monotonic() < deadline:
+        while pid_alive(controller) and time.monotonic() < deadline:
             time.sleep(0.2)
-    if _alive(workers):  # controller gone (or stuck): stop the workers' group ourselves
+    if pid_alive(workers):  # controller gone (or stuck): stop the workers' group ourselves
         for sig in (signal.SIGTERM, signal.SIGKILL):
-            try:
-                os.killpg(workers, sig)
-            except ProcessLookupError:
-                break
+            signal_tree(workers, sig)
             time.sleep(2)
     from llmctl.tracking import client
 

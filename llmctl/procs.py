@@ -1,0 +1,67 @@
+"""Process bookkeeping for local runs: is a pid still ours, and signal a whole process tree.
+
+torchrun starts each worker in a session of its own, so signalling torchrun's process group
+does not reach the workers; a hard stop must walk the tree (read from /proc, stdlib only).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional
+
+
+def pid_alive(pid: Optional[int]) -> bool:
+    """A live (not zombie) python/llmctl process; reaps it first if it is our exited child."""
+    if not pid:
+        return False
+    try:
+        if os.waitpid(pid, os.WNOHANG)[0] == pid:
+            return False
+    except ChildProcessError:
+        pass
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        if stat.rsplit(")", 1)[1].split()[0] == "Z":
+            return False
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        return b"python" in cmdline or b"llmctl" in cmdline
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except (ProcessLookupError, PermissionError):
+            return False
+        return True
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (children, grandchildren ...), from /proc's parent links."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def signal_tree(pid: int, sig: int) -> None:
+    """Send ``sig`` to ``pid``'s process group and to every descendant (workers in own sessions)."""
+    targets = descendants(pid)
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+    for child in targets:
+        try:
+            os.kill(child, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
