@@ -123,11 +123,12 @@ def _check_override(raw: str, key: str, is_add: bool, is_delete: bool, value: An
         raise ConfigError(f"'{raw}': '{key}' is a section; set one of its keys, e.g. {key}.<key>=...")
 
 
-def _parse_overrides(overrides: list[str]) -> list[Any]:
+def parse_overrides(overrides: list[str], parser: Any = None) -> list[Any]:
+    """Hydra ``Override`` objects, one per string; syntax errors become one-line ConfigErrors."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import OverrideParseException
 
-    parser = OverridesParser.create()
+    parser = parser or OverridesParser.create()
     parsed = []
     for raw in overrides:
         if "=" not in raw and not raw.startswith("~"):
@@ -170,7 +171,7 @@ def _translate(exc: BaseException, overrides: list[str]) -> ConfigError:
 def compose(overrides: Optional[list[str]] = None, config_dir: Optional[str] = None) -> Composed:
     """Compose ``conf/config.yaml`` with overrides; validate; return a plain resolved dict."""
     overrides = list(overrides or [])
-    parsed = _parse_overrides(overrides)
+    parsed = parse_overrides(overrides)
     for raw, ov in zip(overrides, parsed):
         if ov.is_sweep_override():
             raise ConfigError(f"'{raw}' is a sweep; run it with -m (multirun)")

@@ -82,11 +82,11 @@ def compose_resume(stored: dict[str, Any], choices: dict[str, str], overrides: l
     the old machine's layout). ``model=`` and ``experiment=`` are refused: a checkpoint only loads
     into the model that wrote it.
     """
-    from llmctl.config import GROUPS, _parse_overrides, compose, flatten
+    from llmctl.config import GROUPS, parse_overrides, compose, flatten
 
     user = list(overrides)
     dropped: set[str] = set()
-    for raw, ov in zip(user, _parse_overrides(user)):
+    for raw, ov in zip(user, parse_overrides(user)):
         group = ov.key_or_group
         if group in ("model", "experiment"):
             raise ConfigError(f"'{raw}': a resumed run keeps its {group} (its checkpoint only loads into the"

@@ -22,7 +22,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
-from llmctl.config import GROUPS, SCHEMA_NAME, Composed, search_dirs
+from llmctl.config import GROUPS, SCHEMA_NAME, Composed, parse_overrides, search_dirs
 from llmctl.errors import ConfigError
 
 
@@ -62,21 +62,8 @@ def _parser(config_dir: Optional[str]) -> Any:
 
 
 def parse(overrides: list[str], config_dir: Optional[str] = None) -> list[Any]:
-    """Hydra ``Override`` objects, one per string; syntax errors as one-line ConfigErrors."""
-    from hydra.errors import OverrideParseException
-
-    parser = _parser(config_dir)
-    parsed = []
-    for raw in overrides:
-        if "=" not in raw and not raw.startswith("~"):
-            raise ConfigError(f"'{raw}' is not an override: write key=value (e.g. train.lr=1e-3,3e-4)")
-        try:
-            parsed.extend(parser.parse_overrides([raw]))
-        except OverrideParseException as exc:
-            detail = str(exc).splitlines()[-1] if str(exc) else "syntax error"
-            raise ConfigError(f"Cannot parse override '{raw}': {detail}."
-                              " Quote values with special characters, e.g. key='a,b'") from None
-    return parsed
+    """Hydra ``Override`` objects; ``glob()`` sees the user's config dir too."""
+    return parse_overrides(overrides, _parser(config_dir))
 
 
 def expand(overrides: list[str], config_dir: Optional[str] = None) -> list[list[str]]:
