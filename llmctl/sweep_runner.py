@@ -94,6 +94,12 @@ def run_trial(d: Path, index: int, run_id: str) -> int:
         print(f"trial {index}: could not start: {exc}", file=sys.stderr, flush=True)
         return 1
     if code != 0:
+        from llmctl.resume import preempted_reason
+
+        preempted = preempted_reason(handle)  # SIGTERM from the supervisor: workers checkpointed and stopped
+        if preempted:
+            end("KILLED", f"sweep cancelled: {preempted}")
+            return 130
         end("FAILED", f"workload exited with code {code}")
         print(f"trial {index}: FAILED, workload exited with code {code}", flush=True)
         return 1
