@@ -187,7 +187,9 @@ def _raise_interrupt(signum: int, frame: Any) -> None:
 def resume(run_id: str = typer.Argument(..., help="MLflow run id of a stopped (preempted, failed, killed) run."),
            overrides: Optional[List[str]] = OverridesArg, config_dir: Optional[str] = ConfigDirOpt,
            tracking_uri: Optional[str] = typer.Option(None, "--tracking-uri", help="MLflow store of the run (default: $MLFLOW_TRACKING_URI, else ./mlflow.db).")) -> None:
-    """Continue a run from its newest complete checkpoint, in the same MLflow run (docs/resume.md).
+    """Continue a run from its last checkpoint, in the same MLflow run.
+
+    See docs/resume.md.
 
     Overrides change where and how it runs: infra=aws, parallel.dp_shard=1, train.steps=400.
     """
@@ -283,7 +285,7 @@ def runs_cmd(since: Optional[str] = SinceOpt,
              experiment: Optional[str] = typer.Option(None, "--experiment", "-e", help="Only this MLflow experiment."),
              limit: int = typer.Option(50, "--limit", help="At most this many runs, newest first."),
              as_json: bool = JsonOpt, tracking_uri: Optional[str] = TrackingUriOpt) -> None:
-    """List runs: status, infra, accelerator, steps, loss, tokens/s, MFU, estimated vs actual cost."""
+    """List runs: status, loss, tokens/s, MFU, estimated vs actual cost."""
     import json
 
     from llmctl.cost import report
@@ -300,7 +302,7 @@ def runs_cmd(since: Optional[str] = SinceOpt,
 def cost_cmd(since: Optional[str] = SinceOpt,
              by: str = typer.Option("experiment", "--by", help="Group by experiment, infra or accelerator."),
              as_json: bool = JsonOpt, tracking_uri: Optional[str] = TrackingUriOpt) -> None:
-    """Spend over a period (from each run's billed attempts), grouped by experiment, infra or accelerator."""
+    """Spend over a period by experiment, infra or accelerator."""
     import json
 
     from llmctl.cost import report
@@ -321,7 +323,7 @@ def eval_cmd(target: str = typer.Argument(..., help="MLflow run id, or a checkpo
              tasks: Optional[str] = typer.Option(None, "--tasks", help="lm-eval-harness tasks (comma-separated), run on an HF export."),
              limit: Optional[float] = typer.Option(None, "--limit", help="lm-eval: examples per task (or fraction)."),
              config_dir: Optional[str] = ConfigDirOpt, tracking_uri: Optional[str] = TrackingUriOpt) -> None:
-    """Score a checkpoint: val loss, perplexity, bits/byte, samples; logged into its run (docs/eval.md)."""
+    """Score a checkpoint (loss, perplexity, bits/byte, samples)."""
     from llmctl import eval as ev
 
     try:
@@ -355,7 +357,7 @@ def export_cmd(target: str = typer.Argument(..., help="MLflow run id, or a check
                step: Optional[int] = typer.Option(None, "--step", help="Checkpoint step (default: newest complete)."),
                upload: bool = typer.Option(False, "--upload", help="Also copy the files into the run's artifacts (export/hf)."),
                config_dir: Optional[str] = ConfigDirOpt, tracking_uri: Optional[str] = TrackingUriOpt) -> None:
-    """Export a checkpoint for other tools (transformers, lm-eval, vLLM); tags the run with its path."""
+    """Export a checkpoint for transformers, lm-eval or vLLM."""
     from llmctl import eval as ev
 
     if fmt != "hf":
@@ -397,7 +399,7 @@ def smoke(overrides: Optional[List[str]] = OverridesArg,
           min_loss_drop: float = typer.Option(0.5, "--min-loss-drop", help="Fail unless val/loss falls by this much (nats)."),
           junit_xml: Optional[str] = typer.Option(None, "--junit-xml", help="Write the stages as JUnit XML here."),
           tracking_uri: Optional[str] = typer.Option(None, "--tracking-uri", help="MLflow store (default as for launch).")) -> None:
-    """CI gate: launch, checkpoint, resume, eval; fail if loss won't fall."""
+    """CI gate: launch, resume, eval; fails if the loss does not fall."""
     from llmctl import smoke as smoke_mod
 
     result = smoke_mod.run_smoke(overrides or [], min_loss_drop, tracking_uri, typer.echo)

@@ -79,3 +79,14 @@ def test_completion_offers_group_options_without_hydra() -> None:
 
     assert "model=tiny" in complete_override("model=t")
     assert "train.lr=" in complete_override("train.l")
+
+
+def test_help_lists_every_command_on_one_untruncated_line(cli_env: dict[str, str], tmp_path: Path) -> None:
+    out = run_cli(["--help"], tmp_path, cli_env)
+    lines = out.stdout.split("Commands:")[1].strip().splitlines()
+    names = [line.split()[0] for line in lines]
+    for command in ("plan", "launch", "resume", "status", "logs", "down", "runs", "cost", "eval", "export",
+                    "smoke", "config", "data"):
+        assert command in names, command
+    for line in lines:
+        assert line.startswith("  ") and not line.startswith("   ") and not line.rstrip().endswith("..."), line
