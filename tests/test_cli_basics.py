@@ -83,7 +83,7 @@ def test_completion_offers_group_options_without_hydra() -> None:
 
 def test_help_lists_every_command_on_one_untruncated_line(cli_env: dict[str, str], tmp_path: Path) -> None:
     out = run_cli(["--help"], tmp_path, cli_env)
-    lines = out.stdout.split("Commands:")[1].strip().splitlines()
+    lines = [ln for ln in out.stdout.split("Commands:")[1].splitlines() if ln.strip()]
     names = [line.split()[0] for line in lines]
     for command in ("plan", "launch", "resume", "status", "logs", "down", "runs", "cost", "eval", "export",
                     "smoke", "config", "data"):
