@@ -12,7 +12,7 @@ import pytest
 
 from llmctl.config import compose
 from llmctl.cost import history
-from llmctl.cost.estimate import Hardware, estimate, flops_per_token, for_plan, hardware_of, num_params, shape_key
+from llmctl.cost.estimate import flops_per_token, for_plan, hardware_of, num_params, shape_key
 from llmctl.plan import make_plan
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -66,7 +66,7 @@ def catalog_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     shutil.copytree(ROOT / "tests" / "fixtures" / "sky-catalog-v8", home / ".sky" / "catalogs" / "v8")
     saved = {k: os.environ.get(k) for k in ("HOME", "SKYPILOT_DISABLE_USAGE_COLLECTION", "DO_NOT_TRACK")}
     os.environ.update({"HOME": str(home), "SKYPILOT_DISABLE_USAGE_COLLECTION": "1", "DO_NOT_TRACK": "1"})
-    import sky.catalog  # noqa: F401
+    import sky.catalog  # noqa: F401  (binds the catalog dir to this HOME)
 
     yield home
     for k, v in saved.items():
