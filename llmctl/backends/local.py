@@ -1,11 +1,13 @@
 """The embedded default: torchrun on this machine (all local GPUs, or CPU processes with gloo).
 
-Output is streamed to the terminal and kept in ``llmctl-runs/<run-id>/output.log``; the exit code
-of torchrun is the exit code of the run. Ctrl-C is forwarded so workers stop cleanly.
+Output is streamed to the terminal (under a live progress bar when it is one: ``progress.py``) and
+kept in ``llmctl-runs/<run-id>/output.log``; the exit code of torchrun is the exit code of the run.
+Ctrl-C is forwarded so workers stop cleanly.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -16,6 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
+from llmctl import progress
 from llmctl.config import Composed, to_yaml
 from llmctl.plan import Plan
 from llmctl.procs import pid_alive, signal_tree
@@ -141,7 +144,8 @@ def launch(plan: Plan, handle: RunHandle, echo: Optional[Any] = None) -> int:
     config_path.write_text(to_yaml(plan.cfg))
     cmd = torchrun_command(plan.nproc_per_node, str(config_path))
     out = echo or sys.stdout
-    with open(rdir / "output.log", "a") as log:  # a resumed run appends its next attempt
+    bar = progress.StepProgress(out) if progress.wanted(out) else None
+    with open(rdir / "output.log", "a") as log, (bar or contextlib.nullcontext()):  # a resume appends
         # own process group: Ctrl-C reaches the controller, which stops the group in order
         proc = subprocess.Popen(cmd, env=_worker_env(plan, handle, rdir), stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True)
@@ -151,8 +155,11 @@ def launch(plan: Plan, handle: RunHandle, echo: Optional[Any] = None) -> int:
         try:
             assert proc.stdout is not None
             for line in proc.stdout:
-                out.write(line)
-                out.flush()
+                if bar is not None:
+                    bar.feed(line)
+                else:
+                    out.write(line)
+                    out.flush()
                 log.write(line)
                 log.flush()
             return proc.wait()

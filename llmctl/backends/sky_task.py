@@ -24,6 +24,9 @@ SECRET_ENVS = (
     "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN",
     "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
 )
+# the attempt number and the budget guard's inputs, set by the controller for this launch/resume
+ATTEMPT_ENVS = ("LLMCTL_ATTEMPT", "LLMCTL_PRICE_PER_HOUR", "LLMCTL_MAX_COST_USD", "LLMCTL_BILLING_START",
+                "LLMCTL_SPENT_USD")
 
 SETUP = """\
 set -euo pipefail
@@ -159,6 +162,8 @@ def task_config(cfg: Mapping[str, Any], *, run_id: str, tracking_uri: str, exper
         "PYTHONUNBUFFERED": "1",
         "LLMCTL_PIP_ARGS": str(infra.get("pip_args") or ""),
     }
+    environ = os.environ if environ is None else environ
+    envs.update({k: environ[k] for k in ATTEMPT_ENVS if environ.get(k)})
     if "MLFLOW_TRACKING_URI" not in secrets:
         envs["MLFLOW_TRACKING_URI"] = tracking_uri
     if infra["nproc_per_node"] or not infra["accelerators"]:

@@ -89,15 +89,18 @@ def on_launch(handle: Any, plan: Any, max_cost: Optional[float]) -> tuple[Option
 
 
 def on_end(handle: Any, plan: Any, attempt: Optional[int]) -> tuple[Optional[str], str]:
-    """Close the attempt, log calibration and ledger. Returns (budget-stop reason or None, a cost line)."""
+    """Close the open attempt(s), log calibration and ledger. Returns (budget-stop reason or None, a cost line)."""
     from llmctl.cost import history, ledger
     from llmctl.tracking import client
 
     try:
         mc = client(handle.uri)
         end = time.time()
-        if attempt is not None:
-            ledger.close_attempt(mc, handle.run_id, attempt, end)
+        # every attempt still open ends now: the controller's own, or the newest one a managed job's
+        # in-job recovery opened (the workload already closed the controller's at that recovery)
+        for a in ledger.attempts(mc.get_run(handle.run_id).data.tags):
+            if a.end is None:
+                ledger.close_attempt(mc, handle.run_id, a.n, end)
         run = mc.get_run(handle.run_id)
         this = [a for a in ledger.attempts(run.data.tags) if a.n == attempt]
         if this and len(ledger.attempts(run.data.tags)) == 1:  # one clean attempt: a calibration point

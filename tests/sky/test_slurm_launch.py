@@ -1,5 +1,6 @@
-"""A real launch: ``llmctl launch infra=slurm`` through SkyPilot's Slurm backend on a localhost
-Slurm cluster, tracked on a real MLflow server; then ``status``, ``logs`` and ``down`` against it.
+"""Real launches through SkyPilot's Slurm backend on a localhost Slurm cluster, tracked on a real
+MLflow server: a cluster launch followed by ``status``, ``logs`` and ``down``; and a managed job whose
+Slurm job is cancelled mid-run, recovered by SkyPilot and finished as one MLflow run.
 
 Runs by default (CI runs it as root after .ci/run installs slurm-wlm, munge, openssh-server);
 ``--no-slurm`` or ``LLMCTL_SKIP_SLURM=1`` skips it locally. Missing prerequisites skip it with the
@@ -8,11 +9,13 @@ reason, except under CI=true, where they fail it.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import shutil
 import urllib.request
 from pathlib import Path
 from typing import Iterator
@@ -20,7 +23,7 @@ from typing import Iterator
 import pytest
 
 from sky_helpers import run_cli
-from slurm_harness import CLUSTER, PARTITION, Cluster, free_port, missing_prerequisites, slurm_cluster
+from slurm_harness import CLUSTER, PARTITION, USER, Cluster, free_port, missing_prerequisites, slurm_cluster
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(600)]
 
@@ -126,3 +129,100 @@ def test_launch_status_logs_down_on_real_slurm(mlflow_server: str, cluster: Clus
         assert "step" in run_cli(["logs", rid], tmp_path, env, timeout=120).stdout
     finally:
         subprocess.run([sky_bin, "api", "stop"], env=env, capture_output=True, timeout=120)
+
+
+OFFLINE_NETWORK = Path(__file__).resolve().parent / "offline_network"
+
+
+def _wait_for(what: str, ok: "callable[[], bool]", timeout: float, proc: subprocess.Popen[str]) -> None:  # type: ignore[valid-type]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if ok():
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"llmctl launch exited ({proc.returncode}) while waiting for {what}")
+        time.sleep(0.3)
+    raise AssertionError(f"{what}: not after {timeout:.0f} s")
+
+
+def _complete_steps(ckpt: Path) -> list[int]:
+    return sorted(int(p.parent.name.split("-")[1]) for p in ckpt.glob("step-*/.complete"))
+
+
+def test_managed_job_recovers_from_scancel_as_one_run(mlflow_server: str, cluster: Cluster, tmp_path: Path,
+                                                     cli_env: dict[str, str]) -> None:
+    """scancel the managed job's Slurm allocation mid-run: SkyPilot's controller (consolidation mode,
+    in the local API server) relaunches it, the workload resumes from its checkpoint on the shared
+    filesystem by itself, and the run finishes FINISHED as one MLflow run with two billed attempts."""
+    home = Path(cli_env["HOME"])
+    cluster.write_client_config(home, cluster.root / "ssh" / "user_key")
+    (home / ".sky").mkdir(parents=True, exist_ok=True)
+    (home / ".sky" / "config.yaml").write_text("jobs:\n  controller:\n    consolidation_mode: true\n")
+    shared = cluster.root / "shared"  # the cluster's shared filesystem: where checkpoints outlive a node
+    shared.mkdir()
+    shutil.chown(shared, USER, USER)
+    steps = 600  # ~30 s of training on this CPU: the scancel lands mid-run
+    env = {**cli_env, "MLFLOW_TRACKING_URI": mlflow_server, "AWS_EC2_METADATA_DISABLED": "true",
+           # the API server (and the jobs controller in it) inherit this: the internet probe stub only
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(OFFLINE_NETWORK), cli_env.get("PYTHONPATH")]))}
+    sky_bin = str(Path(sys.executable).with_name("sky"))
+    _wait_healthy(mlflow_server)
+    log = open(tmp_path / "launch.log", "w+")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "llmctl", "launch", "infra=slurm", "infra.managed=true", "experiment=smoke",
+         f"infra.region={CLUSTER}", f"infra.zone={PARTITION}", f"infra.node_python={sys.executable}",
+         "infra.cpus=1", "infra.memory=2", f"train.steps={steps}", "checkpoint.every=40", "train.val_every=100",
+         f"checkpoint.dir={shared / 'ckpt'}", "tracking.run_name=managed-recovery"],
+        cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        _wait_for("a complete checkpoint on the shared filesystem", lambda: bool(_complete_steps(shared / "ckpt")),
+                  420, proc)
+        first_ckpt = _complete_steps(shared / "ckpt")[0]
+        (job,) = cluster.squeue().split("\n")[:1]
+        slurm_job = job.split()[0]
+        subprocess.run(["scancel", slurm_job], env=cluster.env, check=True, timeout=30)
+        assert proc.wait(timeout=540) == 0, _tail(log)
+
+        from mlflow.tracking import MlflowClient
+
+        mc = MlflowClient(tracking_uri=mlflow_server)
+        runs = mc.search_runs([mc.get_experiment_by_name("llmctl").experiment_id],
+                              filter_string="tags.mlflow.runName = 'managed-recovery'")
+        assert len(runs) == 1, "one MLflow run across the recovery"
+        run = runs[0]
+        tags = run.data.tags
+        assert run.info.status == "FINISHED", tags.get("llmctl.status")
+        assert tags["llmctl.attempt"] == "2" and tags.get("llmctl.sky.task_id"), tags
+        assert "llmctl.attempt.1.end" in tags and "llmctl.attempt.2.end" in tags, "both attempts billed and closed"
+        assert int(tags["llmctl.attempt.2.from_step"]) >= first_ckpt > 0, "the rerun resumed from a checkpoint"
+        assert float(tags["llmctl.attempt.1.end"]) <= float(tags["llmctl.attempt.2.start"])
+        preempted = json.loads(tags["llmctl.preempted"])  # scancel's SIGTERM: emergency save, then exit
+        assert preempted["signal"] == "SIGTERM" and preempted["checkpoint"] == int(tags["llmctl.attempt.2.from_step"])
+        losses = mc.get_metric_history(run.info.run_id, "train/loss")
+        logged = [m.step for m in losses]
+        assert len(logged) == len(set(logged)), "no step logged twice across the recovery"
+        assert max(logged) == steps
+        assert mc.get_metric_history(run.info.run_id, "val/loss")[-1].step == steps
+        assert int(run.data.metrics["cost/attempts"]) == 2
+
+        status = run_cli(["status", run.info.run_id], tmp_path, env, timeout=120)
+        assert "SUCCEEDED" in status.stdout, status.stdout + status.stderr
+        queue = subprocess.run([sky_bin, "jobs", "queue", "--all"], env=env, capture_output=True, text=True,
+                               timeout=120).stdout
+        assert "SUCCEEDED" in queue, queue
+        deadline = time.monotonic() + 120  # the controller tears the job's cluster down after it succeeds
+        while cluster.squeue().strip() and time.monotonic() < deadline:
+            time.sleep(2)
+        assert cluster.squeue().strip() == "", "no Slurm job left behind"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=60)
+        subprocess.run([sky_bin, "jobs", "cancel", "--all", "--yes"], env=env, capture_output=True, timeout=120)
+        subprocess.run([sky_bin, "api", "stop"], env=env, capture_output=True, timeout=120)
+        log.close()
+
+
+def _tail(log: "object") -> str:
+    log.seek(0)  # type: ignore[attr-defined]
+    return log.read()[-6000:]  # type: ignore[attr-defined]

@@ -94,6 +94,16 @@ def test_credentials_are_secrets_never_envs(sky_home: Path) -> None:
     assert sky_task.secrets_from({}, uri) == {"MLFLOW_TRACKING_URI": uri}
 
 
+def test_attempt_and_budget_reach_the_nodes(sky_home: Path) -> None:
+    """A resume's attempt number and the budget guard's inputs travel as task envs; others do not."""
+    environ = {"LLMCTL_ATTEMPT": "3", "LLMCTL_MAX_COST_USD": "12.500000", "LLMCTL_SPENT_USD": "4.2",
+               "LLMCTL_BILLING_START": "1700000000.000", "LLMCTL_PRICE_PER_HOUR": "23.92", "LLMCTL_OTHER": "x"}
+    config, task = _task(["infra=lambda"], environ)
+    assert {k: task.envs[k] for k in sky_task.ATTEMPT_ENVS} == {k: environ[k] for k in sky_task.ATTEMPT_ENVS}
+    assert "LLMCTL_OTHER" not in task.envs
+    assert "LLMCTL_ATTEMPT" not in _task(["infra=lambda"], {})[1].envs
+
+
 def _fake_python(tmp_path: Path) -> Path:
     fake = tmp_path / "python"
     fake.write_text('#!/bin/sh\nfor a in "$@"; do printf "%s\\n" "$a"; done\n')

@@ -90,18 +90,23 @@ def record(exc: Preempted, is_main: bool) -> None:
     """Rank 0: say what happened and tag the run for the controller (best-effort)."""
     if not is_main:
         return
-    ck = f"checkpoint step-{exc.checkpoint}" if exc.checkpoint is not None else "no checkpoint"
-    print(f"preempt | {exc.signame}: stopped after step {exc.step}; {ck}"
-          f"{' (emergency save)' if exc.saved else ''}{'; ' + exc.note if exc.note else ''}", flush=True)
-    run_id = os.environ.get("MLFLOW_RUN_ID")
-    if not run_id:
-        return
-    try:
-        from mlflow.tracking import MlflowClient
+    # the tag first: when a scheduler cancels the job, whatever read our stdout may already be gone
+    run_id, problem = os.environ.get("MLFLOW_RUN_ID"), ""
+    if run_id:
+        try:
+            from mlflow.tracking import MlflowClient
 
-        MlflowClient().set_tag(run_id, TAG, json.dumps(exc.info()))
-    except Exception as e:  # noqa: BLE001 - the controller then reports a failure; the log says why
-        print(f"warning: could not tag the run as preempted ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
+            MlflowClient().set_tag(run_id, TAG, json.dumps(exc.info()))
+        except Exception as e:  # noqa: BLE001 - the controller then reports a failure; the log says why
+            problem = f"warning: could not tag the run as preempted ({type(e).__name__}: {e})"
+    ck = f"checkpoint step-{exc.checkpoint}" if exc.checkpoint is not None else "no checkpoint"
+    try:
+        print(f"preempt | {exc.signame}: stopped after step {exc.step}; {ck}"
+              f"{' (emergency save)' if exc.saved else ''}{'; ' + exc.note if exc.note else ''}", flush=True)
+        if problem:
+            print(problem, file=sys.stderr, flush=True)
+    except OSError:  # a closed pipe (the job step's reader was cancelled first)
+        pass
 
 
 def on_start(is_main: bool, start_step: int, world_size: int) -> dict[str, int]:
