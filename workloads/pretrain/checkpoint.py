@@ -25,6 +25,7 @@ import json
 import os
 import re
 import time
+import warnings
 from concurrent.futures import Future
 from typing import Any
 
@@ -32,6 +33,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+# a one-process run saves without a process group on purpose (no_dist=True); DCP warns on every save
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
+                        category=UserWarning)
 
 MARKER = ".complete"
 PAUSE_ENV = "LLMCTL_CKPT_PAUSE_S"  # test hook: sleep between the DCP write and the marker (SIGKILL mid-save)
