@@ -1,0 +1,207 @@
+"""Every command shown in the docs runs, so the docs cannot rot.
+
+The ```bash blocks of README.md and docs/**/*.md are read as one shell session per file: their lines
+run in order in a fresh directory, with the test environment (private HOME holding SkyPilot's
+fixture catalogs, the shared tokenizer cache, no MLflow/cloud variables). Rules the docs follow:
+
+- ``llmctl ...`` runs as written and must exit 0, or N when the line ends in ``# exit N``.
+- ``<run-id>`` is the newest run of the session (when none exists yet, a 10-step local run is
+  launched first); ``<sweep-id>`` the newest sweep. Any other ``<placeholder>`` fails the test.
+- A ```text block right after a ```bash block is output its last command must print (whitespace
+  normalized): the error messages in troubleshooting.md are checked verbatim this way.
+- Lines that need the outside world are not run: installs (pip, venv, activate), ``mlflow ui``,
+  ``sky ...``, and the benchmarks (minutes each, one needs a GPU; docs/benchmarks.md records their
+  runs). ``llmctl launch``/``resume`` with a non-local ``infra=`` run as ``llmctl plan`` with
+  the same overrides (no cloud account or remote cluster here; the real Slurm launch is
+  tests/sky/test_slurm_launch.py). Each substitution is printed.
+- Any other line (``mkdir``, ``printf ... > file``) runs with bash in the session directory.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from helpers import ROOT
+
+sys.path.insert(0, str(ROOT / "tests" / "sky"))
+from sky_helpers import install_catalog  # noqa: E402
+
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+FENCE = re.compile(r"^```(\w*)\n(.*?)^```\n?", re.S | re.M)
+EXIT = re.compile(r"#\s*exit\s+(\d+)\s*$")
+PLACEHOLDER = re.compile(r"<[a-z][a-z0-9-]*>")
+NOT_RUN = re.compile(r"^(pip|python3? -m (venv|pip)|\. \S*activate|source |mlflow ui|sky |git clone|cd |python3? benchmarks/)")
+REMOTE_INFRA = re.compile(r"^infra=(?!local$)")
+
+
+@dataclass
+class Step:
+    line: str  # as shown in the doc
+    expected_exit: int
+    expect_output: str  # normalized text that must appear in the output ("" for none)
+
+
+def _norm(text: str) -> str:
+    return " ".join(text.split())
+
+
+def steps(doc: Path) -> list[Step]:
+    """The runnable lines of a doc, in order, each with its expected exit code and output."""
+    text = doc.read_text()
+    blocks = list(FENCE.finditer(text))
+    out: list[Step] = []
+    for i, block in enumerate(blocks):
+        if block.group(1) != "bash":
+            continue
+        lines = []
+        for raw in block.group(2).splitlines():
+            line = raw.strip()
+            if not line or line.startswith("#"):
+                continue
+            code = EXIT.search(line)
+            if "&&" in line and "llmctl " in line:  # an install chain ending in the llmctl command
+                line = line[line.rindex("&&") + 2:].strip()
+            if NOT_RUN.match(line):
+                continue
+            lines.append(Step(line, int(code.group(1)) if code else 0, ""))
+        nxt = blocks[i + 1] if i + 1 < len(blocks) else None
+        if lines and nxt is not None and nxt.group(1) == "text" and not text[block.end():nxt.start()].strip():
+            lines[-1].expect_output = _norm(nxt.group(2))
+        out += lines
+    return out
+
+
+def _newest(workdir: Path, sweep: bool) -> str | None:
+    if not (workdir / "mlflow.db").exists():
+        return None
+    from mlflow.tracking import MlflowClient
+
+    mc = MlflowClient(tracking_uri=f"sqlite:///{workdir / 'mlflow.db'}")
+    exps = [e.experiment_id for e in mc.search_experiments()]
+    for run in mc.search_runs(exps, order_by=["attributes.start_time DESC"], max_results=50):
+        tags = run.data.tags
+        if sweep and tags.get("llmctl.sweep_id"):
+            return tags["llmctl.sweep_id"]
+        if not sweep and tags.get("llmctl.kind") != "sweep":
+            return run.info.run_id
+    return None
+
+
+def _run(args: list[str], workdir: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "llmctl", *args], cwd=workdir, env=env, text=True,
+                          capture_output=True, timeout=600, stdin=subprocess.DEVNULL)
+
+
+def _resolve(line: str, workdir: Path, env: dict[str, str]) -> str:
+    if "<run-id>" in line and _newest(workdir, sweep=False) is None:
+        seed = _run(["launch", "experiment=smoke", "train.steps=10", "checkpoint.every=5"], workdir, env)
+        assert seed.returncode == 0, seed.stdout[-2000:] + seed.stderr[-2000:]
+        print("  (a 10-step local run was launched for <run-id>)")
+    for name, sweep in (("<run-id>", False), ("<sweep-id>", True)):
+        if name in line:
+            value = _newest(workdir, sweep)
+            assert value, f"{name} used before any {'sweep' if sweep else 'run'} exists in this doc"
+            line = line.replace(name, value)
+    unknown = PLACEHOLDER.findall(line.split("#")[0])
+    assert not unknown, f"unknown placeholder(s) {unknown} in: {line}"
+    return line
+
+
+def _llmctl_args(line: str) -> list[str]:
+    """The arguments of an llmctl line; a cloud launch/resume becomes the plan of the same overrides."""
+    args = shlex.split(line, comments=True)[1:]
+    if args and args[0] in ("launch", "resume") and any(REMOTE_INFRA.match(a) for a in args):
+        rest = args[1:]
+        if args[0] == "resume":  # the run's own overrides live in MLflow; plan what the line asks for
+            rest = rest[1:]
+        print(f"  substituted: llmctl plan {' '.join(rest)}  (needs a cloud account to run as written)")
+        return ["plan", *rest]
+    return args
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("doc", DOCS, ids=[str(d.relative_to(ROOT)) for d in DOCS])
+def test_doc_commands_run(doc: Path, tmp_path: Path, cli_env: dict[str, str]) -> None:
+    todo = steps(doc)
+    if not todo:
+        pytest.skip("no ```bash commands")
+    workdir = tmp_path / "session"
+    workdir.mkdir()
+    install_catalog(Path(cli_env["HOME"]))
+    env = {**cli_env, "AWS_EC2_METADATA_DISABLED": "true", "COLUMNS": "200",
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{cli_env.get('PATH', '')}"}
+    for step in todo:
+        line = _resolve(step.line, workdir, env)
+        print(f"$ {line}")
+        if line.startswith("llmctl "):
+            out = _run(_llmctl_args(line), workdir, env)
+        else:
+            out = subprocess.run(["bash", "-c", line.split(" # ")[0]], cwd=workdir, env=env, text=True,
+                                 capture_output=True, timeout=300)
+        shown = out.stdout + out.stderr
+        assert out.returncode == step.expected_exit, (
+            f"{doc.name}: `{step.line}` exited {out.returncode}, expected {step.expected_exit}\n{shown[-4000:]}")
+        if step.expect_output:
+            assert step.expect_output in _norm(shown), (
+                f"{doc.name}: `{step.line}` no longer prints what the doc shows:\n"
+                f"expected: {step.expect_output}\ngot: {shown[-3000:]}")
+
+
+def _leaf_keys(node: type, prefix: str = "") -> list[str]:
+    from dataclasses import MISSING, fields, is_dataclass
+
+    keys = []
+    for f in fields(node):
+        sub = f.default_factory
+        if sub is not MISSING and is_dataclass(sub):
+            keys += _leaf_keys(sub, f"{prefix}{f.name}.")
+        else:
+            keys.append(f"{prefix}{f.name}")
+    return keys
+
+
+def test_config_reference_covers_every_key_and_option() -> None:
+    """docs/config.md names every schema key and every option of every config group."""
+    from llmctl.schema import RootCfg
+
+    text = (ROOT / "docs" / "config.md").read_text()
+    missing = [k for k in _leaf_keys(RootCfg) if f"`{k}`" not in text]
+    assert not missing, f"docs/config.md lacks: {missing}"
+    options = [(p.parent.name, p.stem) for p in sorted((ROOT / "conf").glob("*/*.yaml"))]
+    assert options
+    section = text.split("## Groups", 1)[1].split("## Keys", 1)[0]
+    absent = [f"{g}={o}" for g, o in options if f"`{o}`" not in section or f"`{g}`" not in section]
+    assert not absent, f"docs/config.md lacks the group option(s): {absent}"
+
+
+def test_ci_workflow_is_valid_and_runs_smoke() -> None:
+    import yaml
+
+    text = (ROOT / "docs" / "ci.md").read_text()
+    (block,) = [m.group(2) for m in FENCE.finditer(text) if m.group(1) == "yaml"]
+    workflow = yaml.safe_load(block)
+    steps_ = workflow["jobs"]["smoke"]["steps"]
+    runs = "\n".join(s.get("run", "") for s in steps_)
+    assert "torch==2.13.0" in runs and "whl/cpu" in runs, "a pinned CPU torch"
+    assert re.search(r"^llmctl smoke\b", runs, re.M)
+    assert any(s.get("uses", "").startswith("actions/checkout") for s in steps_)
+
+
+def test_steps_parser_reads_the_conventions(tmp_path: Path) -> None:
+    doc = tmp_path / "x.md"
+    doc.write_text("```bash\npip install -e . && llmctl plan  # comment\nllmctl plan train.lr=abc   # exit 3\n"
+                   "```\n\n```text\nBad value  for 'train.lr'\n```\n")
+    got = steps(doc)
+    assert [(s.line, s.expected_exit) for s in got] == [("llmctl plan  # comment", 0),
+                                                       ("llmctl plan train.lr=abc   # exit 3", 3)]
+    assert got[1].expect_output == "Bad value for 'train.lr'"
+    assert _llmctl_args("llmctl launch infra=aws train.steps=5  # x") == ["plan", "infra=aws", "train.steps=5"]
+    assert _llmctl_args("llmctl launch infra=local") == ["launch", "infra=local"]
