@@ -8,8 +8,9 @@ not a new branch here. ``sky`` is imported inside functions: ``llmctl --help`` m
 from __future__ import annotations
 
 import difflib
+import functools
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 from llmctl.backends.sky_task import node_accelerators
 from llmctl.errors import ConfigError
@@ -36,6 +37,24 @@ def _catalog() -> Any:
     import sky.catalog
 
     return sky.catalog
+
+
+def _catalog_reachable(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """SkyPilot downloads a provider's catalog on first use; offline, say so instead of a traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(infra: Mapping[str, Any], *args: Any, **kwargs: Any) -> Any:
+        import requests
+
+        try:
+            return fn(infra, *args, **kwargs)
+        except (requests.exceptions.ConnectionError, requests.exceptions.Timeout) as exc:
+            url = getattr(getattr(exc, "request", None), "url", None) or "its catalog URL"
+            raise ConfigError(f"SkyPilot has no {infra['provider']} catalog on this machine and could not download"
+                              f" it from {url} ({type(exc).__name__}). Fix: run `llmctl plan` once with internet"
+                              " access, or copy the catalog CSVs into ~/.sky/catalogs/") from None
+
+    return wrapper
 
 
 def known_providers() -> list[str]:
@@ -80,6 +99,7 @@ def _did_you_mean(word: str, options: list[str]) -> str:
     return f" Did you mean '{close[0]}'?" if close else ""
 
 
+@_catalog_reachable
 def _check_region(infra: Mapping[str, Any]) -> None:
     if not infra.get("region") or not _has_offline_catalog(infra["provider"]):
         return
@@ -100,6 +120,7 @@ def _has_offline_catalog(provider: str) -> bool:
     return hasattr(module, "get_instance_type_for_accelerator")
 
 
+@_catalog_reachable
 def _check_accelerators(infra: Mapping[str, Any]) -> None:
     acc = node_accelerators(infra)
     provider = infra["provider"]
@@ -118,6 +139,7 @@ def _check_accelerators(infra: Mapping[str, Any]) -> None:
                           f" per node. Fix: infra.accelerators={name}:<count> and more infra.nodes")
 
 
+@_catalog_reachable
 def offers(infra: Mapping[str, Any]) -> list[Offer]:
     """Every instance type and region that fits, priced by SkyPilot's catalog, cheapest first."""
     provider = infra["provider"]
