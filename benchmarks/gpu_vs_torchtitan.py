@@ -49,14 +49,15 @@ LR = 3e-4
 def ours_model(device):
     from omegaconf import OmegaConf
 
-    from llmctl.schema import ModelCfg
+    from workloads.pretrain.schema import ModelCfg
     from workloads.pretrain.model import apply_compile, build_model
+    from workloads.pretrain.shape import flops_per_token
 
     cfg = OmegaConf.merge(OmegaConf.structured(ModelCfg), OmegaConf.load(REPO / "conf/model/1b.yaml"))
     cfg.kernels = "fused"
     torch.manual_seed(0)
     model = build_model(cfg, device)
-    flops = model.flops_per_token(SEQ_LEN)
+    flops = flops_per_token(cfg, SEQ_LEN)
     apply_compile(model)
 
     def loss_fn(x, y):
@@ -167,12 +168,11 @@ def main() -> int:
     if flops is None:  # llmctl side failed: count from a meta-built model (no memory)
         from omegaconf import OmegaConf
 
-        from llmctl.schema import ModelCfg
-        from workloads.pretrain.model import Transformer
+        from workloads.pretrain.schema import ModelCfg
+        from workloads.pretrain.shape import flops_per_token
 
         cfg = OmegaConf.merge(OmegaConf.structured(ModelCfg), OmegaConf.load(REPO / "conf/model/1b.yaml"))
-        with torch.device("meta"):
-            flops = Transformer(cfg).flops_per_token(SEQ_LEN)
+        flops = flops_per_token(cfg, SEQ_LEN)
     print(f"gpu_vs_torchtitan | FLOPs/token {flops / 1e9:.2f} GFLOP (6N + 12*L*H*Q*T, same for both sides)")
     for side, r in results.items():
         tflops = r["tok_s"] * flops / 1e12

@@ -37,6 +37,7 @@ sys.path.insert(0, str(REPO))
 
 from workloads.pretrain.model import build_model  # noqa: E402
 from workloads.pretrain.optim import build_optimizer  # noqa: E402
+from workloads.pretrain.shape import num_params  # noqa: E402
 
 BATCH, SEQ_LEN = 16, 128
 WARMUP, ROUNDS, STEPS = 3, 15, 2
@@ -46,7 +47,7 @@ THREADS = int(os.environ.get("KERNELS_CPU_THREADS", "1"))
 def model_cfg(kernels: str):
     from omegaconf import OmegaConf
 
-    from llmctl.schema import ModelCfg
+    from workloads.pretrain.schema import ModelCfg
 
     cfg = OmegaConf.merge(OmegaConf.structured(ModelCfg), OmegaConf.load(REPO / "conf/model/smoke.yaml"))
     cfg.kernels = kernels
@@ -56,7 +57,7 @@ def model_cfg(kernels: str):
 def train_cfg():
     from omegaconf import OmegaConf
 
-    from llmctl.schema import TrainCfg
+    from workloads.pretrain.schema import TrainCfg
 
     return OmegaConf.merge(OmegaConf.structured(TrainCfg), OmegaConf.load(REPO / "conf/train/default.yaml"))
 
@@ -98,7 +99,7 @@ def main() -> int:
     tokens = torch.randint(0, cfg.vocab_size, (BATCH, SEQ_LEN + 1), generator=g)
     x, y = tokens[:, :-1], tokens[:, 1:]
     ref, fused = Path_("reference", x, y), Path_("fused", x, y)
-    n_params = ref.model.num_params()
+    n_params = num_params(cfg)
     print(f"kernels_cpu | model smoke ({n_params / 1e6:.2f}M params, {cfg.n_layers}x{cfg.dim}, vocab {cfg.vocab_size}) "
           f"| batch {BATCH} x seq {SEQ_LEN} fp32 | torch {torch.__version__}, {torch.get_num_threads()} thread(s) "
           f"| compile off | {WARMUP} warmup + {ROUNDS} rounds x {STEPS} steps per path", flush=True)

@@ -1,6 +1,6 @@
 """``llmctl plan -m`` of a 100-trial sweep: wall time of the real CLI, as a user runs it.
 
-Trials sharing config-group options share one Hydra composition (llmctl/sweep_expand.py); the
+Trials sharing config-group options share one Hydra composition (llmctl/sweep/expand.py); the
 naive way (one ``compose()`` per trial, ~60 ms each here) is timed on a sample for comparison.
 
     .venv/bin/python benchmarks/sweep_plan.py [--repeat 3] [--naive-sample 10]
@@ -37,7 +37,7 @@ def cli_once(cwd: str) -> float:
 def naive_per_trial(sample: int) -> float:
     sys.path.insert(0, str(ROOT))
     from llmctl.config import compose
-    from llmctl.sweep_expand import expand
+    from llmctl.sweep.expand import expand
 
     trials = expand(SWEEP)
     compose(trials[0])  # warm imports

@@ -1,16 +1,14 @@
-"""The ``llmctl`` command line. Data flows one way: compose → plan → backend → tracking.
+"""The ``llmctl`` command line. Data flows one way: compose → plan → lifecycle → backend → tracking.
 
 Only stdlib and typer at module level: hydra, mlflow and torch load inside the commands that
 need them, so ``llmctl --help`` stays instant. Exit codes: 0 ok, 2 usage, 3 bad config (or over
---max-cost), 1 failed run, 4 stopped by the budget guard, 75 preempted (state saved: ``llmctl resume``),
-130 interrupted.
+--max-cost), and for a run its outcome's code (``lifecycle.RULES``: 0 finished, 1 failed, 4 stopped by
+the budget guard, 75 preempted with state saved, 130 interrupted, 143 killed).
 """
 
 from __future__ import annotations
 
 import os
-import signal
-import time
 from typing import Any, List, Optional
 
 # Plain click help renders in ~0.13 s; Rich's costs ~0.35 s. TYPER_USE_RICH=1 brings Rich back.
@@ -76,7 +74,7 @@ def _main(
 
 def _compose_and_plan(overrides: Optional[List[str]], config_dir: Optional[str]) -> Any:
     from llmctl.config import compose
-    from llmctl.plan import make_plan
+    from llmctl.planner import make_plan
 
     try:
         return make_plan(compose(overrides or [], config_dir))
@@ -94,10 +92,10 @@ def plan(overrides: Optional[List[str]] = OverridesArg, config_dir: Optional[str
          max_cost: Optional[float] = typer.Option(None, "--max-cost", help="Show whether the estimate (USD) is within this.")) -> None:
     """Show the resolved config and how it would run; changes nothing."""
     if multirun:
-        from llmctl import sweep
+        from llmctl.sweep import planning
 
         try:
-            typer.echo(sweep.plan_text(overrides or [], config_dir, max_parallel))
+            typer.echo(planning.plan_text(overrides or [], config_dir, max_parallel))
         except ConfigError as exc:
             raise _fail(str(exc), EXIT_CONFIG) from None
         return
@@ -116,77 +114,30 @@ def launch(overrides: Optional[List[str]] = OverridesArg, config_dir: Optional[s
            mode: str = typer.Option("min", "--mode", help="Sweep: min or max of --metric.")) -> None:
     """Train where the config says (default: here), tracked in MLflow. With -m, a sweep."""
     if multirun:
-        from llmctl import sweep
+        from llmctl.sweep import control
 
         try:
-            code = sweep.launch_cli(overrides or [], config_dir, max_parallel, wait, max_cost, metric, mode, typer.echo)
+            code = control.launch_cli(overrides or [], config_dir, max_parallel, wait, max_cost, metric, mode, typer.echo)
         except ConfigError as exc:
             raise _fail(str(exc), EXIT_CONFIG) from None
         raise typer.Exit(code)
     the_plan = _compose_and_plan(overrides, config_dir)
-    from llmctl import tracking
-    from llmctl.backends import backend_for
-    from llmctl.config import to_yaml
+    from llmctl import lifecycle
 
-    backend = backend_for(the_plan.cfg["infra"]["kind"])
-    try:  # checks that must pass before anything exists (e.g. cloud credentials)
-        getattr(backend, "preflight", lambda plan: None)(the_plan)
-    except ConfigError as exc:
-        raise _fail(str(exc), EXIT_CONFIG) from None
-    from llmctl.cost import hooks as cost
-
-    try:  # --max-cost: refuse before anything exists
-        cost.check_budget(the_plan, max_cost)
-    except ConfigError as exc:
-        raise _fail(str(exc), EXIT_CONFIG) from None
-    handle = tracking.create_run(the_plan.cfg, the_plan.choices)
-    cfg = backend.finalize(the_plan, handle)
-    tracking.describe_run(handle, cfg, to_yaml(cfg))
-    attempt, cost_env = cost.on_launch(handle, the_plan, max_cost)  # estimate logged, billing attempt opened
-    os.environ.update(cost_env)  # the workload's budget guard reads these
-    typer.echo(f"llmctl: run {handle.run_id} on {the_plan.where}, {the_plan.world_size} process(es)"
-               f" on {the_plan.device}")
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
-    started = time.monotonic()
     try:
-        code = backend.launch(the_plan, handle)
+        code = lifecycle.launch(the_plan, max_cost=max_cost, say=typer.echo)
+    except ConfigError as exc:  # preflight or --max-cost: refused before anything exists
+        raise _fail(str(exc), EXIT_CONFIG) from None
     except KeyboardInterrupt:
-        tracking.end_run(handle, "KILLED", "interrupted")
-        raise _fail(f"run {handle.run_id} interrupted; marked KILLED", EXIT_INTERRUPTED) from None
-    except (LaunchError, OSError) as exc:
-        tracking.end_run(handle, "FAILED", str(exc))
-        raise _fail(f"run {handle.run_id} failed to start: {exc}", EXIT_FAILED) from None
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-        budget_stop, cost_line = cost.on_end(handle, the_plan, attempt)
-    elapsed = time.monotonic() - started
-    if code != 0:
-        from llmctl import resume as resume_mod
-
-        preempted = resume_mod.preempted_reason(handle)  # SIGTERM / llmctl down: KILLED, resumable
-        if preempted:
-            tracking.end_run(handle, "KILLED", preempted)
-            raise _fail(f"run {handle.run_id} {preempted}", resume_mod.EXIT_PREEMPTED)
-        tracking.end_run(handle, "FAILED", f"workload exited with code {code}")
-        raise _fail(f"run {handle.run_id} FAILED: workload exited with code {code}"
-                    f" (log: {backend.run_dir(handle.run_id) / 'output.log'})", EXIT_FAILED)
-    tracking.end_run(handle, "FINISHED", budget_stop or "")
-    typer.echo(tracking.summary(handle, elapsed))
-    if cost_line:
-        typer.echo(cost_line)
-    if budget_stop:
-        typer.echo(f"llmctl: run {handle.run_id} {budget_stop}", err=True)
-        raise typer.Exit(cost.EXIT_BUDGET)
-
-
-def _raise_interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt
+        raise _fail("interrupted", EXIT_INTERRUPTED) from None
+    raise typer.Exit(code)
 
 
 @app.command()
 def resume(run_id: str = typer.Argument(..., help="MLflow run id of a stopped (preempted, failed, killed) run."),
            overrides: Optional[List[str]] = OverridesArg, config_dir: Optional[str] = ConfigDirOpt,
-           tracking_uri: Optional[str] = typer.Option(None, "--tracking-uri", help="MLflow store of the run (default: $MLFLOW_TRACKING_URI, else ./mlflow.db).")) -> None:
+           tracking_uri: Optional[str] = typer.Option(None, "--tracking-uri", help="MLflow store of the run (default: $MLFLOW_TRACKING_URI, else ./mlflow.db)."),
+           max_cost: Optional[float] = typer.Option(None, "--max-cost", help="Budget (USD) for the whole run, earlier attempts included (default: the run's own); refuses if what is left would pass it.")) -> None:
     """Continue a run from its last checkpoint, in the same MLflow run.
 
     See docs/resume.md.
@@ -196,10 +147,11 @@ def resume(run_id: str = typer.Argument(..., help="MLflow run id of a stopped (p
     from llmctl import resume as resume_mod
 
     try:
-        code = resume_mod.resume(run_id, overrides or [], config_dir, tracking_uri,
-                                 lambda msg: typer.echo(msg, err=msg.startswith("error:")))
+        code = resume_mod.resume(run_id, overrides or [], config_dir, tracking_uri, max_cost, typer.echo)
     except ConfigError as exc:
         raise _fail(str(exc), EXIT_CONFIG) from None
+    except KeyboardInterrupt:
+        raise _fail("interrupted", EXIT_INTERRUPTED) from None
     raise typer.Exit(code)
 
 
@@ -208,11 +160,12 @@ TrackingUriOpt = typer.Option(None, "--tracking-uri", help="MLflow store of the 
 
 def _run_and_backend(run_id: str, tracking_uri: Optional[str]) -> Any:
     from llmctl import runs
+    from llmctl.backends import backend_of
 
     uri = runs.tracking_uri(tracking_uri)
     try:
         run = runs.get_run(run_id, uri)
-        return uri, run, runs.backend_of(run)
+        return uri, run, backend_of(run)
     except ConfigError as exc:
         raise _fail(str(exc), EXIT_CONFIG) from None
 
@@ -230,15 +183,22 @@ def status(run_id: Optional[str] = typer.Argument(None, help="MLflow run id or s
         typer.echo(runs.table(runs.recent(runs.tracking_uri(tracking_uri))))
         return
     if run_id.startswith("sweep-"):  # a sweep id: every trial's state, metrics and cost
-        from llmctl import sweep
+        from llmctl.sweep import state
 
         try:
-            typer.echo(sweep.status_text(run_id, tracking_uri))
+            typer.echo(state.status_text(run_id, tracking_uri))
         except ConfigError as exc:
             raise _fail(str(exc), EXIT_CONFIG) from None
         return
     uri, run, backend = _run_and_backend(run_id, tracking_uri)
-    lines = backend.status(run, uri)
+    job = backend.status(run, uri)
+    lines = job.lines
+    if run.info.status == "RUNNING" and job.ended:  # the job ended while nobody was watching
+        from llmctl import lifecycle
+
+        outcome = lifecycle.Outcome.FINISHED if job.ok else lifecycle.Outcome.FAILED
+        lifecycle.close_run(uri, run_id, outcome, f"job {job.ended}")
+        lines.append(f"mlflow:      run closed as {lifecycle.RULES[outcome].mlflow_status}")
     from llmctl.cost import hooks as cost
 
     lines += cost.status_lines(uri, runs.get_run(run_id, uri))  # estimate vs ledger; refreshes cost/*
@@ -262,18 +222,23 @@ def down(run_id: str = typer.Argument(..., help="MLflow run id or sweep id."),
          tracking_uri: Optional[str] = TrackingUriOpt) -> None:
     """Stop a run and release its processes, cluster or managed job. A sweep id cancels every trial."""
     if run_id.startswith("sweep-"):
-        from llmctl import sweep
+        from llmctl.sweep import control
 
         try:
-            typer.echo(f"llmctl: {sweep.down(run_id, tracking_uri)}")
+            typer.echo(f"llmctl: {control.down(run_id, tracking_uri)}")
         except ConfigError as exc:
             raise _fail(str(exc), EXIT_CONFIG) from None
         return
     uri, run, backend = _run_and_backend(run_id, tracking_uri)
     try:
-        typer.echo(f"llmctl: {backend.down(run, uri)}")
+        what = backend.down(run, uri)
     except ConfigError as exc:
         raise _fail(str(exc), EXIT_CONFIG) from None
+    from llmctl import lifecycle
+
+    # its controller closes the run when it outlives the stop; if the run is still open, nobody will
+    lifecycle.close_run(uri, run_id, lifecycle.Outcome.KILLED, "llmctl down")
+    typer.echo(f"llmctl: {what}")
 
 
 SinceOpt = typer.Option(None, "--since", help="Only runs started since: 30m, 12h, 7d, 2w or a date (2026-11-01).")

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import enum
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -214,23 +213,11 @@ def open_dict(cfg: Any) -> Any:
     return _open_dict(cfg)
 
 
-def compose_config(overrides: Optional[list[str]] = None) -> Any:
-    """The composed config as a typed omegaconf DictConfig (used by the workload under plain torchrun)."""
-    return to_typed(compose(overrides).cfg)
-
-
 def to_typed(cfg: dict[str, Any]) -> Any:
     """A plain config dict as a DictConfig checked against the schema (e.g. a resolved YAML file)."""
     from omegaconf import OmegaConf
 
     return OmegaConf.merge(OmegaConf.structured(schema.RootCfg), cfg)
-
-
-def load_resolved(path: str | os.PathLike[str]) -> Any:
-    """Read a resolved config written by ``write_resolved`` as a typed DictConfig."""
-    from omegaconf import OmegaConf
-
-    return to_typed(OmegaConf.to_container(OmegaConf.load(str(path))))
 
 
 def to_yaml(cfg: dict[str, Any]) -> str:

@@ -96,7 +96,7 @@ def resolve_target(target: str, overrides: list[str], tracking_uri: Optional[str
     from omegaconf import OmegaConf
 
     from llmctl import runs
-    from llmctl.backends.local import RUNS_DIR, run_dir
+    from llmctl.workdir import RUNS_DIR, run_dir
 
     uri = runs.tracking_uri(tracking_uri)
     stamp = time.strftime("%Y%m%d-%H%M%S")

@@ -1,6 +1,7 @@
 """The plan: what will run, where, how and tracked where — a plain value, printed by ``plan``.
 
 ``launch`` executes exactly the plan that ``plan`` prints, so what a user reviewed is what runs.
+A backend fills one in (``Backend.plan``); ``planner.make_plan`` adds the cost estimate.
 """
 
 from __future__ import annotations
@@ -9,8 +10,9 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from llmctl.config import Composed, to_yaml
-from llmctl.tracking import redact, resolve_uri
+from llmctl.config import to_yaml
+from llmctl.hardware import Hardware
+from llmctl.tracking import redact
 
 
 @dataclass
@@ -25,8 +27,11 @@ class Plan:
     device: str
     command: list[str]
     tracking_uri: str
+    hardware: Hardware
+    # catalog offers by mode (False: on-demand, True: spot), cheapest first; empty off the catalog
+    offers: dict[bool, list[Any]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
-    estimate: Any = None  # llmctl.cost.estimate.Estimate, filled by make_plan
+    estimate: Any = None  # llmctl.cost.estimate.Estimate, filled by planner.make_plan
 
     @property
     def world_size(self) -> int:
@@ -54,19 +59,3 @@ class Plan:
         if self.estimate is not None:
             lines += ["", self.estimate.describe()]
         return "\n".join(lines)
-
-
-def make_plan(composed: Composed) -> Plan:
-    """Ask the config's backend how it would run this config (no side effects)."""
-    from llmctl.backends import backend_for
-
-    backend = backend_for(composed.cfg["infra"]["kind"])
-    plan: Plan = backend.plan(composed)
-    plan.tracking_uri = resolve_uri(composed.cfg["tracking"]["uri"])
-    try:  # what it will cost: catalog prices, and earlier runs of this shape in MLflow (read-only)
-        from llmctl.cost.estimate import for_plan
-
-        plan.estimate = for_plan(plan)
-    except Exception as exc:  # noqa: BLE001 - the plan stands without it; --max-cost then refuses
-        plan.notes.append(f"no cost estimate: {type(exc).__name__}: {exc}")
-    return plan

@@ -1,4 +1,4 @@
-"""Process bookkeeping for local runs: is a pid still ours, and signal a whole process tree.
+"""Process bookkeeping: stop requests as exceptions, is a pid still ours, signal a whole process tree.
 
 torchrun starts each worker in a session of its own, so signalling torchrun's process group
 does not reach the workers; a hard stop must walk the tree (read from /proc, stdlib only).
@@ -7,8 +7,24 @@ does not reach the workers; a hard stop must walk the tree (read from /proc, std
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
+
+
+class Interrupted(KeyboardInterrupt):
+    """A stop request the controller received: SIGINT (Ctrl-C) or SIGTERM (``llmctl down``, a
+    scheduler, a sweep's cancel). A KeyboardInterrupt, so every ``except KeyboardInterrupt`` that
+    stops child processes still runs; ``signum`` tells the lifecycle which outcome it was."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def raise_interrupted(signum: int, frame: Any) -> None:
+    """A signal handler: turn SIGINT/SIGTERM into ``Interrupted``."""
+    raise Interrupted(signum)
 
 
 def pid_alive(pid: Optional[int]) -> bool:

@@ -1,6 +1,6 @@
-"""Runs after launch: find one by MLflow run id and ask its backend for status, logs or down.
+"""Runs after launch: find one by MLflow run id; list and describe runs.
 
-The run's params say which backend ran it (``infra.kind``), its tags say where it lives
+The run's params and tags say which backend ran it (``backends.backend_of``) and where it lives
 (``llmctl.sky.*``), so an id is all a user needs to give.
 """
 
@@ -26,13 +26,6 @@ def get_run(run_id: str, uri: str) -> Any:
     except MlflowException:
         raise ConfigError(f"no run '{run_id}' in {redact(uri)}. Fix: `llmctl status` lists runs;"
                           " pass --tracking-uri (or set MLFLOW_TRACKING_URI) if the run is tracked elsewhere") from None
-
-
-def backend_of(run: Any) -> Any:
-    from llmctl.backends import backend_for
-
-    # a resumed run may have moved: llmctl.backend (set by `llmctl resume`) wins over the first launch's params
-    return backend_for(run.data.tags.get("llmctl.backend") or run.data.params.get("infra.kind", "local"))
 
 
 def recent(uri: str, limit: int = RECENT) -> list[Any]:

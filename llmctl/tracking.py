@@ -11,30 +11,35 @@ import os
 import re
 import socket
 import subprocess
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 from llmctl import __version__
 
 SQLITE_DEFAULT = "mlflow.db"
 MAX_PARAM_CHARS = 6000
+T = TypeVar("T")
 
 
 @dataclass
 class RunHandle:
-    """Everything a worker needs to log into the run the controller created."""
+    """Everything a worker needs: the run the controller created, and this attempt's environment
+    (``workloads.pretrain.contract``: attempt number, budget guard inputs), set by the lifecycle."""
 
     uri: str
     run_id: str
     experiment_id: str
+    attempt_env: dict[str, str] = field(default_factory=dict)
 
     def env(self) -> dict[str, str]:
         return {
             "MLFLOW_TRACKING_URI": self.uri,
             "MLFLOW_RUN_ID": self.run_id,
             "MLFLOW_EXPERIMENT_ID": self.experiment_id,
+            **self.attempt_env,
         }
 
 
@@ -83,10 +88,38 @@ def git_state(path: Optional[Path] = None) -> dict[str, str]:
     return {"git_sha": sha, "git_dirty": str(bool(dirty)).lower()}
 
 
+def retry(fn: Callable[..., T], *args: Any, attempts: int = 8, **kwargs: Any) -> T:
+    """Call ``fn``; on sqlite's 'database is locked' back off and try again (many writers, one file)."""
+    delay = 0.1
+    for attempt in range(attempts):
+        try:
+            return fn(*args, **kwargs)
+        except Exception as exc:  # MlflowException / sqlalchemy OperationalError wrap the same text
+            if "locked" not in str(exc).lower() or attempt == attempts - 1:
+                raise
+            time.sleep(delay)
+            delay = min(delay * 2, 3.0)
+    raise AssertionError("unreachable")
+
+
+class _RetryingClient:
+    """An ``MlflowClient`` whose calls ride out sqlite's write lock: parallel trials, several
+    launches at once and their workers all write one file."""
+
+    def __init__(self, inner: Any):
+        self._inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._inner, name)
+        if not callable(attr):
+            return attr
+        return lambda *args, **kwargs: retry(attr, *args, **kwargs)
+
+
 def client(uri: str) -> Any:
     from mlflow.tracking import MlflowClient
 
-    return MlflowClient(tracking_uri=uri)
+    return _RetryingClient(MlflowClient(tracking_uri=uri))
 
 
 def experiment_id(mlflow_client: Any, name: str, uri: str) -> str:

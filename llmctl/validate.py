@@ -1,7 +1,9 @@
-"""Checks that composition cannot express: value ranges and how the parts fit together.
+"""Checks composition cannot express, on the plain resolved dict, before anything is created.
 
-Run on the plain resolved dict at compose time (CLI) and again by the workload before any
-process-group work, so a bad layout fails in a second with a message, not in NCCL.
+The trainer's own rules (value ranges, mesh layout) live with the trainer
+(``workloads.pretrain.validate``) so it applies them under plain torchrun too; llmctl runs the same
+functions and adds the launcher's (``infra``). Either way a mistake is a ``ConfigError`` naming
+the key and the fix.
 """
 
 from __future__ import annotations
@@ -9,72 +11,24 @@ from __future__ import annotations
 from typing import Any
 
 from llmctl.errors import ConfigError
-
-
-def _require(ok: bool, key: str, message: str) -> None:
-    if not ok:
-        raise ConfigError(f"Bad value for '{key}': {message}")
+from workloads.pretrain import validate as trainer
 
 
 def validate(cfg: dict[str, Any]) -> None:
     """Value ranges and cross-key consistency of a resolved config."""
-    model, data, train = cfg["model"], cfg["data"], cfg["train"]
-    for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "max_seq_len", "multiple_of"):
-        _require(model[key] > 0, f"model.{key}", f"must be a positive integer, got {model[key]}. Fix: model.{key}=<n > 0>")
-    _require(model["dim"] % model["n_heads"] == 0, "model.dim",
-             f"{model['dim']} is not divisible by model.n_heads={model['n_heads']}")
-    _require(model["n_heads"] % model["n_kv_heads"] == 0, "model.n_kv_heads",
-             f"model.n_heads={model['n_heads']} must be a multiple of n_kv_heads={model['n_kv_heads']}")
-    for key in ("steps", "batch_size", "seq_len", "log_every", "val_every", "val_batches"):
-        _require(train[key] > 0, f"train.{key}", f"must be a positive integer, got {train[key]}. Fix: train.{key}=<n > 0>")
-    _require(train["warmup_steps"] >= 0, "train.warmup_steps", "must be >= 0")
-    _require(train["lr"] > 0, "train.lr", f"must be > 0, got {train['lr']}. Fix: train.lr=3e-4")
-    _require(0 <= train["min_lr_ratio"] <= 1, "train.min_lr_ratio", "must lie in [0, 1]")
-    _require(train["grad_clip"] >= 0, "train.grad_clip", "must be >= 0 (0 disables clipping)")
-    _require(train["seq_len"] <= model["max_seq_len"], "train.seq_len",
-             f"{train['seq_len']} exceeds model.max_seq_len={model['max_seq_len']} of model '{model['name']}'")
-    _require(bool(data["source"]), "data.source",
-             "no text to train on. Fix: data.source=<fsspec URL or glob>, e.g. data.source='s3://bucket/corpus/*.jsonl'")
-    _require(0 < data["val_fraction"] < 1, "data.val_fraction", f"must lie in (0, 1), got {data['val_fraction']}")
-    _require(2 <= data["vocab_size"] <= model["vocab_size"], "data.vocab_size",
-             f"the tokenizer's {data['vocab_size']} tokens must fit model.vocab_size={model['vocab_size']}")
-    _require(data["vocab_size"] <= 65535 or data["source"] != "builtin:pydoc", "data.vocab_size",
-             "the bundled corpus supports at most 65535 tokens")
-    ckpt = cfg["checkpoint"]
-    _require(ckpt["every"] >= 0, "checkpoint.every", "must be >= 0 (0 saves only at the end)")
-    _require(ckpt["keep"] >= 1, "checkpoint.keep", "must keep at least 1 checkpoint")
-    _require(cfg["infra"]["nodes"] >= 1, "infra.nodes", "must be >= 1")
-    _require(cfg["infra"]["nproc_per_node"] >= 0, "infra.nproc_per_node", "must be >= 0 (0 = automatic)")
-    check_static_layout(cfg)
-
-
-def check_static_layout(cfg: dict[str, Any]) -> None:
-    """Layout rules that hold whatever the world size."""
-    model, par, train = cfg["model"], cfg["parallel"], cfg["train"]
-    tp, rep, shard = par["tp"], par["dp_replicate"], par["dp_shard"]
-    _require(tp >= 1, "parallel.tp", f"must be >= 1, got {tp}")
-    _require(rep >= 1, "parallel.dp_replicate", f"must be >= 1, got {rep}")
-    _require(shard >= 1 or shard == -1, "parallel.dp_shard", f"must be >= 1 or -1 (all remaining devices), got {shard}")
-    for key in ("n_heads", "n_kv_heads"):
-        _require(model[key] % tp == 0, "parallel.tp",
-                 f"tp={tp} must divide model.{key}={model[key]}; choose a divisor of {model[key]}")
-    dp = rep * (shard if shard > 0 else 1)
-    _require(train["batch_size"] % dp == 0, "train.batch_size",
-             f"{train['batch_size']} sequences cannot be split over {dp} data-parallel ranks;"
-             f" use a multiple of {dp}")
+    try:
+        trainer.validate(cfg)
+    except trainer.ConfigError as exc:
+        raise ConfigError(str(exc)) from None
+    if cfg["infra"]["nodes"] < 1:
+        raise ConfigError("Bad value for 'infra.nodes': must be >= 1")
+    if cfg["infra"]["nproc_per_node"] < 0:
+        raise ConfigError("Bad value for 'infra.nproc_per_node': must be >= 0 (0 = automatic)")
 
 
 def resolve_layout(cfg: dict[str, Any], world_size: int) -> dict[str, int]:
-    """Concrete mesh degrees for ``world_size`` processes; fills ``dp_shard=-1``."""
-    par = cfg["parallel"]
-    tp, rep, shard = par["tp"], par["dp_replicate"], par["dp_shard"]
-    if shard == -1:
-        _require(world_size % (rep * tp) == 0, "parallel.dp_shard",
-                 f"{world_size} processes cannot be split into dp_replicate={rep} x tp={tp}")
-        shard = world_size // (rep * tp)
-    _require(rep * shard * tp == world_size, "parallel",
-             f"dp_replicate={rep} x dp_shard={shard} x tp={tp} = {rep * shard * tp}"
-             f" but the job has {world_size} processes; make the product equal the process count")
-    layout = {"dp_replicate": rep, "dp_shard": shard, "tp": tp}
-    check_static_layout({**cfg, "parallel": {**par, **layout}})
-    return layout
+    """Concrete mesh degrees for ``world_size`` processes (``dp_shard=-1`` filled in)."""
+    try:
+        return trainer.resolve_layout(cfg, world_size)
+    except trainer.ConfigError as exc:
+        raise ConfigError(str(exc)) from None

@@ -12,8 +12,10 @@ import pytest
 
 from llmctl.config import compose
 from llmctl.cost import history
-from llmctl.cost.estimate import flops_per_token, for_plan, hardware_of, num_params, shape_key
-from llmctl.plan import make_plan
+from llmctl.cost.estimate import shape_key
+from llmctl.planner import estimate_for as for_plan
+from llmctl.planner import make_plan
+from workloads.pretrain.shape import flops_per_token, num_params
 
 ROOT = Path(__file__).resolve().parents[1]
 REMOTE_URI = "http://mlflow.example:5000"
@@ -46,8 +48,11 @@ def test_param_count_equals_the_workload_model(overrides: list[str]) -> None:
     m = compose(overrides).cfg["model"]
     with torch.device("meta"):  # no memory, even for 8B
         model = Transformer(type("Cfg", (), m)())
-    assert num_params(m) == model.num_params(exclude_embedding=True)
-    assert flops_per_token(m, 512) == model.flops_per_token(512)
+    counted = sum(p.numel() for p in model.parameters())  # tied weights once
+    embedding = 0 if m["tie_embeddings"] else model.tok_embeddings.weight.numel()
+    assert num_params(m) == counted - embedding  # N leaves the input embedding out
+    heads, layers, head_dim = m["n_heads"], m["n_layers"], m["dim"] // m["n_heads"]
+    assert flops_per_token(m, 512) == 6 * (counted - embedding) + 12 * layers * heads * head_dim * 512
 
 
 def test_hand_counted_shape() -> None:
@@ -159,7 +164,7 @@ def test_calibration_picks_same_shape_and_accelerator(tmp_path: Path) -> None:
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     plan = make_plan(compose(["experiment=smoke", f"tracking.uri={uri}"]))
-    shape, acc = shape_key(plan.cfg), hardware_of(plan).accelerator
+    shape, acc = shape_key(plan.cfg), plan.hardware.accelerator
     mc = MlflowClient(uri)
     exp = mc.create_experiment("calib")
     good = _finished_run(mc, exp, shape=shape, accelerator=acc, tok_s=1000.0, overhead=5.0, val_pass=0.5)

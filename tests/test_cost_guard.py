@@ -26,8 +26,8 @@ def test_guard_stops_after_checkpoint(cli_env: dict[str, str], tmp_path: Path) -
 
     from llmctl.config import compose
     from llmctl.cost import history
-    from llmctl.cost.estimate import hardware_of, shape_key
-    from llmctl.plan import make_plan
+    from llmctl.cost.estimate import shape_key
+    from llmctl.planner import make_plan
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     args = ["experiment=smoke", "train.steps=5000", "train.log_every=5", "train.val_every=100000",
@@ -35,7 +35,7 @@ def test_guard_stops_after_checkpoint(cli_env: dict[str, str], tmp_path: Path) -
     plan = make_plan(compose(args + [f"tracking.uri={uri}"]))
     mc = MlflowClient(uri)
     fast = mc.create_run(mc.create_experiment("llmctl"), tags={history.TAG_SHAPE: shape_key(plan.cfg),
-                                                               history.TAG_ACCELERATOR: hardware_of(plan).accelerator})
+                                                               history.TAG_ACCELERATOR: plan.hardware.accelerator})
     mc.log_batch(fast.info.run_id, metrics=[Metric(history.STEADY, 1e7, 0, 0), Metric(history.OVERHEAD, 1.0, 0, 0)],
                  params=[Param("infra.nodes", "1"), Param("train.batch_size", "8"), Param("train.val_batches", "4")])
     mc.set_terminated(fast.info.run_id, "FINISHED")

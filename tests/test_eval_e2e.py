@@ -71,7 +71,7 @@ def test_export_loads_in_transformers_and_accelerate_eval_matches(trained) -> No
     import torch
     import transformers
 
-    from llmctl.config import load_resolved
+    from workloads.pretrain.config import load as load_config
     from workloads.pretrain.evaluate import load_model
 
     cwd, env, uri, run_id = trained
@@ -85,7 +85,7 @@ def test_export_loads_in_transformers_and_accelerate_eval_matches(trained) -> No
         assert (cwd / "hf" / name).is_file(), name
 
     # logits: transformers on the export vs the native model on the checkpoint
-    cfg = load_resolved(cwd / "llmctl-runs" / run_id / "config.yaml")
+    cfg = load_config(cwd / "llmctl-runs" / run_id / "config.yaml")
     native = load_model(cfg.model, str(Path(cfg.checkpoint.dir) / "step-10"))
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(cwd / "hf"), dtype=torch.float32).eval()
     tok = transformers.AutoTokenizer.from_pretrained(str(cwd / "hf"))

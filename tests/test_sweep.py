@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 
 from helpers import run_cli
-from llmctl import sweep
+from llmctl.sweep import planning, state
 from llmctl.config import compose
 from llmctl.errors import ConfigError
-from llmctl.sweep_expand import SweepConfigError, compose_trials, expand, iter_hydra_oracle
+from llmctl.sweep.expand import SweepConfigError, compose_trials, expand, iter_hydra_oracle
 
 SWEEPS = [
     ["train.lr=1e-3,3e-4", "model=tiny,smoke", "train.seed=range(0,3)"],
@@ -109,39 +109,41 @@ def test_cli_plan_m_shows_trials_and_total(cli_env: dict[str, str], tmp_path: Pa
 
 
 def test_max_cost_seam(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(sweep, "estimate_cost", lambda plan: None)  # an estimator that cannot price it
-    sp = sweep.make_sweep_plan(["train.lr=1e-3,3e-4"], max_parallel=1)
+    monkeypatch.setattr(planning, "estimate_cost", lambda plan: None)  # an estimator that cannot price it
+    sp = planning.make_sweep_plan(["train.lr=1e-3,3e-4"], max_parallel=1)
     assert sp.total_cost is None
-    assert "unknown" in sweep.check_budget(sp, 10.0)  # no estimator: accepted, said so
-    assert sweep.check_budget(sp, None) == ""
-    monkeypatch.setattr(sweep, "estimate_cost", lambda plan: 4.0)
-    sp = sweep.make_sweep_plan(["train.lr=1e-3,3e-4"], max_parallel=1)
+    assert "unknown" in planning.check_budget(sp, 10.0)  # no estimator: accepted, said so
+    assert planning.check_budget(sp, None) == ""
+    monkeypatch.setattr(planning, "estimate_cost", lambda plan: 4.0)
+    sp = planning.make_sweep_plan(["train.lr=1e-3,3e-4"], max_parallel=1)
     assert sp.total_cost == 8.0 and "$8.00" in sp.describe()
-    assert "within" in sweep.check_budget(sp, 8.0)
+    assert "within" in planning.check_budget(sp, 8.0)
     with pytest.raises(ConfigError, match=r"\$8.00 exceeds --max-cost \$5.00"):
-        sweep.check_budget(sp, 5.0)
+        planning.check_budget(sp, 5.0)
 
 
 def test_max_parallel_default_and_validation(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     monkeypatch.setattr("os.cpu_count", lambda: 2)
-    assert sweep.default_max_parallel() == 1
+    assert planning.default_max_parallel() == 1
     monkeypatch.setattr("os.cpu_count", lambda: 16)
-    assert sweep.default_max_parallel() == 8
+    assert planning.default_max_parallel() == 8
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
-    assert sweep.default_max_parallel() == 4
-    assert sweep.gpu_slots(2) == ["0,1", "2,3"]
-    assert sweep.gpu_slots(8) == [None] * 8  # more trials than GPUs: no partitioning
+    assert planning.default_max_parallel() == 4
+    assert planning.gpu_slots(2) == ["0,1", "2,3"]
+    assert planning.gpu_slots(8) == [None] * 8  # more trials than GPUs: no partitioning
     with pytest.raises(ConfigError, match="at least 1"):
-        sweep.make_sweep_plan(["train.lr=1"], max_parallel=0)
+        planning.make_sweep_plan(["train.lr=1"], max_parallel=0)
 
 
 def test_sweep_ids_are_recognisable() -> None:
-    sid = sweep.new_sweep_id()
-    assert sweep.is_sweep_id(sid) and not sweep.is_sweep_id("3d6c9a35d4404a73882f583f440c5a51")
+    sid = state.new_sweep_id()
+    assert state.is_sweep_id(sid) and not state.is_sweep_id("3d6c9a35d4404a73882f583f440c5a51")
 
 
 def test_retry_on_locked_database() -> None:
+    from llmctl.tracking import retry
+
     calls = []
 
     def flaky() -> str:
@@ -150,9 +152,9 @@ def test_retry_on_locked_database() -> None:
             raise RuntimeError("(sqlite3.OperationalError) database is locked")
         return "ok"
 
-    assert sweep.retry(flaky) == "ok" and len(calls) == 3
+    assert retry(flaky) == "ok" and len(calls) == 3
     with pytest.raises(ValueError):
-        sweep.retry(lambda: (_ for _ in ()).throw(ValueError("other")))
+        retry(lambda: (_ for _ in ()).throw(ValueError("other")))
 
 
 def test_metric_sink_retries_locked_batches(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -2,7 +2,8 @@
 
 Output is streamed to the terminal (under a live progress bar when it is one: ``progress.py``) and
 kept in ``llmctl-runs/<run-id>/output.log``; the exit code of torchrun is the exit code of the run.
-Ctrl-C is forwarded so workers stop cleanly.
+Ctrl-C is forwarded so workers stop cleanly; SIGTERM to the controller is a preemption notice the
+workers act on (checkpoint, exit 75).
 """
 
 from __future__ import annotations
@@ -10,40 +11,27 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
-import time
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, TextIO
 
 from llmctl import progress
+from llmctl.backends.base import JobStatus
 from llmctl.config import Composed, to_yaml
+from llmctl.errors import LaunchError
+from llmctl.hardware import local_gpu_count, this_machine
 from llmctl.plan import Plan
-from llmctl.procs import pid_alive, signal_tree
+from llmctl.procs import Interrupted, pid_alive, signal_tree
 from llmctl.tracking import RunHandle
 from llmctl.validate import resolve_layout
+from llmctl.workdir import run_dir
 
-RUNS_DIR = "llmctl-runs"
 CONFIG_PLACEHOLDER = "<run-dir>/config.yaml"
 STOP_GRACE_S = 15.0
 PIDS_FILE = "pids.json"  # controller pid and workers' process group, for status/down
-
-
-def local_gpu_count() -> int:
-    """GPUs torchrun would see, without importing torch (``--help`` and ``plan`` stay fast)."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
-    smi = shutil.which("nvidia-smi")
-    if not smi:
-        return 0
-    try:
-        out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError):
-        return 0
-    return sum(1 for line in out.splitlines() if line.startswith("GPU "))
 
 
 def _process_count(cfg: dict[str, Any], gpus: int) -> int:
@@ -59,34 +47,6 @@ def _process_count(cfg: dict[str, Any], gpus: int) -> int:
 def torchrun_command(nproc: int, config_path: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
             f"--nproc_per_node={nproc}", "-m", "workloads.pretrain", "--config", config_path]
-
-
-def plan(composed: Composed) -> Plan:
-    cfg = composed.cfg
-    gpus = local_gpu_count()
-    nproc = _process_count(cfg, gpus)
-    layout = resolve_layout(cfg, nproc)
-    resolved = {**cfg, "parallel": {**cfg["parallel"], **layout}}
-    device = f"{gpus} local GPU(s), nccl" if gpus else "CPU, gloo"
-    notes = []
-    if gpus and nproc > gpus:
-        notes.append(f"{nproc} processes share {gpus} GPU(s)")
-    return Plan(cfg=resolved, choices=composed.choices, backend="local", where="local (this machine)",
-                nodes=1, nproc_per_node=nproc, layout=layout, device=device,
-                command=torchrun_command(nproc, CONFIG_PLACEHOLDER), tracking_uri="", notes=notes)
-
-
-def run_dir(run_id: str) -> Path:
-    return Path.cwd() / RUNS_DIR / run_id
-
-
-def finalize(plan: Plan, handle: RunHandle) -> dict[str, Any]:
-    """Fill in what needs the run id: the default checkpoint location beside the run."""
-    cfg = plan.cfg
-    if not cfg["checkpoint"]["dir"]:
-        cfg = {**cfg, "checkpoint": {**cfg["checkpoint"], "dir": str(run_dir(handle.run_id) / "checkpoints")}}
-    plan.cfg = cfg
-    return cfg
 
 
 def _worker_env(plan: Plan, handle: RunHandle, rdir: Path) -> dict[str, str]:
@@ -117,14 +77,14 @@ def _stop(proc: subprocess.Popen[Any]) -> None:
 def _forward_sigterm(proc: subprocess.Popen[Any], grace_s: float) -> Any:
     """SIGTERM to the controller (``llmctl down``) = preemption: pass it to torchrun and the workers,
     which checkpoint and exit 75 (docs/resume.md); keep teeing their output. Past the grace period
-    (or on a second SIGTERM) stop them the hard way."""
+    (or on a second SIGTERM) stop them the hard way: the run then ends killed, not preempted."""
     import threading
 
     state: dict[str, Any] = {}
 
     def handler(signum: int, frame: Any) -> None:
         if state:
-            raise KeyboardInterrupt
+            raise Interrupted(signal.SIGTERM)
         try:
             os.killpg(proc.pid, signal.SIGTERM)
         except ProcessLookupError:
@@ -136,42 +96,6 @@ def _forward_sigterm(proc: subprocess.Popen[Any], grace_s: float) -> Any:
     return handler
 
 
-def launch(plan: Plan, handle: RunHandle, echo: Optional[Any] = None) -> int:
-    """Run torchrun, tee its output, return its exit code (KeyboardInterrupt after stopping it)."""
-    rdir = run_dir(handle.run_id)
-    rdir.mkdir(parents=True, exist_ok=True)
-    config_path = rdir / "config.yaml"
-    config_path.write_text(to_yaml(plan.cfg))
-    cmd = torchrun_command(plan.nproc_per_node, str(config_path))
-    out = echo or sys.stdout
-    bar = progress.StepProgress(out) if progress.wanted(out) else None
-    with open(rdir / "output.log", "a") as log, (bar or contextlib.nullcontext()):  # a resume appends
-        # own process group: Ctrl-C reaches the controller, which stops the group in order
-        proc = subprocess.Popen(cmd, env=_worker_env(plan, handle, rdir), stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True)
-        (rdir / PIDS_FILE).write_text(json.dumps({"controller": os.getpid(), "workers": proc.pid}))
-        grace = float(plan.cfg["checkpoint"].get("preempt_grace_s") or 0)
-        previous = signal.signal(signal.SIGTERM, _forward_sigterm(proc, grace))
-        try:
-            assert proc.stdout is not None
-            for line in proc.stdout:
-                if bar is not None:
-                    bar.feed(line)
-                else:
-                    out.write(line)
-                    out.flush()
-                log.write(line)
-                log.flush()
-            return proc.wait()
-        except KeyboardInterrupt:
-            _stop(proc)
-            raise
-        finally:
-            signal.signal(signal.SIGTERM, previous)
-            if proc.poll() is None:
-                _stop(proc)
-
-
 def _pids(run_id: str) -> dict[str, int]:
     path = run_dir(run_id) / PIDS_FILE
     try:
@@ -180,55 +104,124 @@ def _pids(run_id: str) -> dict[str, int]:
         return {}
 
 
-def status(run: Any, uri: str) -> list[str]:
-    """Whether the run's processes are alive (runs are looked up in ``./llmctl-runs``)."""
-    pids = _pids(run.info.run_id)
-    if not pids:
-        return [f"process:     unknown (no {run_dir(run.info.run_id) / PIDS_FILE}; run llmctl from where you launched)"]
-    alive = pid_alive(pids.get("controller")) or pid_alive(pids.get("workers"))
-    return [f"process:     {'alive' if alive else 'exited'} (controller pid {pids.get('controller')},"
-            f" workers pgid {pids.get('workers')})"]
+def _alive(pids: dict[str, int]) -> bool:
+    return pid_alive(pids.get("controller")) or pid_alive(pids.get("workers"))
 
 
-def logs(run: Any, uri: str, follow: bool) -> int:
-    """Print ``output.log``; with ``follow``, keep printing until the run's processes exit."""
-    path = run_dir(run.info.run_id) / "output.log"
-    if not path.is_file():
-        from llmctl.errors import LaunchError
+class LocalBackend:
+    """torchrun on this machine; ``llmctl-runs/<run-id>/pids.json`` lets status/logs/down find it."""
 
-        raise LaunchError(f"no log for run {run.info.run_id} at {path}; run llmctl from where you launched")
-    pids = _pids(run.info.run_id)
-    with open(path) as f:
-        while True:
-            chunk = f.read()
-            if chunk:
-                sys.stdout.write(chunk)
-                sys.stdout.flush()
-            if not follow or not (pid_alive(pids.get("controller")) or pid_alive(pids.get("workers"))):
-                sys.stdout.write(f.read())
-                return 0
-            time.sleep(0.5)
+    name = "local"
 
+    def plan(self, composed: Composed) -> Plan:
+        cfg = composed.cfg
+        hardware = this_machine()
+        gpus = hardware.gpus_per_node
+        nproc = _process_count(cfg, gpus)
+        layout = resolve_layout(cfg, nproc)
+        resolved = {**cfg, "parallel": {**cfg["parallel"], **layout}}
+        device = f"{gpus} local GPU(s), nccl" if gpus else "CPU, gloo"
+        notes = []
+        if gpus and nproc > gpus:
+            notes.append(f"{nproc} processes share {gpus} GPU(s)")
+        return Plan(cfg=resolved, choices=composed.choices, backend=self.name, where="local (this machine)",
+                    nodes=1, nproc_per_node=nproc, layout=layout, device=device,
+                    command=torchrun_command(nproc, CONFIG_PLACEHOLDER), tracking_uri="", hardware=hardware,
+                    notes=notes)
 
-def down(run: Any, uri: str) -> str:
-    """Stop a running local run: SIGTERM to the controller (it stops the workers and marks KILLED)."""
-    pids = _pids(run.info.run_id)
-    controller, workers = pids.get("controller"), pids.get("workers")
-    if pid_alive(controller):
-        os.kill(controller, signal.SIGTERM)  # the controller passes it on: workers checkpoint, exit 75
-        grace = float(run.data.params.get("checkpoint.preempt_grace_s") or 0)
-        deadline = time.monotonic() + STOP_GRACE_S + 15 + grace
-        while pid_alive(controller) and time.monotonic() < deadline:
-            time.sleep(0.2)
-    if pid_alive(workers):  # controller gone (or stuck): stop the workers' group ourselves
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            signal_tree(workers, sig)
-            time.sleep(2)
-    from llmctl.tracking import client
+    def preflight(self, plan: Plan) -> None:
+        """Nothing to check: this machine is here."""
 
-    run = client(uri).get_run(run.info.run_id)  # the controller has closed it (KILLED: preempted ...)
-    if run.info.status == "RUNNING":
-        from llmctl.tracking import RunHandle as _Handle, end_run
+    def finalize(self, plan: Plan, handle: RunHandle) -> dict[str, Any]:
+        """Fill in what needs the run id: the default checkpoint location beside the run."""
+        cfg = plan.cfg
+        if not cfg["checkpoint"]["dir"]:
+            cfg = {**cfg, "checkpoint": {**cfg["checkpoint"], "dir": str(run_dir(handle.run_id) / "checkpoints")}}
+        plan.cfg = cfg
+        return cfg
 
-        end_run(_Handle(uri, run.info.run_id, run.info.experiment_id), "KILLED", "llmctl down")
-    return f"run {run.info.run_id} stopped" if (controller or workers) else f"run {run.info.run_id}: nothing to stop"
+    def launch(self, plan: Plan, handle: RunHandle, echo: Optional[TextIO] = None) -> int:
+        """Run torchrun, tee its output, return its exit code (``Interrupted`` after stopping it)."""
+        rdir = run_dir(handle.run_id)
+        rdir.mkdir(parents=True, exist_ok=True)
+        config_path = rdir / "config.yaml"
+        config_path.write_text(to_yaml(plan.cfg))
+        cmd = torchrun_command(plan.nproc_per_node, str(config_path))
+        out = echo or sys.stdout
+        bar = progress.StepProgress(out) if progress.wanted(out) else None
+        with open(rdir / "output.log", "a") as log, (bar or contextlib.nullcontext()):  # a resume appends
+            # own process group: Ctrl-C reaches the controller, which stops the group in order
+            proc = subprocess.Popen(cmd, env=_worker_env(plan, handle, rdir), stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True)
+            (rdir / PIDS_FILE).write_text(json.dumps({"controller": os.getpid(), "workers": proc.pid}))
+            grace = float(plan.cfg["checkpoint"].get("preempt_grace_s") or 0)
+            previous = signal.signal(signal.SIGTERM, _forward_sigterm(proc, grace))
+            try:
+                assert proc.stdout is not None
+                for line in proc.stdout:
+                    if bar is not None:
+                        bar.feed(line)
+                    else:
+                        out.write(line)
+                        out.flush()
+                    log.write(line)
+                    log.flush()
+                return proc.wait()
+            except KeyboardInterrupt:
+                _stop(proc)
+                raise
+            finally:
+                signal.signal(signal.SIGTERM, previous)
+                if proc.poll() is None:
+                    _stop(proc)
+
+    def status(self, run: Any, uri: str) -> JobStatus:
+        """Whether the run's processes are alive (runs are looked up in ``./llmctl-runs``)."""
+        pids = _pids(run.info.run_id)
+        if not pids:
+            return JobStatus([f"process:     unknown (no {run_dir(run.info.run_id) / PIDS_FILE};"
+                              " run llmctl from where you launched)"])
+        return JobStatus([f"process:     {'alive' if _alive(pids) else 'exited'} (controller pid"
+                          f" {pids.get('controller')}, workers pgid {pids.get('workers')})"])
+
+    def alive(self, run: Any, uri: str) -> bool:
+        return _alive(_pids(run.info.run_id))
+
+    def logs(self, run: Any, uri: str, follow: bool) -> int:
+        """Print ``output.log``; with ``follow``, keep printing until the run's processes exit."""
+        path = run_dir(run.info.run_id) / "output.log"
+        if not path.is_file():
+            raise LaunchError(f"no log for run {run.info.run_id} at {path}; run llmctl from where you launched")
+        pids = _pids(run.info.run_id)
+        with open(path) as f:
+            while True:
+                chunk = f.read()
+                if chunk:
+                    sys.stdout.write(chunk)
+                    sys.stdout.flush()
+                if not follow or not _alive(pids):
+                    sys.stdout.write(f.read())
+                    return 0
+                time.sleep(0.5)
+
+    def down(self, run: Any, uri: str, force: bool = False) -> str:
+        """SIGTERM to the controller (it passes it on: workers checkpoint, exit 75, and it closes the
+        run), then stop whatever is left of the workers. ``force``: SIGKILL both at once."""
+        pids = _pids(run.info.run_id)
+        controller, workers = pids.get("controller"), pids.get("workers")
+        if force:
+            if pid_alive(workers):
+                signal_tree(workers, signal.SIGKILL)
+            if pid_alive(controller):
+                os.kill(controller, signal.SIGKILL)
+        elif pid_alive(controller):
+            os.kill(controller, signal.SIGTERM)
+            grace = float(run.data.params.get("checkpoint.preempt_grace_s") or 0)
+            deadline = time.monotonic() + STOP_GRACE_S + 15 + grace
+            while pid_alive(controller) and time.monotonic() < deadline:
+                time.sleep(0.2)
+        if pid_alive(workers):  # controller gone (or stuck): stop the workers' group ourselves
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                signal_tree(workers, sig)
+                time.sleep(2)
+        return f"run {run.info.run_id} stopped" if (controller or workers) else f"run {run.info.run_id}: nothing to stop"

@@ -1,10 +1,10 @@
 """SkyPilot backend: clouds (AWS, Lambda, RunPod, ...) and Slurm, as clusters or managed jobs.
 
-Same protocol as the local backend — ``plan``, ``finalize``, ``launch``, ``run_dir`` — plus
-``preflight`` (credentials, before any MLflow run exists) and ``status``/``logs``/``down`` by MLflow
-run. The task is built by ``sky_task`` (pure) and checked by ``sky_rules`` (offline catalog).
-``sky`` is imported inside functions only. Tags on the MLflow run (``llmctl.sky.*``) say where the
-run lives, so ``status``/``logs``/``down`` need nothing but the run id.
+``SkyBackend`` implements ``llmctl.backends.Backend``: ``preflight`` checks credentials before any
+MLflow run exists; ``status``/``logs``/``down`` work from the run alone. The task is built by
+``sky_task`` (pure) and checked by ``sky_rules`` (SkyPilot's declared capabilities and offline
+catalog). ``sky`` is imported inside functions only. Tags on the MLflow run (``llmctl.sky.*``) say
+where the run lives, so ``status``/``logs``/``down`` need nothing but the run id.
 """
 
 from __future__ import annotations
@@ -13,17 +13,17 @@ import copy
 import io
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Optional
 
 from llmctl.backends import sky_rules, sky_task
+from llmctl.backends.base import JobStatus
 from llmctl.config import Composed, to_yaml
 from llmctl.errors import ConfigError, LaunchError
+from llmctl.hardware import Hardware
 from llmctl.plan import Plan
 from llmctl.tracking import RunHandle, client, redact, resolve_uri
 from llmctl.validate import resolve_layout
-
-RUNS_DIR = "llmctl-runs"
+from llmctl.workdir import run_dir
 TAG_CLUSTER = "llmctl.sky.cluster"
 TAG_JOB = "llmctl.sky.job_id"
 TAG_MANAGED = "llmctl.sky.managed_job_id"
@@ -47,13 +47,13 @@ class SkyPlan(Plan):
                           self.offers_text])
 
 
+def _int_prefix(value: Any) -> int:
+    digits = "".join(ch for ch in str(value or "") if ch.isdigit())
+    return int(digits) if digits else 0
+
+
 def cluster_name(run_id: str) -> str:
     return f"llmctl-{run_id[:10]}"
-
-
-def run_dir(run_id: str) -> Path:
-    """Controller-side folder of a run: its config.yaml and a copy of everything it printed."""
-    return Path.cwd() / RUNS_DIR / run_id
 
 
 def task_yaml(config: dict[str, Any]) -> str:
@@ -73,53 +73,6 @@ def task_yaml(config: dict[str, Any]) -> str:
 
     _Dumper.add_representer(str, _str)
     return yaml.dump(out, Dumper=_Dumper, sort_keys=False, default_flow_style=False)
-
-
-def plan(composed: Composed) -> SkyPlan:
-    cfg = composed.cfg
-    infra = cfg["infra"]
-    uri = resolve_uri(cfg["tracking"]["uri"])
-    sky_rules.check(cfg, uri)
-    nproc = sky_task.nproc_per_node(cfg)
-    layout = resolve_layout(cfg, infra["nodes"] * nproc)
-    resolved = {**cfg, "parallel": {**cfg["parallel"], **layout},
-                "checkpoint": {**cfg["checkpoint"],
-                               "dir": sky_task.checkpoint_dir(cfg, sky_task.RUN_ID_PLACEHOLDER)}}
-    acc = sky_task.node_accelerators(infra)
-    device = f"{acc[1]}x {acc[0]} per node, nccl" if acc else "CPU, gloo"
-    config = sky_task.task_config(resolved, run_id=sky_task.RUN_ID_PLACEHOLDER, tracking_uri=uri,
-                                  experiment_id="<experiment-id>", local_config="<run-dir>/config.yaml",
-                                  workdir=str(sky_task.project_root()))
-    found = sky_rules.offers(infra)
-    mode = "managed job" if infra["managed"] else "cluster"
-    where = f"{sky_task.infra_string(infra)} via SkyPilot ({mode}{', spot' if infra['use_spot'] else ''})"
-    notes = []
-    if found:
-        best = found[0]
-        notes.append(f"cheapest offer: {best.instance_type} in {best.region}, ${best.total_hour:.2f}/h"
-                     f" for {infra['nodes']} node(s)")
-    if str(resolved["checkpoint"]["dir"]).startswith("llmctl-runs/"):
-        notes.append("checkpoints stay on the nodes and vanish with them; set infra.bucket=s3://... to keep them")
-    if infra["managed"] and str(resolved["checkpoint"]["dir"]).startswith("llmctl-runs/"):
-        notes.append("a managed job restarts from scratch after a preemption unless checkpoints go to a bucket")
-    return SkyPlan(cfg=resolved, choices=composed.choices, backend="sky", where=where, nodes=infra["nodes"],
-                   nproc_per_node=nproc, layout=layout, device=device,
-                   command=["bash", "-c", "<run script below>"], tracking_uri=uri, notes=notes,
-                   task_yaml=task_yaml(config), offers_text=sky_rules.format_offers(found))
-
-
-def preflight(plan: Plan) -> None:
-    """Credentials as ``sky check`` sees them, before an MLflow run or a cluster is created."""
-    sky_rules.check_credentials(plan.cfg["infra"]["provider"])
-
-
-def finalize(plan: Plan, handle: RunHandle) -> dict[str, Any]:
-    """Fill in what needs the run id: where checkpoints go."""
-    cfg = plan.cfg
-    ckpt = str(cfg["checkpoint"]["dir"]).replace(sky_task.RUN_ID_PLACEHOLDER, handle.run_id)
-    cfg = {**cfg, "checkpoint": {**cfg["checkpoint"], "dir": ckpt}}
-    plan.cfg = cfg
-    return cfg
 
 
 class _Tee(io.TextIOBase):
@@ -143,32 +96,12 @@ def _field(record: Any, key: str) -> Any:
     return getattr(value, "value", value)
 
 
-def launch(plan: Plan, handle: RunHandle, echo: Optional[Any] = None) -> int:
-    """Submit the task; follow its logs; return 0 if the job succeeded. Nothing is left idling."""
-    import sky
-
-    cfg, infra = plan.cfg, plan.cfg["infra"]
-    rdir = run_dir(handle.run_id)
-    rdir.mkdir(parents=True, exist_ok=True)
-    (rdir / "config.yaml").write_text(to_yaml(cfg))
-    config = sky_task.task_config(cfg, run_id=handle.run_id, tracking_uri=handle.uri,
-                                  experiment_id=handle.experiment_id, local_config=str(rdir / "config.yaml"),
-                                  workdir=str(sky_task.project_root()))
-    task = sky.Task.from_yaml_config(config)
-    mc = client(handle.uri)
-    with open(rdir / "output.log", "a") as log:
-        out = _Tee(echo or sys.stdout, log)
-        if infra["managed"]:
-            return _launch_managed(task, handle, mc, out)
-        return _launch_cluster(task, infra, handle, mc, out)
-
-
 def _launch_cluster(task: Any, infra: dict[str, Any], handle: RunHandle, mc: Any, out: Any) -> int:
     import sky
 
     cluster = cluster_name(handle.run_id)
     mc.set_tag(handle.run_id, TAG_CLUSTER, cluster)
-    autostop = infra["autostop_minutes"] if infra.get("supports_autostop") else None
+    autostop = infra["autostop_minutes"]  # None where SkyPilot has no autostop (sky_rules.check)
     job_id = None
     try:
         try:
@@ -252,69 +185,138 @@ def _job_status(cluster: str, job_id: str) -> Optional[str]:
     return _field({"s": statuses.get(int(job_id), statuses.get(job_id))}, "s")
 
 
-def status(run: Any, uri: str) -> list[str]:
-    """Cluster and job state from SkyPilot; a finished job closes a still-RUNNING MLflow run."""
-    tags = run.data.tags
-    lines, job_state = [], None
-    if tags.get(TAG_MANAGED):
-        job_state = _managed_status(int(tags[TAG_MANAGED]))
-        lines.append(f"managed job: {tags[TAG_MANAGED]} {job_state or 'unknown'}")
-    elif tags.get(TAG_CLUSTER):
-        cluster = tags[TAG_CLUSTER]
-        state = _cluster_status(cluster)
-        lines.append(f"cluster:     {cluster} {state or 'gone (down)'}")
-        if state and tags.get(TAG_JOB):
-            job_state = _job_status(cluster, tags[TAG_JOB])
-            lines.append(f"job:         {tags[TAG_JOB]} {job_state or 'unknown'}")
-    else:
-        lines.append("cluster:     none recorded (the launch stopped before SkyPilot was called)")
-    if run.info.status == "RUNNING" and job_state in TERMINAL_OK | TERMINAL_BAD:
-        from llmctl.tracking import end_run
+class SkyBackend:
+    """SkyPilot clusters and managed jobs; ``llmctl.sky.*`` tags on the run say where it lives."""
 
-        end_run(RunHandle(uri, run.info.run_id, run.info.experiment_id),
-                "FINISHED" if job_state in TERMINAL_OK else "FAILED", f"job {job_state}")
-        lines.append(f"mlflow:      run closed as {'FINISHED' if job_state in TERMINAL_OK else 'FAILED'}")
-    return lines
+    name = "sky"
 
-
-def logs(run: Any, uri: str, follow: bool) -> int:
-    """The job's output from SkyPilot; the controller's copy once the cluster is gone."""
-    import sky
-
-    tags = run.data.tags
-    if tags.get(TAG_MANAGED):
-        sky.jobs.tail_logs(job_id=int(tags[TAG_MANAGED]), follow=follow)
-        return 0
-    cluster = tags.get(TAG_CLUSTER)
-    if cluster and tags.get(TAG_JOB) and _cluster_status(cluster):
-        sky.tail_logs(cluster, int(tags[TAG_JOB]), follow=follow)
-        return 0
-    copy = run_dir(run.info.run_id) / "output.log"
-    if copy.is_file():
-        sys.stdout.write(copy.read_text())
-        return 0
-    raise LaunchError(f"no logs for run {run.info.run_id}: cluster {cluster or '-'} is gone and {copy} does not exist")
-
-
-def down(run: Any, uri: str) -> str:
-    """Tear the cluster down (or cancel the managed job); a RUNNING MLflow run becomes KILLED."""
-    import sky
-
-    tags = run.data.tags
-    if tags.get(TAG_MANAGED):
-        sky.get(sky.jobs.cancel(job_ids=[int(tags[TAG_MANAGED])]))
-        what = f"managed job {tags[TAG_MANAGED]} cancelled"
-    elif tags.get(TAG_CLUSTER):
-        cluster = tags[TAG_CLUSTER]
-        if _cluster_status(cluster) is None:
-            what = f"cluster {cluster} was already down"
+    def plan(self, composed: Composed) -> SkyPlan:
+        cfg = composed.cfg
+        infra = cfg["infra"]
+        uri = resolve_uri(cfg["tracking"]["uri"])
+        sky_rules.check(cfg, uri)
+        nproc = sky_task.nproc_per_node(cfg)
+        layout = resolve_layout(cfg, infra["nodes"] * nproc)
+        resolved = {**cfg, "parallel": {**cfg["parallel"], **layout},
+                    "checkpoint": {**cfg["checkpoint"],
+                                   "dir": sky_task.checkpoint_dir(cfg, sky_task.RUN_ID_PLACEHOLDER)}}
+        acc = sky_task.node_accelerators(infra)
+        device = f"{acc[1]}x {acc[0]} per node, nccl" if acc else "CPU, gloo"
+        if acc:
+            hardware = Hardware(f"{acc[0]}:{acc[1]}", acc[0], int(acc[1]), int(infra["nodes"]))
         else:
-            sky.get(sky.down(cluster))
-            what = f"cluster {cluster} is down"
-    else:
-        raise ConfigError(f"run {run.info.run_id} has no SkyPilot cluster or job recorded")
-    if run.info.status == "RUNNING":
-        from llmctl.tracking import end_run
+            hardware = Hardware("cpu", None, 0, int(infra["nodes"]), _int_prefix(infra.get("cpus")) or 8)
+        config = sky_task.task_config(resolved, run_id=sky_task.RUN_ID_PLACEHOLDER, tracking_uri=uri,
+                                      experiment_id="<experiment-id>", local_config="<run-dir>/config.yaml",
+                                      workdir=str(sky_task.project_root()))
+        # both modes priced (the estimate lists them), where SkyPilot says the provider sells spot
+        modes = [False] + ([True] if sky_rules.capabilities(infra["provider"]).supports("SPOT_INSTANCE") else [])
+        offers = {spot: sky_rules.offers({**infra, "use_spot": spot}) for spot in modes}
+        found = offers.get(bool(infra["use_spot"]), [])
+        mode = "managed job" if infra["managed"] else "cluster"
+        where = f"{sky_task.infra_string(infra)} via SkyPilot ({mode}{', spot' if infra['use_spot'] else ''})"
+        notes = []
+        if found:
+            best = found[0]
+            notes.append(f"cheapest offer: {best.instance_type} in {best.region}, ${best.total_hour:.2f}/h"
+                         f" for {infra['nodes']} node(s)")
+        if str(resolved["checkpoint"]["dir"]).startswith("llmctl-runs/"):
+            notes.append("checkpoints stay on the nodes and vanish with them; set infra.bucket=s3://... to keep them")
+        if infra["managed"] and str(resolved["checkpoint"]["dir"]).startswith("llmctl-runs/"):
+            notes.append("a managed job restarts from scratch after a preemption unless checkpoints go to a bucket")
+        return SkyPlan(cfg=resolved, choices=composed.choices, backend=self.name, where=where, nodes=infra["nodes"],
+                       nproc_per_node=nproc, layout=layout, device=device,
+                       command=["bash", "-c", "<run script below>"], tracking_uri=uri, hardware=hardware,
+                       offers=offers, notes=notes, task_yaml=task_yaml(config),
+                       offers_text=sky_rules.format_offers(found))
 
-        end_run(RunHandle(uri, run.info.run_id, run.info.experiment_id), "KILLED", "llmctl down")
-    return redact(what)
+    def preflight(self, plan: Plan) -> None:
+        """Credentials as ``sky check`` sees them, before an MLflow run or a cluster is created."""
+        sky_rules.check_credentials(plan.cfg["infra"]["provider"])
+
+    def finalize(self, plan: Plan, handle: RunHandle) -> dict[str, Any]:
+        """Fill in what needs the run id: where checkpoints go."""
+        cfg = plan.cfg
+        ckpt = str(cfg["checkpoint"]["dir"]).replace(sky_task.RUN_ID_PLACEHOLDER, handle.run_id)
+        cfg = {**cfg, "checkpoint": {**cfg["checkpoint"], "dir": ckpt}}
+        plan.cfg = cfg
+        return cfg
+
+    def launch(self, plan: Plan, handle: RunHandle, echo: Optional[Any] = None) -> int:
+        """Submit the task; follow its logs; return 0 if the job succeeded. Nothing is left idling."""
+        import sky
+
+        cfg, infra = plan.cfg, plan.cfg["infra"]
+        rdir = run_dir(handle.run_id)
+        rdir.mkdir(parents=True, exist_ok=True)
+        (rdir / "config.yaml").write_text(to_yaml(cfg))
+        config = sky_task.task_config(cfg, run_id=handle.run_id, tracking_uri=handle.uri,
+                                      experiment_id=handle.experiment_id, local_config=str(rdir / "config.yaml"),
+                                      workdir=str(sky_task.project_root()), attempt_env=handle.attempt_env)
+        task = sky.Task.from_yaml_config(config)
+        mc = client(handle.uri)
+        with open(rdir / "output.log", "a") as log:
+            out = _Tee(echo or sys.stdout, log)
+            if infra["managed"]:
+                return _launch_managed(task, handle, mc, out)
+            return _launch_cluster(task, infra, handle, mc, out)
+
+    def status(self, run: Any, uri: str) -> JobStatus:
+        """Cluster and job state from SkyPilot; ``ended`` once the job reached a final state."""
+        tags = run.data.tags
+        lines, job_state = [], None
+        if tags.get(TAG_MANAGED):
+            job_state = _managed_status(int(tags[TAG_MANAGED]))
+            lines.append(f"managed job: {tags[TAG_MANAGED]} {job_state or 'unknown'}")
+        elif tags.get(TAG_CLUSTER):
+            cluster = tags[TAG_CLUSTER]
+            state = _cluster_status(cluster)
+            lines.append(f"cluster:     {cluster} {state or 'gone (down)'}")
+            if state and tags.get(TAG_JOB):
+                job_state = _job_status(cluster, tags[TAG_JOB])
+                lines.append(f"job:         {tags[TAG_JOB]} {job_state or 'unknown'}")
+        else:
+            lines.append("cluster:     none recorded (the launch stopped before SkyPilot was called)")
+        ended = job_state if job_state in TERMINAL_OK | TERMINAL_BAD else None
+        return JobStatus(lines, ended, job_state in TERMINAL_OK)
+
+    def alive(self, run: Any, uri: str) -> bool:
+        """A RUNNING run may have a job on its nodes (asking SkyPilot would start its API server)."""
+        return run.info.status == "RUNNING"
+
+    def logs(self, run: Any, uri: str, follow: bool) -> int:
+        """The job's output from SkyPilot; the controller's copy once the cluster is gone."""
+        import sky
+
+        tags = run.data.tags
+        if tags.get(TAG_MANAGED):
+            sky.jobs.tail_logs(job_id=int(tags[TAG_MANAGED]), follow=follow)
+            return 0
+        cluster = tags.get(TAG_CLUSTER)
+        if cluster and tags.get(TAG_JOB) and _cluster_status(cluster):
+            sky.tail_logs(cluster, int(tags[TAG_JOB]), follow=follow)
+            return 0
+        copy = run_dir(run.info.run_id) / "output.log"
+        if copy.is_file():
+            sys.stdout.write(copy.read_text())
+            return 0
+        raise LaunchError(f"no logs for run {run.info.run_id}: cluster {cluster or '-'} is gone and {copy} does not exist")
+
+    def down(self, run: Any, uri: str, force: bool = False) -> str:
+        """Tear the cluster down (or cancel the managed job): SkyPilot's stop is already final."""
+        import sky
+
+        tags = run.data.tags
+        if tags.get(TAG_MANAGED):
+            sky.get(sky.jobs.cancel(job_ids=[int(tags[TAG_MANAGED])]))
+            what = f"managed job {tags[TAG_MANAGED]} cancelled"
+        elif tags.get(TAG_CLUSTER):
+            cluster = tags[TAG_CLUSTER]
+            if _cluster_status(cluster) is None:
+                what = f"cluster {cluster} was already down"
+            else:
+                sky.get(sky.down(cluster))
+                what = f"cluster {cluster} is down"
+        else:
+            raise ConfigError(f"run {run.info.run_id} has no SkyPilot cluster or job recorded")
+        return redact(what)

@@ -1,8 +1,10 @@
-"""Provider rules and offers, checked before anything is provisioned — offline, from SkyPilot's catalog.
+"""Provider rules and offers, checked before anything is provisioned — offline, from SkyPilot itself.
 
-The rules read data from the infra config (``max_nodes``, ``supports_spot``, ...) and SkyPilot's own
-catalog functions (the CSVs under ``~/.sky/catalogs``), so a new provider is a new conf/infra file,
-not a new branch here. ``sky`` is imported inside functions: ``llmctl --help`` must not pay for it.
+What a provider can do (spot, several nodes per job, autostop, bucket mounts) is what SkyPilot's
+cloud class declares (``Cloud._CLOUD_UNSUPPORTED_FEATURES``, with SkyPilot's own reason), and what
+it sells is SkyPilot's catalog (the CSVs under ``~/.sky/catalogs``). conf/infra keeps only what
+SkyPilot does not know (defaults, accelerator aliases), so a new provider is a new conf/infra
+file, not a new branch here. ``sky`` is imported inside functions: ``llmctl --help`` must not pay.
 """
 
 from __future__ import annotations
@@ -57,6 +59,31 @@ def _catalog_reachable(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+@dataclass(frozen=True)
+class Capabilities:
+    """What SkyPilot declares a provider cannot do: feature name (``CloudImplementationFeatures``)
+    → SkyPilot's reason. Static declarations; SkyPilot's live probes (Slurm's Pyxis or FUSE over
+    SSH) run at launch, inside SkyPilot."""
+
+    provider: str
+    unsupported: Mapping[str, str]
+
+    def supports(self, feature: str) -> bool:
+        return feature not in self.unsupported
+
+    def why_not(self, feature: str) -> str:
+        return " ".join(str(self.unsupported.get(feature, "")).split()).rstrip(".")
+
+
+def capabilities(provider: str) -> Capabilities:
+    """``provider``'s unsupported features as its SkyPilot cloud class declares them."""
+    from sky.utils import registry
+
+    cloud = registry.CLOUD_REGISTRY.from_str(provider)
+    declared = getattr(type(cloud), "_CLOUD_UNSUPPORTED_FEATURES", {}) or {}
+    return Capabilities(provider, {getattr(f, "name", str(f)): str(reason) for f, reason in declared.items()})
+
+
 def known_providers() -> list[str]:
     from sky.utils import registry
 
@@ -78,18 +105,23 @@ def check(cfg: Mapping[str, Any], tracking_uri: str) -> None:
             f"infra '{name}' runs on remote nodes, which cannot reach the local MLflow store {tracking_uri}."
             " Fix: run a tracking server the nodes can reach (e.g. `mlflow server --host 0.0.0.0 --port 5000`)"
             " and set tracking.uri=http://<that-host>:5000 (or MLFLOW_TRACKING_URI)")
-    max_nodes = int(infra.get("max_nodes") or 0)
-    if max_nodes and infra["nodes"] > max_nodes:
-        raise ConfigError(f"Bad value for 'infra.nodes': {provider} runs at most {max_nodes} node(s) per job"
-                          f" (infra '{name}' has max_nodes={max_nodes}), got {infra['nodes']}."
-                          f" Fix: infra.nodes={max_nodes}, or pick a multi-node infra (aws, lambda, slurm)")
-    if infra["use_spot"] and not infra.get("supports_spot", True):
-        raise ConfigError(f"Bad value for 'infra.use_spot': {provider} has no spot instances."
+    can = capabilities(provider)
+    if infra["nodes"] > 1 and not can.supports("MULTI_NODE"):
+        raise ConfigError(f"Bad value for 'infra.nodes': {provider} runs at most 1 node per job"
+                          f" (SkyPilot: {can.why_not('MULTI_NODE')}), got {infra['nodes']}."
+                          f" Fix: infra.nodes=1, or pick a multi-node infra (aws, lambda, slurm)")
+    if infra["use_spot"] and not can.supports("SPOT_INSTANCE"):
+        raise ConfigError(f"Bad value for 'infra.use_spot': {provider} has no spot instances"
+                          f" (SkyPilot: {can.why_not('SPOT_INSTANCE')})."
                           " Fix: infra.use_spot=false, or pick an infra with spot (aws, runpod)")
-    if infra.get("autostop_minutes") is not None and not infra.get("supports_autostop", True):
-        raise ConfigError(f"Bad value for 'infra.autostop_minutes': {provider} has no autostop."
-                          " Fix: infra.autostop_minutes=null (llmctl releases the nodes when the run ends"
-                          " when infra.down=true)")
+    if infra.get("autostop_minutes") is not None and not infra["managed"] and not can.supports("AUTOSTOP"):
+        raise ConfigError(f"Bad value for 'infra.autostop_minutes': {provider} has no autostop"
+                          f" (SkyPilot: {can.why_not('AUTOSTOP')}). Fix: infra.autostop_minutes=null"
+                          " (llmctl releases the nodes when the run ends when infra.down=true)")
+    if infra.get("bucket") and infra.get("mount_bucket") and not can.supports("STORAGE_MOUNTING"):
+        raise ConfigError(f"Bad value for 'infra.mount_bucket': {provider} cannot mount a bucket"
+                          f" (SkyPilot: {can.why_not('STORAGE_MOUNTING')}). Fix: infra.mount_bucket=false"
+                          " (the workload then writes checkpoints to the bucket URL itself)")
     _check_region(infra)
     _check_accelerators(infra)
 

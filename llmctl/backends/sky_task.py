@@ -24,9 +24,6 @@ SECRET_ENVS = (
     "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN",
     "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
 )
-# the attempt number and the budget guard's inputs, set by the controller for this launch/resume
-ATTEMPT_ENVS = ("LLMCTL_ATTEMPT", "LLMCTL_PRICE_PER_HOUR", "LLMCTL_MAX_COST_USD", "LLMCTL_BILLING_START",
-                "LLMCTL_SPENT_USD")
 
 SETUP = """\
 set -euo pipefail
@@ -137,7 +134,7 @@ def resources(cfg: Mapping[str, Any]) -> dict[str, Any]:
         res["use_spot"] = True
     if infra["managed"]:
         res["job_recovery"] = {"max_restarts_on_errors": 0}
-    elif infra.get("supports_autostop") and infra.get("autostop_minutes") is not None:
+    elif infra.get("autostop_minutes") is not None:  # sky_rules.check refused it where SkyPilot has none
         res["autostop"] = {"idle_minutes": int(infra["autostop_minutes"]), "down": bool(infra["down"])}
     return res
 
@@ -151,8 +148,11 @@ def secrets_from(environ: Mapping[str, str], tracking_uri: str) -> dict[str, str
 
 
 def task_config(cfg: Mapping[str, Any], *, run_id: str, tracking_uri: str, experiment_id: str,
-                local_config: str, workdir: str, environ: Optional[Mapping[str, str]] = None) -> dict[str, Any]:
-    """The SkyPilot task as a YAML-style dict (``sky.Task.from_yaml_config`` loads it)."""
+                local_config: str, workdir: str, environ: Optional[Mapping[str, str]] = None,
+                attempt_env: Optional[Mapping[str, str]] = None) -> dict[str, Any]:
+    """The SkyPilot task as a YAML-style dict (``sky.Task.from_yaml_config`` loads it).
+
+    ``attempt_env``: the attempt number and the budget guard's inputs (``RunHandle.attempt_env``)."""
     infra = cfg["infra"]
     secrets = secrets_from(os.environ if environ is None else environ, tracking_uri)
     envs = {
@@ -162,8 +162,7 @@ def task_config(cfg: Mapping[str, Any], *, run_id: str, tracking_uri: str, exper
         "PYTHONUNBUFFERED": "1",
         "LLMCTL_PIP_ARGS": str(infra.get("pip_args") or ""),
     }
-    environ = os.environ if environ is None else environ
-    envs.update({k: environ[k] for k in ATTEMPT_ENVS if environ.get(k)})
+    envs.update(attempt_env or {})
     if "MLFLOW_TRACKING_URI" not in secrets:
         envs["MLFLOW_TRACKING_URI"] = tracking_uri
     if infra["nproc_per_node"] or not infra["accelerators"]:

@@ -11,17 +11,19 @@ Throughput (and overhead, val time) come from the best evidence, which the estim
    tp, ac) on the same accelerator (``llmctl.shape`` / ``llmctl.accelerator`` tags), scaled by nodes;
 2. prior: ``MFU_PRIOR`` of the accelerator's dense peak (GPU), or ``CPU_GFLOPS_PER_CORE`` (CPU).
 
-Pure arithmetic apart from ``hardware_of``/``prices_for`` (which ask the backend and SkyPilot's
-offline catalog); stdlib only at module level.
+Pure arithmetic on plain values: the hardware and the catalog offers come with the plan (each
+backend describes what it runs on), the measured history from ``history``; ``planner`` gathers
+them. The model's arithmetic is the trainer's (``workloads.pretrain.shape``). Stdlib only.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping, Optional
 
-from llmctl.cost.peaks import peak_for
+from llmctl.hardware import Hardware
+from workloads.pretrain.hardware import peak_for
+from workloads.pretrain.shape import flops_per_token, hidden_dim, num_params
 
 MFU_PRIOR = 0.40  # torchtitan Llama-3.1-8B on 8xH100: 34-39%; Megatron-LM 41-48%
 UNKNOWN_GPU_TFLOPS = 100.0  # a GPU missing from the peak table: a deliberately modest guess
@@ -30,32 +32,7 @@ CPU_GFLOPS_PER_CORE = 25.0  # measured order: ~75 GFLOP/s for the smoke model on
 OVERHEAD_PRIOR_S = {"local-cpu": 15.0, "local-gpu": 30.0, "sky": 600.0}  # sky: provision + node install
 
 
-# ----------------------------------------------------------------------------- model arithmetic
-
-
-def ffn_hidden_dim(dim: int, multiple_of: int, ffn_dim_multiplier: Optional[float]) -> int:
-    """Llama's SwiGLU width (same rule as ``workloads.pretrain.model.ffn_hidden_dim``)."""
-    hidden = int(2 * 4 * dim / 3)
-    if ffn_dim_multiplier is not None:
-        hidden = int(ffn_dim_multiplier * hidden)
-    return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
-
-
-def num_params(model: Mapping[str, Any]) -> int:
-    """N: every weight but the input embedding; a tied embedding counts once, as the LM head."""
-    dim, layers, heads = int(model["dim"]), int(model["n_layers"]), int(model["n_heads"])
-    kv_heads = int(model.get("n_kv_heads") or heads)
-    head_dim = dim // heads
-    hidden = ffn_hidden_dim(dim, int(model["multiple_of"]), model.get("ffn_dim_multiplier"))
-    attention = dim * heads * head_dim + 2 * dim * kv_heads * head_dim + heads * head_dim * dim
-    block = attention + 3 * dim * hidden + 2 * dim  # q k v o + SwiGLU w1 w2 w3 + two RMSNorms
-    return layers * block + dim + int(model["vocab_size"]) * dim  # + final norm + LM head
-
-
-def flops_per_token(model: Mapping[str, Any], seq_len: int) -> int:
-    """Training FLOPs per token: 6N (fwd+bwd matmuls) + 12·L·H·Q·T (attention scores and values)."""
-    heads = int(model["n_heads"])
-    return 6 * num_params(model) + 12 * int(model["n_layers"]) * heads * (int(model["dim"]) // heads) * seq_len
+# ----------------------------------------------------------------------------- run arithmetic
 
 
 def val_passes(steps: int, val_every: int) -> int:
@@ -70,7 +47,7 @@ def val_passes(steps: int, val_every: int) -> int:
 def shape_key(cfg: Mapping[str, Any]) -> str:
     """What makes two runs' tokens/s comparable (tag ``llmctl.shape``): the model, T, dtype, kernels, tp, ac."""
     m, t, p = cfg["model"], cfg["train"], cfg["parallel"]
-    hidden = ffn_hidden_dim(int(m["dim"]), int(m["multiple_of"]), m.get("ffn_dim_multiplier"))
+    hidden = hidden_dim(m)
     return (f"d{m['dim']}-L{m['n_layers']}-H{m['n_heads']}-KV{m.get('n_kv_heads') or m['n_heads']}"
             f"-V{m['vocab_size']}-F{hidden}-tie{int(bool(m['tie_embeddings']))}-T{t['seq_len']}"
             f"-{_plain(t['dtype'])}-{_plain(m['kernels'])}{'-compiled' if m.get('compile') else ''}"
@@ -82,22 +59,6 @@ def _plain(value: Any) -> str:
 
 
 # ----------------------------------------------------------------------------- hardware and evidence
-
-
-@dataclass(frozen=True)
-class Hardware:
-    """What the job runs on: ``accelerator`` is the tag value ("cpu", "H100:8": per node)."""
-
-    accelerator: str
-    gpu: Optional[str]  # catalog or device name; None on CPU
-    gpus_per_node: int
-    nodes: int
-    cores_per_node: int = 1
-
-    @property
-    def devices(self) -> int:
-        """Priced devices: GPUs, or one per CPU node."""
-        return self.nodes * (self.gpus_per_node or 1)
 
 
 @dataclass
@@ -177,7 +138,9 @@ class Price:
 
 
 def catalog_prices(offers_by_mode: Mapping[bool, list[Any]]) -> list[Price]:
-    """``sky_rules.Offer`` lists (on-demand: False, spot: True) → prices, cheapest first per mode."""
+    """Catalog offers (``Plan.offers``: on-demand under False, spot under True) → prices, cheapest
+    first per mode. An offer has ``provider``, ``instance_type``, ``region``, ``per_node_hour``,
+    ``nodes`` and ``total_hour`` (``backends.sky_rules.Offer``)."""
     out = []
     for spot, found in offers_by_mode.items():
         for o in found:
@@ -306,74 +269,3 @@ def estimate(cfg: Mapping[str, Any], hw: Hardware, backend: str, *, measured: Op
                     steps=steps, tokens=steps * batch * seq, val_passes=val_passes(steps, int(t["val_every"])),
                     hw=hw, throughput=throughput, price=choose_price(cfg["infra"], hw, catalog),
                     offers=catalog, max_cost=max_cost)
-
-
-# ----------------------------------------------------------------------------- from a plan
-
-
-def hardware_of(plan: Any) -> Hardware:
-    """The plan's accelerator, as the ``llmctl.accelerator`` tag spells it."""
-    infra = plan.cfg["infra"]
-    if plan.backend == "sky":
-        from llmctl.backends.sky_task import node_accelerators
-
-        acc = node_accelerators(infra)
-        if acc:
-            return Hardware(f"{acc[0]}:{acc[1]}", acc[0], int(acc[1]), int(infra["nodes"]))
-        cores = _int_prefix(infra.get("cpus")) or 8
-        return Hardware("cpu", None, 0, int(infra["nodes"]), cores)
-    from llmctl.backends.local import local_gpu_count
-
-    gpus = local_gpu_count()
-    if gpus:
-        name = local_gpu_name() or "GPU"
-        return Hardware(f"{name}:{gpus}", name, gpus, 1)
-    return Hardware("cpu", None, 0, 1, _cpu_cores())
-
-
-def _int_prefix(value: Any) -> int:
-    digits = "".join(ch for ch in str(value or "") if ch.isdigit())
-    return int(digits) if digits else 0
-
-
-def _cpu_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
-def local_gpu_name() -> Optional[str]:
-    """``nvidia-smi``'s name of GPU 0 (e.g. "NVIDIA H100 80GB HBM3"), without importing torch."""
-    import shutil
-    import subprocess
-
-    smi = shutil.which("nvidia-smi")
-    if not smi:
-        return None
-    try:
-        out = subprocess.run([smi, "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                             text=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    first = out.strip().splitlines()
-    return first[0].strip() if first else None
-
-
-def prices_for(plan: Any, hw: Hardware) -> list[Price]:
-    """Catalog offers, on-demand and (where the provider sells it) spot; [] off the catalog (Slurm, local)."""
-    infra = plan.cfg["infra"]
-    if plan.backend != "sky":
-        return []
-    from llmctl.backends import sky_rules
-
-    modes = [False] + ([True] if infra.get("supports_spot", True) else [])
-    return catalog_prices({spot: sky_rules.offers({**infra, "use_spot": spot}) for spot in modes})
-
-
-def for_plan(plan: Any, max_cost: Optional[float] = None, lookup: bool = True) -> Estimate:
-    """The estimate ``plan`` prints and ``launch`` checks and logs; ``lookup`` asks MLflow for history."""
-    hw = hardware_of(plan)
-    measured = None
-    if lookup:
-        from llmctl.cost import history
-
-        measured = history.find(plan.tracking_uri, shape_key(plan.cfg), hw.accelerator, plan.cfg)
-    return estimate(plan.cfg, hw, plan.backend, measured=measured, catalog=prices_for(plan, hw), max_cost=max_cost)

@@ -10,6 +10,11 @@ reading or rewriting the others::
     llmctl.attempt.<n>.nodes          nodes billed
     llmctl.attempt.<n>.devices        priced devices (GPUs; a CPU node counts one)
 
+plus what the attempt was (``infra``, ``world_size``, ``from_step``, ``status``: its outcome, as
+``llmctl.status`` says it). The workload never writes these: it records facts (each start,
+``llmctl.workload_start.<k>``), and ``reconcile`` turns a second start under one launcher attempt (a
+managed job that SkyPilot recovered on new nodes) into the attempt it was.
+
     cost/actual_usd       = sum over attempts of hours x usd_per_hour (an open attempt counts to now)
     cost/device_hours     = sum of hours x devices
     cost/usd_per_1m_tokens = cost/actual_usd / (tokens trained / 1e6)
@@ -17,12 +22,16 @@ reading or rewriting the others::
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
+from workloads.pretrain.contract import TAG_START_PREFIX
+
 PREFIX = "llmctl.attempt."
+TAG_CURRENT = "llmctl.attempt"  # the newest attempt's number
 _TAG = re.compile(r"^llmctl\.attempt\.(\d+)\.(start|end|usd_per_hour|nodes|devices)$")
 
 
@@ -97,21 +106,91 @@ def compute(tags: Mapping[str, str], now: Optional[float] = None, tokens: Option
                   open=any(a.end is None for a in found), tokens=tokens)
 
 
+def next_number(tags: Mapping[str, str]) -> int:
+    """The number the next attempt gets: one past every attempt recorded so far."""
+    return max([a.n for a in attempts(tags)] + [int(tags.get(TAG_CURRENT, "0") or 0)]) + 1
+
+
 def open_attempt(mc: Any, run_id: str, *, usd_per_hour: float, nodes: int, devices: int,
-                 start: Optional[float] = None) -> int:
-    """Append attempt n+1 (n = the highest recorded) and return its number."""
-    existing = attempts(mc.get_run(run_id).data.tags)
-    n = (existing[-1].n if existing else 0) + 1
+                 start: Optional[float] = None, extra: Optional[Mapping[str, Any]] = None) -> int:
+    """Append the next attempt (``extra``: infra, world_size, from_step, ...) and return its number."""
     from mlflow.entities import RunTag
 
-    mc.log_batch(run_id, tags=[RunTag(f"{PREFIX}{n}.{k}", v) for k, v in {
-        "start": f"{time.time() if start is None else start:.3f}", "usd_per_hour": f"{usd_per_hour:.6f}",
-        "nodes": str(nodes), "devices": str(devices)}.items()])
+    n = next_number(mc.get_run(run_id).data.tags)
+    fields = {"start": f"{time.time() if start is None else start:.3f}", "usd_per_hour": f"{usd_per_hour:.6f}",
+              "nodes": str(nodes), "devices": str(devices), **{k: str(v) for k, v in (extra or {}).items()}}
+    mc.log_batch(run_id, tags=[RunTag(f"{PREFIX}{n}.{k}", v[:5000]) for k, v in fields.items()]
+                 + [RunTag(TAG_CURRENT, str(n))])
     return n
 
 
 def close_attempt(mc: Any, run_id: str, n: int, end: Optional[float] = None) -> None:
     mc.set_tag(run_id, f"{PREFIX}{n}.end", f"{time.time() if end is None else end:.3f}")
+
+
+def close_open(mc: Any, run_id: str, end: float, status: str = "") -> None:
+    """Every attempt still open ends at ``end``; ``status`` (the outcome) goes on those without one."""
+    from mlflow.entities import RunTag
+
+    tags = mc.get_run(run_id).data.tags
+    out = []
+    for a in attempts(tags):
+        if a.end is None:
+            out.append(RunTag(f"{PREFIX}{a.n}.end", f"{end:.3f}"))
+            if status and not tags.get(f"{PREFIX}{a.n}.status"):
+                out.append(RunTag(f"{PREFIX}{a.n}.status", status[:500]))
+    if out:
+        mc.log_batch(run_id, tags=out)
+
+
+def workload_starts(tags: Mapping[str, str]) -> list[tuple[int, dict[str, Any]]]:
+    """(k, start) for every ``llmctl.workload_start.<k>`` the workload recorded, in order."""
+    found = []
+    for key, value in tags.items():
+        if key.startswith(TAG_START_PREFIX) and key[len(TAG_START_PREFIX):].isdigit():
+            try:
+                found.append((int(key[len(TAG_START_PREFIX):]), json.loads(value)))
+            except ValueError:
+                continue
+    return sorted(found)
+
+
+def reconcile(mc: Any, run_id: str) -> Optional[int]:
+    """Bill a managed job's recoveries: each start after the first under one launcher attempt (its
+    supervisor reran the job on new nodes) closes the attempt before it and opens the next, at the
+    same price and size. Idempotent (an attempt remembers its start as ``start_seq``). Returns the
+    number of the newest attempt opened here, or None."""
+    from mlflow.entities import RunTag
+
+    tags = mc.get_run(run_id).data.tags
+    done = {tags[k] for k in tags if k.startswith(PREFIX) and k.endswith(".start_seq")}
+    by_attempt: dict[int, list[tuple[int, dict[str, Any]]]] = {}
+    for k, start in workload_starts(tags):
+        by_attempt.setdefault(int(start.get("attempt", 1)), []).append((k, start))
+    opened = None
+    for launcher_n in sorted(by_attempt):
+        for k, start in by_attempt[launcher_n][1:]:
+            if str(k) in done:
+                continue
+            found = {a.n: a for a in attempts(tags)}
+            prev = found.get(max(found)) if found else None
+            if prev is None:
+                continue  # no billed attempt to continue (a run llmctl did not launch)
+            t, n = float(start["time"]), next_number(tags)
+            new = {f"{PREFIX}{n}.{key}": value for key, value in {
+                "start": f"{t:.3f}", "usd_per_hour": f"{prev.usd_per_hour:.6f}", "nodes": str(prev.nodes),
+                "devices": str(prev.devices), "infra": tags.get(f"{PREFIX}{prev.n}.infra") or tags.get("llmctl.infra", "?"),
+                "world_size": str(start.get("world_size", "")), "from_step": str(start.get("from_step", 0)),
+                "start_seq": str(k)}.items()}
+            if prev.end is None or prev.end > t:
+                new[f"{PREFIX}{prev.n}.end"] = f"{t:.3f}"
+            new[f"{PREFIX}{prev.n}.status"] = "preempted (recovered by its supervisor)"
+            new[TAG_CURRENT] = str(n)
+            new["llmctl.status"] = f"recovered: attempt {n} from step {start.get('from_step', 0)}"
+            mc.log_batch(run_id, tags=[RunTag(key, value) for key, value in new.items()])
+            tags = {**tags, **new}
+            opened = n
+    return opened
 
 
 def tokens_trained(mc: Any, run: Any) -> Optional[int]:

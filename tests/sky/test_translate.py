@@ -13,6 +13,7 @@ import pytest
 
 from llmctl.backends import sky_task
 from llmctl.config import compose
+from workloads.pretrain.contract import ATTEMPT_ENVS
 
 from sky_helpers import REMOTE_URI
 
@@ -95,13 +96,21 @@ def test_credentials_are_secrets_never_envs(sky_home: Path) -> None:
 
 
 def test_attempt_and_budget_reach_the_nodes(sky_home: Path) -> None:
-    """A resume's attempt number and the budget guard's inputs travel as task envs; others do not."""
-    environ = {"LLMCTL_ATTEMPT": "3", "LLMCTL_MAX_COST_USD": "12.500000", "LLMCTL_SPENT_USD": "4.2",
-               "LLMCTL_BILLING_START": "1700000000.000", "LLMCTL_PRICE_PER_HOUR": "23.92", "LLMCTL_OTHER": "x"}
-    config, task = _task(["infra=lambda"], environ)
-    assert {k: task.envs[k] for k in sky_task.ATTEMPT_ENVS} == {k: environ[k] for k in sky_task.ATTEMPT_ENVS}
+    """The attempt's environment (RunHandle.attempt_env) travels as task envs; the launching
+    process's own LLMCTL_* variables do not."""
+    import sky
+
+    attempt = {"LLMCTL_ATTEMPT": "3", "LLMCTL_MAX_COST_USD": "12.500000", "LLMCTL_SPENT_USD": "4.2",
+               "LLMCTL_BILLING_START": "1700000000.000", "LLMCTL_PRICE_PER_HOUR": "23.92"}
+    assert set(attempt) == set(ATTEMPT_ENVS)  # the trainer's contract names every one of them
+    cfg = compose(["infra=lambda", f"tracking.uri={REMOTE_URI}"]).cfg
+    config = sky_task.task_config(cfg, run_id="abc123", tracking_uri=REMOTE_URI, experiment_id="7",
+                                  local_config="/tmp/cfg.yaml", workdir=str(sky_task.project_root()),
+                                  environ={"LLMCTL_ATTEMPT": "9", "LLMCTL_OTHER": "x"}, attempt_env=attempt)
+    task = sky.Task.from_yaml_config(copy.deepcopy(config))
+    assert {k: task.envs[k] for k in ATTEMPT_ENVS} == attempt
     assert "LLMCTL_OTHER" not in task.envs
-    assert "LLMCTL_ATTEMPT" not in _task(["infra=lambda"], {})[1].envs
+    assert "LLMCTL_ATTEMPT" not in _task(["infra=lambda"], {"LLMCTL_ATTEMPT": "9"})[1].envs
 
 
 def _fake_python(tmp_path: Path) -> Path:

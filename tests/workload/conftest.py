@@ -14,12 +14,12 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def tiny_cfg(**dotlist):
-    """RootCfg with conf/model/tiny.yaml, a short schedule, and ``key=value`` overrides."""
+    """The trainer's config with conf/model/tiny.yaml, a short schedule, and ``key=value`` overrides."""
     from omegaconf import OmegaConf
 
-    from llmctl.schema import RootCfg
+    from workloads.pretrain.schema import TrainerCfg
 
-    cfg = OmegaConf.structured(RootCfg)
+    cfg = OmegaConf.structured(TrainerCfg)
     cfg.model = OmegaConf.merge(cfg.model, OmegaConf.load(REPO / "conf/model/tiny.yaml"))
     base = {"train.steps": 30, "train.batch_size": 8, "train.seq_len": 64, "train.warmup_steps": 3,
             "train.log_every": 5, "train.val_every": 15, "train.val_batches": 2}

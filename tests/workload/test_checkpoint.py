@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from workloads.pretrain.checkpoint import MARKER, Checkpointer, latest_complete, list_checkpoints
+from workloads.pretrain.checkpoint import Checkpointer
+from workloads.pretrain.checkpoint_layout import MARKER, latest_complete, list_checkpoints
 from workloads.pretrain.data import Sampler
 from workloads.pretrain.model import build_model
 from workloads.pretrain.optim import build_optimizer

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from llmctl.schema import ModelCfg
+from workloads.pretrain.schema import ModelCfg
 from workloads.pretrain.export_hf import export
 from workloads.pretrain.generate import generate
 from workloads.pretrain.model import build_model

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from llmctl.schema import TrainCfg
+from workloads.pretrain.schema import TrainCfg
 from workloads.pretrain.metrics import MetricSink, format_train_line, peak_memory_gb, peak_tflops
 from workloads.pretrain.optim import build_optimizer, lr_factor
 
@@ -43,7 +43,7 @@ def test_no_mfu_on_cpu_and_peak_table_order():
 
 
 def test_peak_table_resolves_real_device_names():
-    from workloads.pretrain.metrics import PEAK_TFLOPS
+    from workloads.pretrain.hardware import PEAK_TFLOPS
 
     def lookup(name):
         return next(bf16 for key, bf16, _ in PEAK_TFLOPS if key.lower() in name.lower())

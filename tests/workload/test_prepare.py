@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from llmctl.schema import DataCfg
+from workloads.pretrain.schema import DataCfg
 from workloads.pretrain.data import EOT, list_source_files, prepare_corpus
 from workloads.pretrain.prepare import prepare
 
@@ -165,7 +165,7 @@ def test_s3_glob_and_shared_remote_cache(s3_bucket, tmp_path):
 
 def test_prepare_cli(tmp_path):
     (tmp_path / "a.txt").write_text(DOCS[0])
-    cmd = [sys.executable, "-m", "workloads.pretrain.prepare", "data=files", f"data.source={tmp_path}/*.txt",
+    cmd = [sys.executable, "-m", "workloads.pretrain.prepare", "data.name=files", f"data.source={tmp_path}/*.txt",
            f"data.cache_dir={tmp_path / 'cache'}", "data.vocab_size=300"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("LLMCTL_")}
     out = subprocess.run(cmd, cwd=REPO, env=env, text=True, capture_output=True, timeout=120)
@@ -177,3 +177,6 @@ def test_prepare_cli(tmp_path):
     bad = subprocess.run(cmd[:4] + [f"data.source={tmp_path}/none/*.txt"], cwd=REPO, env=env, text=True,
                          capture_output=True, timeout=120)
     assert bad.returncode == 1 and "data.source=" in bad.stderr and "matched nothing" in bad.stderr
+    # presets are composition, the launcher's job: the message says how to get a config file
+    preset = subprocess.run(cmd[:3] + ["data=files"], cwd=REPO, env=env, text=True, capture_output=True, timeout=120)
+    assert preset.returncode == 1 and "llmctl config show data=files > run.yaml" in preset.stderr, preset.stderr

@@ -54,8 +54,12 @@ def test_injected_failure_exits_nonzero_with_traceback(write_tiny_config, worklo
 
 
 def test_bad_config_is_an_error(write_tiny_config, workload_env, workload):
+    """The trainer validates its own config (no llmctl involved): exit 2, one line naming the key."""
     proc = workload.run(["--config", str(write_tiny_config(**{"train.seq_len": 1024}))], workload_env)
-    assert proc.returncode == 1 and "max_seq_len" in proc.stderr
+    assert proc.returncode == 2 and "Bad value for 'train.seq_len'" in proc.stderr and "max_seq_len" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    typo = workload.run(["--config", str(write_tiny_config()), "train.lrr=1e-3"], workload_env)
+    assert typo.returncode == 2 and "lrr" in typo.stderr and "Traceback" not in typo.stderr
 
 
 @pytest.mark.slow

@@ -28,7 +28,8 @@ from typing import Mapping, Optional
 import torch
 import torch.distributed as dist
 
-TAG = "llmctl.budget_stop"
+from workloads.pretrain.contract import ENV_BILLING_START, ENV_MAX_COST, ENV_PRICE, ENV_SPENT, TAG_BUDGET_STOP
+
 RESERVE_S = 5.0  # at least this long is kept for the last validation pass and the checkpoint save
 
 
@@ -46,8 +47,8 @@ class BudgetGuard:
             raw = environ.get(key, "")
             return float(raw) if raw.strip() else default
 
-        return cls(num("LLMCTL_MAX_COST_USD", None), num("LLMCTL_PRICE_PER_HOUR", 0.0) or 0.0,
-                   num("LLMCTL_BILLING_START", time.time()) or time.time(), num("LLMCTL_SPENT_USD", 0.0) or 0.0)
+        return cls(num(ENV_MAX_COST, None), num(ENV_PRICE, 0.0) or 0.0,
+                   num(ENV_BILLING_START, time.time()) or time.time(), num(ENV_SPENT, 0.0) or 0.0)
 
     @property
     def active(self) -> bool:
@@ -88,7 +89,7 @@ class BudgetGuard:
         try:
             from mlflow.tracking import MlflowClient
 
-            MlflowClient().set_tag(run_id, TAG, json.dumps(info))
+            MlflowClient().set_tag(run_id, TAG_BUDGET_STOP, json.dumps(info))
         except Exception as e:  # the controller then sees a plain FINISHED run; the log still says why
             print(f"warning: could not tag the run with the budget stop ({type(e).__name__}: {e})",
                   file=sys.stderr, flush=True)

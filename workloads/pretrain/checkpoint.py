@@ -1,6 +1,7 @@
 """Distributed checkpoints with ``torch.distributed.checkpoint`` (DCP) on any fsspec location.
 
-Layout, under ``checkpoint.dir`` (local path, ``file://``, ``s3://``, ``gs://`` ...)::
+Layout, under ``checkpoint.dir`` (local path, ``file://``, ``s3://``, ``gs://`` ...; finding the
+newest complete step is ``checkpoint_layout``'s job)::
 
     step-<N>/.metadata, __<rank>_0.distcp   DCP files: every rank writes its own shards
     step-<N>/.complete                      JSON marker, written LAST by rank 0
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import time
 import warnings
 from concurrent.futures import Future
@@ -34,42 +34,13 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from workloads.pretrain.checkpoint_layout import MARKER, fs_and_path, join, latest_complete, list_checkpoints, step_dir
+
 # a one-process run saves without a process group on purpose (no_dist=True); DCP warns on every save
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
                         category=UserWarning)
 
-MARKER = ".complete"
 PAUSE_ENV = "LLMCTL_CKPT_PAUSE_S"  # test hook: sleep between the DCP write and the marker (SIGKILL mid-save)
-_STEP_DIR = re.compile(r"^step-(\d+)$")
-
-
-def _fs(url: str):
-    import fsspec
-
-    return fsspec.core.url_to_fs(url)
-
-
-def _join(root: str, name: str) -> str:
-    return f"{root.rstrip('/')}/{name}"
-
-
-def list_checkpoints(root: str) -> dict[int, bool]:
-    """{step: complete} for every ``step-<N>`` directory under ``root`` (empty if none)."""
-    fs, path = _fs(root)
-    fs.invalidate_cache()  # s3fs caches listings; another process may have written since
-    if not fs.exists(path):
-        return {}
-    steps = {}
-    for entry in fs.ls(path, detail=False):
-        m = _STEP_DIR.match(entry.rstrip("/").rsplit("/", 1)[-1])
-        if m:
-            steps[int(m.group(1))] = fs.exists(_join(entry, MARKER))
-    return steps
-
-
-def latest_complete(root: str) -> int | None:
-    done = [s for s, ok in list_checkpoints(root).items() if ok]
-    return max(done) if done else None
 
 
 def _rng_state() -> dict[str, bytes | None]:
@@ -112,7 +83,7 @@ class Checkpointer:
                 "train": {"step": step, "sampler": self.sampler.state_dict(), "rng": _rng_state()}}
 
     def _step_dir(self, step: int) -> str:
-        return _join(self.root, f"step-{step}")
+        return step_dir(self.root, step)
 
     def _barrier(self) -> None:
         if dist.is_initialized():
@@ -157,7 +128,7 @@ class Checkpointer:
         t0 = time.monotonic()
         path = self._step_dir(step)
         if self.env.rank == 0:  # leftovers of a crashed save of this step
-            fs, p = _fs(path)
+            fs, p = fs_and_path(path)
             if fs.exists(p):
                 fs.rm(p, recursive=True)
         self._barrier()  # before any rank creates the directory again
@@ -188,14 +159,14 @@ class Checkpointer:
         if pause > 0:  # test hook: a SIGKILL now leaves step-N written but unmarked
             print(f"checkpoint | step-{step} written, pausing {pause:g}s before its marker ({PAUSE_ENV})", flush=True)
             time.sleep(pause)
-        fs, path = _fs(self._step_dir(step))
-        with fs.open(_join(path, MARKER), "w") as f:
+        fs, path = fs_and_path(self._step_dir(step))
+        with fs.open(join(path, MARKER), "w") as f:
             json.dump({"step": step, "world_size": self.env.world_size, "time": time.time()}, f)
         ckpts = list_checkpoints(self.root)
         keep = sorted((s for s, ok in ckpts.items() if ok), reverse=True)[: self.keep]
         for s, ok in ckpts.items():
             if s not in keep and (ok or s < step):
-                fs.rm(_fs(self._step_dir(s))[1], recursive=True)
+                fs.rm(fs_and_path(self._step_dir(s))[1], recursive=True)
 
     def close(self) -> None:
         """Wait for an async save and commit it (call at exit)."""

@@ -46,7 +46,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 
-from workloads.pretrain.checkpoint import MARKER, _fs, _join, latest_complete
+from workloads.pretrain.checkpoint_layout import MARKER, fs_and_path, join, latest_complete, step_dir
+from workloads.pretrain.config import parse_args
 from workloads.pretrain.data import EOT, Corpus, load_texts, prepare_corpus, val_batches
 from workloads.pretrain.model import Transformer, build_model
 
@@ -68,9 +69,9 @@ def resolve_step_dir(ckpt: str, step: Optional[int]) -> tuple[str, int]:
         step = latest_complete(ckpt)
         if step is None:
             raise FileNotFoundError(f"no complete checkpoint (step-N/{MARKER}) under {ckpt}")
-    path = _join(ckpt, f"step-{step}")
-    fs, p = _fs(path)
-    if not fs.exists(_join(p, MARKER)):
+    path = step_dir(ckpt, step)
+    fs, p = fs_and_path(path)
+    if not fs.exists(join(p, MARKER)):
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no {MARKER})")
     return path, int(step)
 
@@ -297,20 +298,12 @@ def _line(m: dict[str, float]) -> str:
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m workloads.pretrain.evaluate", description=__doc__.splitlines()[0])
-    parser.add_argument("--config", required=True, help="resolved config YAML (llmctl writes it)")
     parser.add_argument("--out", help="write the result as JSON here (rank 0)")
     parser.add_argument("--checkpoint", help="checkpoint root or step-N directory (default: checkpoint.dir)")
     parser.add_argument("--hf", help="score this Hugging Face export instead of a checkpoint")
     parser.add_argument("--export-hf", help="export the checkpoint to this directory")
-    parser.add_argument("overrides", nargs="*", help="key=value overrides")
-    args = parser.parse_args(argv)
     try:
-        from omegaconf import OmegaConf
-
-        from llmctl.schema import RootCfg
-
-        cfg = OmegaConf.merge(OmegaConf.structured(RootCfg), OmegaConf.load(args.config),
-                              OmegaConf.from_dotlist(args.overrides))
+        args, cfg = parse_args(parser, argv, config_required=True)
         result = run(cfg, args.checkpoint, args.hf, args.export_hf)
         if args.out and int(os.environ.get("RANK", "0")) == 0:
             with open(args.out, "w") as f:

@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 import torch
 
-from workloads.pretrain.model import ffn_hidden_dim
+from workloads.pretrain.shape import hidden_dim
 
 _LAYER_NAMES = {
     "attention.wq.weight": "self_attn.q_proj.weight",
@@ -42,7 +42,7 @@ def hf_config(model_cfg: Any) -> dict[str, Any]:
         "model_type": "llama",
         "vocab_size": int(model_cfg.vocab_size),
         "hidden_size": int(model_cfg.dim),
-        "intermediate_size": ffn_hidden_dim(model_cfg.dim, model_cfg.multiple_of, model_cfg.ffn_dim_multiplier),
+        "intermediate_size": hidden_dim(model_cfg),
         "num_hidden_layers": int(model_cfg.n_layers),
         "num_attention_heads": int(model_cfg.n_heads),
         "num_key_value_heads": int(model_cfg.n_kv_heads or model_cfg.n_heads),

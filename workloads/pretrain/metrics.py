@@ -1,4 +1,4 @@
-"""Rank-0 metric sink (batched MLflow) and the peak-FLOP/s table behind MFU.
+"""Rank-0 metric sink (batched MLflow), MFU's peak for this device (``hardware``) and peak memory.
 
 Metric names are a contract with llmctl and its docs:
   train/loss  train/lr  train/grad_norm  val/loss
@@ -18,20 +18,16 @@ import time
 
 import torch
 
-from llmctl.cost.peaks import PEAK_TFLOPS  # stdlib table, shared with the cost estimator
+from workloads.pretrain.hardware import peak_for
 
 
 def peak_tflops(device: torch.device, dtype: str) -> float | None:
     """Per-device dense peak for ``dtype`` ('bf16' or 'fp32'); None on CPU or an unknown GPU."""
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    for key, bf16, fp32 in PEAK_TFLOPS:
-        if key.lower() in name.lower():
-            if dtype == "fp32" and torch.backends.cuda.matmul.allow_tf32:
-                return None  # TF32 tensor cores: neither column applies, so don't guess
-            return bf16 if dtype == "bf16" else fp32
-    return None
+    if dtype == "fp32" and torch.backends.cuda.matmul.allow_tf32:
+        return None  # TF32 tensor cores: neither column of the table applies, so don't guess
+    return peak_for(torch.cuda.get_device_name(device), dtype)
 
 
 def peak_memory_gb(device: torch.device) -> float | None:

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workloads.pretrain.losses import chunked_linear_cross_entropy
+from workloads.pretrain.shape import hidden_dim
 
 IGNORE_INDEX = -100
 
@@ -32,14 +33,6 @@ def _kernels(cfg: Any) -> str:
     if k not in ("reference", "fused"):
         raise ValueError(f"model.kernels must be 'reference' or 'fused', got {k!r}")
     return k
-
-
-def ffn_hidden_dim(dim: int, multiple_of: int, ffn_dim_multiplier: float | None) -> int:
-    """Llama's SwiGLU width: 2/3 of 4*dim (same params as a 4*dim MLP), scaled, rounded up."""
-    hidden = int(2 * 4 * dim / 3)
-    if ffn_dim_multiplier is not None:
-        hidden = int(ffn_dim_multiplier * hidden)
-    return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
 
 
 def rope_tables(head_dim: int, max_seq_len: int, theta: float, device=None):
@@ -155,7 +148,7 @@ class TransformerBlock(nn.Module):
     def __init__(self, cfg: Any, kernels: str):
         super().__init__()
         self.attention = Attention(cfg.dim, cfg.n_heads, cfg.n_kv_heads or cfg.n_heads, kernels)
-        self.feed_forward = FeedForward(cfg.dim, ffn_hidden_dim(cfg.dim, cfg.multiple_of, cfg.ffn_dim_multiplier))
+        self.feed_forward = FeedForward(cfg.dim, hidden_dim(cfg))
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps, kernels)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps, kernels)
 
@@ -167,7 +160,8 @@ class TransformerBlock(nn.Module):
 class Transformer(nn.Module):
     """Causal LM. ``forward(tokens)`` -> logits; ``forward(tokens, targets)`` -> mean loss.
 
-    ``cfg`` is a ``llmctl.schema.ModelCfg`` (or anything with the same attributes).
+    ``cfg`` is a ``schema.ModelCfg`` (or anything with the same attributes); its parameter count
+    and FLOPs per token are ``shape.num_params`` / ``shape.flops_per_token`` of the same cfg.
     """
 
     def __init__(self, cfg: Any):
@@ -243,23 +237,6 @@ class Transformer(nn.Module):
             return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX)
         # Reads output.weight directly (no module call): keep `output` in the root FSDP unit.
         return fused_lm_loss(h, self.output.weight, targets)
-
-    def num_params(self, exclude_embedding: bool = True) -> int:
-        """Parameter count; the input embedding is a lookup (no FLOPs), so FLOP counts omit it.
-
-        With tied embeddings the shared matrix still counts once, as the LM head's weight.
-        """
-        n = sum(p.numel() for p in self.parameters())  # parameters() de-duplicates tied weights
-        if exclude_embedding and not self.tie_embeddings:
-            n -= self.tok_embeddings.weight.numel()
-        return n
-
-    def flops_per_token(self, seq_len: int) -> int:
-        """Training FLOPs per token: 6N (fwd+bwd matmuls) + 12 L H Q T (attention scores/values).
-
-        PaLM appendix B / nanoGPT / torchtitan; N excludes the input embedding.
-        """
-        return 6 * self.num_params(exclude_embedding=True) + 12 * self.n_layers * self.n_heads * self.head_dim * seq_len
 
 
 def fused_lm_loss(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """How the Transformer is distributed: mesh degrees, then TP -> AC -> compile -> FSDP2.
 
-``ParallelDims`` validates ``parallel.*`` against the world size (with ``llmctl.validate``, the
-same rules the CLI applies) before any process-group work, then builds a named DeviceMesh
+``ParallelDims`` validates ``parallel.*`` against the world size (``validate``, the same rules
+llmctl applies when it composes the config) before any process-group work, then builds a named DeviceMesh
 ``("dp_replicate", "dp_shard", "tp")``. ``parallelize`` applies each technique with one small
 function, in the order written there. Reading ``parallelize`` tells you how the model runs.
 """
@@ -33,18 +33,17 @@ class ParallelDims:
 
     @classmethod
     def from_config(cls, cfg: Any, world_size: int) -> "ParallelDims":
-        """Validate the layout for ``world_size`` processes (raises ``ConfigError`` with the fix).
+        """Validate the layout for ``world_size`` processes (raises ``validate.ConfigError`` with the fix).
 
         Static rules first (tp divides the head counts, the batch splits over dp), then the ones
         that need the world size, so a bad tp reads as a head-count problem, not a process count.
         """
-        from omegaconf import OmegaConf
+        from workloads.pretrain.config import plain
+        from workloads.pretrain.validate import check_static_layout, resolve_layout
 
-        from llmctl.validate import check_static_layout, resolve_layout
-
-        plain = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True) if OmegaConf.is_config(cfg) else cfg
-        check_static_layout(plain)
-        layout = resolve_layout(plain, world_size)
+        cfg = plain(cfg)
+        check_static_layout(cfg)
+        layout = resolve_layout(cfg, world_size)
         return cls(layout["dp_replicate"], layout["dp_shard"], layout["tp"], world_size)
 
     @property

@@ -4,15 +4,15 @@ SIGTERM (a spot reclaim, ``llmctl down``, Slurm's ``scancel``) and SIGUSR1 (a pr
 only set a flag. After every step all ranks all-reduce it (MAX), so they agree on the step to stop
 at even when the signal reached them at different times. Then, if ``checkpoint.preempt_grace_s``
 still leaves time for a save as long as the last one took, an emergency checkpoint is written;
-otherwise the previous complete checkpoint stands. The process exits ``EXIT_PREEMPTED`` (75) and
+otherwise the previous complete checkpoint stands. The process exits ``contract.EXIT_PREEMPTED`` (75) and
 rank 0 tags the MLflow run ``llmctl.preempted`` (JSON) for the controller: torchrun reports any
 non-zero worker exit as 1, so the tag, not the exit status, is the contract.
 
 On start inside an existing MLflow run, rank 0 also:
-- records ``SKYPILOT_TASK_ID`` (stable across managed-job recoveries) as ``llmctl.sky.task_id``;
-- opens a new attempt when a supervisor reran the same attempt (a managed-job recovery): the
-  controller's attempt ``$LLMCTL_ATTEMPT`` (default 1) already has a workload start, so this is
-  attempt n+1 — the run is reopened as RUNNING and ``llmctl.attempt`` bumped;
+- records the start (``llmctl.workload_start.<k>``: time, ``$LLMCTL_ATTEMPT``, from step, world
+  size) and ``SKYPILOT_TASK_ID`` (stable across managed-job recoveries) as ``llmctl.sky.task_id``.
+  Facts only: the launcher turns a second start under one attempt (a managed job's recovery) into
+  a billed attempt; the workload writes no bills;
 - returns the last step already logged per metric, so steps recomputed after a resume are not
   logged twice (their values are the ones logged the first time: same data, same state).
 """
@@ -29,9 +29,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped on request with state saved; `llmctl resume` continues it
-TAG = "llmctl.preempted"
-ATTEMPT_ENV = "LLMCTL_ATTEMPT"
+from workloads.pretrain.contract import ENV_ATTEMPT, TAG_PREEMPTED, TAG_START_PREFIX, TAG_TASK_ID
+
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
@@ -96,7 +95,7 @@ def record(exc: Preempted, is_main: bool) -> None:
         try:
             from mlflow.tracking import MlflowClient
 
-            MlflowClient().set_tag(run_id, TAG, json.dumps(exc.info()))
+            MlflowClient().set_tag(run_id, TAG_PREEMPTED, json.dumps(exc.info()))
         except Exception as e:  # noqa: BLE001 - the controller then reports a failure; the log says why
             problem = f"warning: could not tag the run as preempted ({type(e).__name__}: {e})"
     ck = f"checkpoint step-{exc.checkpoint}" if exc.checkpoint is not None else "no checkpoint"
@@ -110,7 +109,13 @@ def record(exc: Preempted, is_main: bool) -> None:
 
 
 def on_start(is_main: bool, start_step: int, world_size: int) -> dict[str, int]:
-    """Rank 0 in an MLflow run: task id, attempt bookkeeping; returns {metric: last logged step}."""
+    """Rank 0 in an MLflow run: record this start; returns {metric: last step already logged}.
+
+    The start is a fact, not a bill: ``llmctl.workload_start.<k>`` = JSON (time, the launcher's
+    attempt ``$LLMCTL_ATTEMPT``, the step it starts from, world size, SkyPilot's task id). A
+    launcher that sees two starts under one attempt knows its supervisor (a managed job) reran the
+    job, and bills that as a new attempt (llmctl: ``cost/ledger.py``).
+    """
     run_id = os.environ.get("MLFLOW_RUN_ID")
     if not (is_main and run_id):
         return {}
@@ -119,48 +124,25 @@ def on_start(is_main: bool, start_step: int, world_size: int) -> dict[str, int]:
 
         mc = MlflowClient()
         run = mc.get_run(run_id)
-        tags = run.data.tags
-        if os.environ.get("SKYPILOT_TASK_ID"):
-            mc.set_tag(run_id, "llmctl.sky.task_id", os.environ["SKYPILOT_TASK_ID"])
-        attempt = int(os.environ.get(ATTEMPT_ENV, "1") or 1)
-        started = f"llmctl.attempt.{attempt}.workload_start"
-        if started in tags:  # the same attempt started twice: a supervisor (managed job) reran it
-            attempt = _open_recovery_attempt(mc, run, start_step, world_size)
-            started = f"llmctl.attempt.{attempt}.workload_start"
-        mc.set_tag(run_id, started, f"{time.time():.3f}")
+        seen = [k for k in run.data.tags if k.startswith(TAG_START_PREFIX)]
+        start = {"time": round(time.time(), 3), "attempt": int(os.environ.get(ENV_ATTEMPT, "1") or 1),
+                 "from_step": start_step, "world_size": world_size}
+        task_id = os.environ.get("SKYPILOT_TASK_ID")
+        tags = {f"{TAG_START_PREFIX}{len(seen) + 1}": json.dumps(start)}
+        if task_id:
+            tags[TAG_TASK_ID] = task_id
+        from mlflow.entities import RunTag
+
+        mc.log_batch(run_id, tags=[RunTag(k, v) for k, v in tags.items()])
         logged = {}
         for key in run.data.metrics:
             if key.startswith("cost/"):
-                continue  # controller-side snapshots, re-logged at step 0 by design
+                continue  # the launcher's snapshots, re-logged at step 0 by design
             logged[key] = max((m.step for m in mc.get_metric_history(run_id, key)), default=-1)
         return logged
     except Exception as e:  # noqa: BLE001 - bookkeeping never stops training
         print(f"warning: run bookkeeping on start failed ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
         return {}
-
-
-def _open_recovery_attempt(mc: Any, run: Any, start_step: int, world_size: int) -> int:
-    from mlflow.entities import RunTag
-
-    from llmctl.cost import ledger
-
-    run_id, tags, now = run.info.run_id, run.data.tags, time.time()
-    found = ledger.attempts(tags)
-    prev = found[-1] if found else None
-    if prev is not None and prev.end is None:
-        ledger.close_attempt(mc, run_id, prev.n, now)
-    n = max(prev.n if prev else 1, int(tags.get("llmctl.attempt", "1") or 1)) + 1
-    new = {"start": f"{now:.3f}", "usd_per_hour": f"{prev.usd_per_hour if prev else 0.0:.6f}",
-           "nodes": str(prev.nodes if prev else 1), "devices": str(prev.devices if prev else 1),
-           "infra": tags.get("llmctl.infra", "?"), "world_size": str(world_size), "from_step": str(start_step)}
-    mc.log_batch(run_id, tags=[RunTag(f"{ledger.PREFIX}{n}.{k}", v) for k, v in new.items()]
-                 + [RunTag(f"{ledger.PREFIX}{n - 1}.status", "preempted (recovered by its supervisor)"),
-                    RunTag("llmctl.attempt", str(n)),
-                    RunTag("llmctl.status", f"recovered: attempt {n} from step {start_step}")])
-    if run.info.status != "RUNNING":
-        mc.update_run(run_id, status="RUNNING")
-    print(f"preempt | recovery: attempt {n} of run {run_id}, from step {start_step}", flush=True)
-    return n
 
 
 def stop(checkpointer: Any, step: int, save: bool) -> Preempted:

@@ -1,7 +1,7 @@
 """Tokenize ``data.source`` into the token cache ahead of training (``llmctl data prepare``).
 
 ``python -m workloads.pretrain.prepare [--config resolved.yaml] [key=value ...]`` takes the same
-config as the trainer (Hydra-style overrides, e.g. ``data=files data.source='s3://b/c/*.jsonl'``),
+config as the trainer (e.g. ``data.source='s3://b/c/*.jsonl'``; ``llmctl data prepare`` composes it),
 builds the cache entry the trainer will look up (or finds it already there) and prints its path.
 The trainer then starts with a cache hit; with a remote ``data.cache_dir`` other nodes download
 the entry instead of tokenizing again.
@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from workloads.pretrain.config import parse_args
 from workloads.pretrain.data import prepare_corpus
 
 
@@ -26,24 +27,13 @@ def prepare(data_cfg: Any) -> Path:
 
 def _load_config(argv: list[str] | None):
     parser = argparse.ArgumentParser(prog="python -m workloads.pretrain.prepare", description=__doc__.splitlines()[0])
-    parser.add_argument("--config", help="resolved config YAML written by llmctl")
-    parser.add_argument("overrides", nargs="*", help="key=value overrides (Hydra syntax without --config)")
-    args = parser.parse_args(argv)
-    from omegaconf import OmegaConf
-
-    if args.config:
-        from llmctl.config import load_resolved
-
-        return OmegaConf.merge(load_resolved(args.config), OmegaConf.from_dotlist(args.overrides))
-    from llmctl.config import compose_config
-
-    return compose_config(list(args.overrides))
+    return parse_args(parser, argv)[1]
 
 
 def main(argv: list[str] | None = None) -> int:
-    cfg = _load_config(argv)
     t0 = time.perf_counter()
     try:
+        cfg = _load_config(argv)
         corpus = prepare_corpus(cfg.data)
     except (ValueError, FileNotFoundError, PermissionError) as e:
         print(f"error: {e}", file=sys.stderr)

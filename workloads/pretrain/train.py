@@ -1,8 +1,9 @@
 """Entry point: ``python -m workloads.pretrain`` or ``torchrun --nproc_per_node=N -m workloads.pretrain``.
 
-Config: ``--config resolved.yaml`` (written by llmctl, merged over ``llmctl.schema.RootCfg``, with
-optional ``key=value`` dotlist overrides after it), or Hydra-style overrides composed by
-``llmctl.config.compose_config``.
+Config: ``--config resolved.yaml`` (llmctl writes one per run; ``llmctl config show ... > run.yaml``
+writes one by hand) with optional ``key=value`` overrides after it, typed by ``schema.TrainerCfg``
+and checked by ``validate`` (``config.load``). The trainer imports nothing from llmctl and does
+not compose presets: it runs under plain torchrun with its own dependencies.
 
 Order of work, top to bottom in ``train``: layout validation -> devices, process group and
 DeviceMesh -> data -> model (built on meta, materialised, initialised from ``train.seed``, the
@@ -41,12 +42,15 @@ import torch.distributed as dist
 
 from workloads.pretrain.budget import BudgetGuard
 from workloads.pretrain.checkpoint import Checkpointer
+from workloads.pretrain.config import parse_args
+from workloads.pretrain.contract import EXIT_CONFIG, EXIT_PREEMPTED
 from workloads.pretrain.data import Sampler, prepare_corpus, val_batches
 from workloads.pretrain.metrics import MetricSink, format_train_line, peak_memory_gb, peak_tflops
 from workloads.pretrain.model import build_model
 from workloads.pretrain.optim import build_optimizer, lr_factor
 from workloads.pretrain.parallelize import ParallelDims, local_loss, loss_context, parallelize
-from workloads.pretrain import preempt
+from workloads.pretrain import preempt, shape
+from workloads.pretrain.validate import ConfigError
 
 FAIL_AT_STEP_ENV = "LLMCTL_FAIL_AT_STEP"
 LOSS_FILE_ENV = "LLMCTL_LOSS_FILE"
@@ -61,23 +65,9 @@ def _value(x: Any) -> Any:
 
 
 def load_config(argv: list[str] | None = None):
-    """Parse ``--config PATH [key=value ...]`` or ``[override ...]`` into a typed DictConfig."""
+    """Parse ``--config PATH [key=value ...]`` into a typed, validated DictConfig (``config.load``)."""
     parser = argparse.ArgumentParser(prog="python -m workloads.pretrain", description=__doc__.splitlines()[0])
-    parser.add_argument("--config", help="resolved config YAML written by llmctl")
-    parser.add_argument("overrides", nargs="*", help="key=value overrides (Hydra syntax without --config)")
-    args = parser.parse_args(argv)
-
-    from omegaconf import OmegaConf
-
-    from llmctl.schema import RootCfg
-
-    if args.config:
-        return OmegaConf.merge(
-            OmegaConf.structured(RootCfg), OmegaConf.load(args.config), OmegaConf.from_dotlist(args.overrides)
-        )
-    from llmctl.config import compose_config  # lazy: pulls in Hydra
-
-    return compose_config(list(args.overrides))
+    return parse_args(parser, argv)[1]
 
 
 # ----------------------------------------------------------------------------- devices
@@ -180,8 +170,6 @@ def train(cfg: Any) -> dict:
     tc, mc = cfg.train, cfg.model
     say = (lambda *a: print(*a, flush=True)) if env.is_main else (lambda *a: None)
     dtype = _value(tc.dtype)
-    if tc.seq_len > mc.max_seq_len:
-        raise ValueError(f"train.seq_len={tc.seq_len} exceeds model.max_seq_len={mc.max_seq_len}")
 
     corpus = prepare_corpus(cfg.data)
     if corpus.vocab_size > mc.vocab_size:
@@ -195,8 +183,8 @@ def train(cfg: Any) -> dict:
     # shard first, as torchtitan does; per-shard random init then depends on the layout.)
     torch.manual_seed(tc.seed)
     model = build_model(mc, env.device)
-    flops_per_token = model.flops_per_token(tc.seq_len)
-    n_params = model.num_params()
+    flops_per_token = shape.flops_per_token(mc, tc.seq_len)
+    n_params = shape.num_params(mc)
     model = parallelize(model, env.dims, env.mesh, cfg)
     optimizer = build_optimizer(model, tc)
     checkpointer = Checkpointer(cfg, env, model, optimizer, sampler)
@@ -340,9 +328,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         train(load_config(argv))
         return 0
+    except ConfigError as e:
+        print(f"pretrain: config error: {e}", file=sys.stderr, flush=True)
+        return EXIT_CONFIG
     except preempt.Preempted as e:
         preempt.record(e, int(os.environ.get("RANK", "0")) == 0)
-        return preempt.EXIT_PREEMPTED
+        return EXIT_PREEMPTED
     except Interrupted as e:
         print(f"pretrain: {e}, exiting", file=sys.stderr, flush=True)
         return 128 + e.signum

@@ -1,14 +1,14 @@
 """The sweep supervisor and its trial controllers (started by ``llmctl launch -m``, never by hand).
 
-``python -m llmctl.sweep_runner <sweep-dir>`` — the supervisor, detached in its own session:
+``python -m llmctl.sweep.supervisor <sweep-dir>`` — the supervisor, detached in its own session:
 creates one child run per trial (SCHEDULED), keeps up to ``max_parallel`` trial controllers
 running, and on SIGTERM (``llmctl down``) stops them, marks pending trials KILLED and ends the
 parent run. A failed trial does not stop the others.
 
-``python -m llmctl.sweep_runner --trial <sweep-dir> <index> <run-id>`` — one trial's controller:
-the same steps as ``llmctl launch`` for a single run (plan → finalize → describe → backend.launch
-→ end run), so a trial is an ordinary run that ``llmctl status/logs/down RUN`` understand, and a
-SkyPilot trial goes through the SkyPilot backend's launch like any other run.
+``python -m llmctl.sweep.supervisor --trial <sweep-dir> <index> <run-id>`` — one trial's controller:
+plan it, then ``lifecycle.trial`` (the same attempt lifecycle as ``llmctl launch``), so a trial is an
+ordinary run that ``llmctl status/logs/down/resume RUN`` understand, and a SkyPilot trial goes
+through the SkyPilot backend like any other run. Its in-run budget is its share of ``--max-cost``.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from collections import deque
 from pathlib import Path
 from typing import Any, Optional
 
-from llmctl import sweep
 from llmctl.errors import ConfigError, LaunchError
-from llmctl.procs import signal_tree
+from llmctl.procs import Interrupted, raise_interrupted
+from llmctl.sweep import state
 
 POLL_S = 0.5
 STOP_GRACE_S = 45.0  # the local backend's own stop escalation takes up to ~25 s
@@ -38,10 +38,6 @@ class _Null:
         pass
 
 
-def _raise_interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt
-
-
 def _say(message: str) -> None:
     print(f"{time.strftime('%H:%M:%S')} {message}", flush=True)
 
@@ -50,62 +46,35 @@ def _say(message: str) -> None:
 
 
 def run_trial(d: Path, index: int, run_id: str) -> int:
-    """Run trial ``index`` into its (already created) child run; exit 0 / 1 / 130."""
-    from llmctl import tracking
-    from llmctl.backends import backend_for
-    from llmctl.config import Composed, to_yaml
-    from llmctl.cost import hooks as cost
-    from llmctl.plan import make_plan
+    """Run trial ``index`` into its (already created) child run; the lifecycle's exit code."""
+    from llmctl import lifecycle
+    from llmctl.config import Composed
+    from llmctl.planner import make_plan
     from llmctl.tracking import RunHandle
 
-    signal.signal(signal.SIGTERM, _raise_interrupt)
-    signal.signal(signal.SIGINT, _raise_interrupt)
-    spec = sweep.read_json(d / sweep.SPEC_FILE)
+    signal.signal(signal.SIGTERM, raise_interrupted)  # the supervisor may cancel before the workers start
+    signal.signal(signal.SIGINT, raise_interrupted)
+    spec = state.read_json(d / state.SPEC_FILE)
     trial = next(t for t in spec["trials"] if t["index"] == index)
-    handle = RunHandle(spec["uri"], run_id, spec["experiment_id"])
-    mc = tracking.client(handle.uri)
 
-    def end(status: str, reason: str = "") -> None:
-        sweep.retry(tracking.end_run, handle, status, reason)
+    def say(text: str, err: bool = False) -> None:
+        print(f"trial {index}: {text}", file=sys.stderr if err else sys.stdout, flush=True)
 
     try:
         plan = make_plan(Composed(cfg=trial["cfg"], choices=trial["choices"], overrides=trial["overrides"]))
         if plan.backend == "local" and "OMP_NUM_THREADS" not in os.environ and "GPU" not in plan.device:
             share = (os.cpu_count() or 1) // (int(spec["max_parallel"]) * plan.nproc_per_node)
             os.environ["OMP_NUM_THREADS"] = str(max(1, share))  # concurrent trials split the cores
-        backend = backend_for(plan.cfg["infra"]["kind"])
-        sweep.retry(mc.update_run, run_id, status="RUNNING")
-        sweep.retry(mc.set_tag, run_id, "llmctl.status", "running")
-        cfg = backend.finalize(plan, handle)
-        sweep.retry(tracking.describe_run, handle, cfg, to_yaml(cfg))
-        attempt, cost_env = cost.on_launch(handle, plan, None)  # as `llmctl launch`: estimate, billing attempt
-        os.environ.update(cost_env)
-        print(f"trial {index}: run {run_id} on {plan.where}, {plan.world_size} process(es) on {plan.device}",
-              flush=True)
-        try:
-            code = backend.launch(plan, handle, echo=_Null())
-        finally:
-            cost.on_end(handle, plan, attempt)
-    except KeyboardInterrupt:
-        end("KILLED", "sweep cancelled")
-        return 130
+        handle = RunHandle(spec["uri"], run_id, spec["experiment_id"])
+        return lifecycle.trial(plan, handle, max_cost=trial.get("max_cost"), say=say, workload_out=_Null())
+    except Interrupted as exc:  # before the lifecycle took over: nothing ran
+        outcome = lifecycle.Outcome.KILLED if exc.signum == signal.SIGTERM else lifecycle.Outcome.INTERRUPTED
+        lifecycle.close_run(spec["uri"], run_id, outcome, "sweep cancelled before this trial started")
+        return lifecycle.RULES[outcome].exit_code
     except (ConfigError, LaunchError, OSError) as exc:
-        end("FAILED", f"could not start: {exc}")
-        print(f"trial {index}: could not start: {exc}", file=sys.stderr, flush=True)
-        return 1
-    if code != 0:
-        from llmctl.resume import preempted_reason
-
-        preempted = preempted_reason(handle)  # SIGTERM from the supervisor: workers checkpointed and stopped
-        if preempted:
-            end("KILLED", f"sweep cancelled: {preempted}")
-            return 130
-        end("FAILED", f"workload exited with code {code}")
-        print(f"trial {index}: FAILED, workload exited with code {code}", flush=True)
-        return 1
-    end("FINISHED")
-    print(f"trial {index}: FINISHED", flush=True)
-    return 0
+        lifecycle.close_run(spec["uri"], run_id, lifecycle.Outcome.FAILED, f"could not start: {exc}")
+        say(f"could not start: {exc}", err=True)
+        return lifecycle.RULES[lifecycle.Outcome.FAILED].exit_code
 
 
 # ----------------------------------------------------------------------------- supervisor
@@ -116,7 +85,7 @@ class Supervisor:
         from llmctl import tracking
 
         self.dir = d
-        self.spec = sweep.read_json(d / sweep.SPEC_FILE)
+        self.spec = state.read_json(d / state.SPEC_FILE)
         self.id = self.spec["sweep_id"]
         self.mc = tracking.client(self.spec["uri"])
         self.run_ids: dict[int, str] = {}
@@ -138,11 +107,11 @@ class Supervisor:
             cfg = t["cfg"]
             name = cfg["tracking"]["run_name"]
             cfg = {**cfg, "tracking": {**cfg["tracking"], "run_name": f"{name or sid}-t{t['index']}"}}
-            handle = sweep.retry(tracking.create_run, cfg, t["choices"], extra_tags={
-                sweep.TAG_PARENT: parent, sweep.TAG_SWEEP_ID: sid, sweep.TAG_KIND: "trial",
-                sweep.TAG_TRIAL: str(t["index"]), "llmctl.status": "pending",
-                sweep.TAG_TRIAL_OVERRIDES: tracking.redact(" ".join(t["overrides"]))[:5000]})
-            sweep.retry(self.mc.update_run, handle.run_id, status="SCHEDULED")
+            handle = tracking.create_run(cfg, t["choices"], extra_tags={
+                state.TAG_PARENT: parent, state.TAG_SWEEP_ID: sid, state.TAG_KIND: "trial",
+                state.TAG_TRIAL: str(t["index"]), "llmctl.status": "pending",
+                state.TAG_TRIAL_OVERRIDES: tracking.redact(" ".join(t["overrides"]))[:5000]})
+            self.mc.update_run(handle.run_id, status="SCHEDULED")
             self.run_ids[t["index"]] = handle.run_id
             self.pending.append(t["index"])
         self.save()
@@ -151,7 +120,7 @@ class Supervisor:
         trials = {i: {"run_id": rid, "state": self.outcome.get(i) or ("RUNNING" if i in self.running else "PENDING"),
                       "pid": self.running[i][0].pid if i in self.running else None}
                   for i, rid in self.run_ids.items()}
-        sweep._write_json(self.dir / sweep.STATE_FILE, {"supervisor": os.getpid(), "updated": time.time(),
+        state.write_json(self.dir / state.STATE_FILE, {"supervisor": os.getpid(), "updated": time.time(),
                                                          "cancelled": self.cancelled, "done": done, "trials": trials})
 
     def start_trial(self, index: int) -> None:
@@ -161,7 +130,7 @@ class Supervisor:
         if gpus is not None:
             env["CUDA_VISIBLE_DEVICES"] = gpus
         log = open(self.dir / f"trial-{index}.log", "ab")
-        proc = subprocess.Popen([sys.executable, "-m", "llmctl.sweep_runner", "--trial", str(self.dir), str(index),
+        proc = subprocess.Popen([sys.executable, "-m", "llmctl.sweep.supervisor", "--trial", str(self.dir), str(index),
                                  self.run_ids[index]], env=env, cwd=self.spec["cwd"], stdin=subprocess.DEVNULL,
                                 stdout=log, stderr=subprocess.STDOUT)
         log.close()
@@ -169,8 +138,7 @@ class Supervisor:
         _say(f"trial {index} started (pid {proc.pid}, run {self.run_ids[index]})")
 
     def reap(self) -> None:
-        from llmctl import tracking
-        from llmctl.tracking import RunHandle
+        from llmctl import lifecycle
 
         for index, (proc, slot) in list(self.running.items()):
             code = proc.poll()
@@ -178,12 +146,11 @@ class Supervisor:
                 continue
             del self.running[index]
             self.slots.append(slot)
-            run = sweep.retry(self.mc.get_run, self.run_ids[index])
-            status = run.info.status
-            if status not in sweep.TERMINAL:  # the controller died before closing its run
-                status = "KILLED" if self.cancelled else "FAILED"
-                sweep.retry(tracking.end_run, RunHandle(self.spec["uri"], run.info.run_id, self.spec["experiment_id"]),
-                            status, f"trial controller exited with code {code}")
+            # a controller that died before closing its run leaves it open: close it here
+            outcome = lifecycle.Outcome.KILLED if self.cancelled else lifecycle.Outcome.FAILED
+            lifecycle.close_run(self.spec["uri"], self.run_ids[index], outcome,
+                                f"trial controller exited with code {code}")
+            status = self.mc.get_run(self.run_ids[index]).info.status
             self.outcome[index] = status
             _say(f"trial {index} {status} (controller exit {code})")
 
@@ -199,21 +166,21 @@ class Supervisor:
                 self._force_stop(index, proc)
 
     def _force_stop(self, index: int, proc: subprocess.Popen[bytes]) -> None:
-        from llmctl.backends import local
+        from llmctl.backends import backend_of
 
-        pids = local._pids(self.run_ids[index])
-        for pid in filter(None, [pids.get("workers")]):
-            signal_tree(pid, signal.SIGKILL)
-        proc.kill()
+        run = self.mc.get_run(self.run_ids[index])
+        try:
+            backend_of(run).down(run, self.spec["uri"], force=True)
+        finally:
+            proc.kill()
 
     def kill_pending(self) -> None:
-        from llmctl import tracking
-        from llmctl.tracking import RunHandle
+        from llmctl import lifecycle
 
         while self.pending:
             index = self.pending.popleft()
-            sweep.retry(tracking.end_run, RunHandle(self.spec["uri"], self.run_ids[index], self.spec["experiment_id"]),
-                        "KILLED", "sweep cancelled before this trial started")
+            lifecycle.close_run(self.spec["uri"], self.run_ids[index], lifecycle.Outcome.KILLED,
+                                "sweep cancelled before this trial started")
             self.outcome[index] = "KILLED"
 
     def loop(self) -> None:
@@ -229,31 +196,30 @@ class Supervisor:
             time.sleep(POLL_S)
 
     def finish(self, error: Optional[str] = None) -> None:
-        from llmctl import tracking
-        from llmctl.tracking import RunHandle
+        from llmctl import lifecycle
 
-        st = sweep.get_status(self.id)
+        st = state.get_status(self.id)
         counts = ", ".join(f"{n} {s}" for s, n in sorted(st.counts().items()))
         best = st.best()
         if best is not None:
-            sweep.retry(self.mc.set_tag, self.spec["parent_run_id"], "llmctl.sweep.best_run_id", best.run_id)
-            sweep.retry(self.mc.set_tag, self.spec["parent_run_id"], "llmctl.sweep.best_trial", str(best.index))
+            self.mc.set_tag(self.spec["parent_run_id"], "llmctl.sweep.best_run_id", best.run_id)
+            self.mc.set_tag(self.spec["parent_run_id"], "llmctl.sweep.best_trial", str(best.index))
+        Outcome = lifecycle.Outcome
         if error is not None:
-            status, reason = "FAILED", f"supervisor error: {error}; trials: {counts}"
+            outcome, reason = Outcome.FAILED, f"supervisor error: {error}; trials: {counts}"
         elif self.cancelled:
-            status, reason = "KILLED", f"cancelled; trials: {counts}"
+            outcome, reason = Outcome.KILLED, f"cancelled; trials: {counts}"
         else:
-            status = "FINISHED" if all(t.status == "FINISHED" for t in st.trials) else "FAILED"
+            outcome = Outcome.FINISHED if all(t.status == "FINISHED" for t in st.trials) else Outcome.FAILED
             reason = f"trials: {counts}; best: {st.best_line()}"
-        sweep.retry(tracking.end_run, RunHandle(self.spec["uri"], self.spec["parent_run_id"], self.spec["experiment_id"]),
-                    status, reason)
+        lifecycle.close_run(self.spec["uri"], self.spec["parent_run_id"], outcome, reason)
         self.save(done=True)
-        _say(f"sweep {self.id} {status}: {reason}")
+        _say(f"sweep {self.id} {lifecycle.RULES[outcome].mlflow_status}: {reason}")
 
 
 def supervise(d: Path) -> int:
     sup = Supervisor(d)
-    (d / sweep.PID_FILE).write_text(str(os.getpid()))
+    (d / state.PID_FILE).write_text(str(os.getpid()))
     signal.signal(signal.SIGTERM, sup._cancel)
     signal.signal(signal.SIGINT, sup._cancel)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)

@@ -1,6 +1,7 @@
-"""Dense peak TFLOP/s per accelerator: the denominator of MFU and of the estimator's MFU prior.
+"""Hardware facts the trainer needs: dense peak TFLOP/s by device and dtype (the MFU denominator).
 
-Stdlib only, shared by the workload (``workloads.pretrain.metrics``) and ``llmctl.cost``.
+Stdlib only. llmctl's cost estimator reads the same table for its MFU prior, so MFU logged by a
+run and the throughput assumed before it ran share one source.
 """
 
 from __future__ import annotations

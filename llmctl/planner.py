@@ -1,0 +1,40 @@
+"""Config → plan: the config's backend says how it would run, the cost model says what it costs.
+
+No side effects: ``llmctl plan`` prints the result, ``launch`` executes exactly it. The estimate
+is best-effort here (a plan stands without one; ``--max-cost`` then refuses).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from llmctl.config import Composed
+from llmctl.plan import Plan
+from llmctl.tracking import resolve_uri
+
+
+def make_plan(composed: Composed) -> Plan:
+    """The backend's plan for ``composed`` plus its cost estimate (earlier runs in MLflow, read-only)."""
+    from llmctl.backends import backend_for
+
+    plan = backend_for(composed.cfg["infra"]["kind"]).plan(composed)
+    plan.tracking_uri = resolve_uri(composed.cfg["tracking"]["uri"])
+    try:
+        plan.estimate = estimate_for(plan)
+    except Exception as exc:  # noqa: BLE001 - the plan stands without it; --max-cost then refuses
+        plan.notes.append(f"no cost estimate: {type(exc).__name__}: {exc}")
+    return plan
+
+
+def estimate_for(plan: Plan, max_cost: Optional[float] = None, lookup: bool = True,
+                 cfg: Optional[dict[str, Any]] = None) -> Any:
+    """The estimate of ``plan`` (or of ``cfg`` on the plan's hardware, e.g. the steps a resume has
+    left); ``lookup`` asks MLflow for a measured run of the same shape on the same accelerator."""
+    from llmctl.cost import estimate, history
+
+    cfg = cfg or plan.cfg
+    measured = None
+    if lookup:
+        measured = history.find(plan.tracking_uri, estimate.shape_key(cfg), plan.hardware.accelerator, cfg)
+    return estimate.estimate(cfg, plan.hardware, plan.backend, measured=measured,
+                             catalog=estimate.catalog_prices(plan.offers), max_cost=max_cost)

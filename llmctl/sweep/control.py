@@ -1,0 +1,167 @@
+"""What ``llmctl launch -m``, ``status``, ``down`` and ``--wait`` do to a sweep.
+
+``launch_cli`` validates every trial (``planning``), refuses a sweep over ``--max-cost``, creates the
+parent run and the sweep directory, starts the supervisor (``python -m llmctl.sweep.supervisor``)
+in its own session and returns (or waits with a live table). ``down`` cancels through the
+supervisor, or does its job when it is gone.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from llmctl.errors import ConfigError
+from llmctl.procs import pid_alive
+from llmctl.sweep.planning import SweepPlan, check_budget, gpu_slots, make_sweep_plan
+from llmctl.sweep.state import (
+    DOWN_GRACE_S, LOG_FILE, PID_FILE, SPEC_FILE, TAG_KIND, TAG_SWEEP_ID, TERMINAL, SweepStatus, exit_code,
+    get_status, load_spec, new_sweep_id, supervisor_pid, sweep_dir, write_json,
+)
+from llmctl.tracking import redact
+
+
+def start(sp: SweepPlan, metric: str = "val/loss", mode: str = "min", max_cost: Optional[float] = None) -> dict[str, Any]:
+    """Create the parent run and the sweep directory, start the supervisor; return the spec."""
+    from mlflow.entities import Param
+
+    from llmctl import tracking
+    from llmctl.backends import backend_for
+
+    if mode not in ("min", "max"):
+        raise ConfigError(f"--mode {mode}: use min or max")
+    for infra in {t.plan.cfg["infra"]["name"]: t for t in sp.trials}.values():  # once per infra
+        backend_for(infra.plan.backend).preflight(infra.plan)
+    sweep_id = new_sweep_id()
+    first = sp.trials[0].plan
+    cfg = {**first.cfg, "tracking": {**first.cfg["tracking"], "run_name": first.cfg["tracking"]["run_name"] or sweep_id}}
+    handle = tracking.create_run(cfg, {}, extra_tags={
+        TAG_SWEEP_ID: sweep_id, TAG_KIND: "sweep", "llmctl.status": "running",
+        "llmctl.sweep.overrides": redact(" ".join(sp.overrides))[:5000],
+        "llmctl.sweep.trials": str(len(sp.trials))})
+    tracking.client(handle.uri).log_batch(handle.run_id, params=[
+        Param("sweep.overrides", redact(" ".join(sp.overrides))[:6000]), Param("sweep.trials", str(len(sp.trials))),
+        Param("sweep.max_parallel", str(sp.max_parallel)), Param("sweep.metric", metric), Param("sweep.mode", mode)])
+    d = sweep_dir(sweep_id)
+    d.mkdir(parents=True, exist_ok=False)
+    budgets = sp.trial_budgets(max_cost)
+    spec = {
+        "sweep_id": sweep_id, "parent_run_id": handle.run_id, "uri": handle.uri,
+        "experiment_id": handle.experiment_id, "overrides": sp.overrides, "config_dir": sp.config_dir,
+        "max_parallel": sp.max_parallel, "metric": metric, "mode": mode, "cwd": str(Path.cwd()),
+        "gpu_slots": gpu_slots(sp.max_parallel), "max_cost": max_cost,
+        "trials": [{"index": t.index, "overrides": t.overrides, "cfg": t.composed, "choices": t.plan.choices,
+                    "max_cost": budget} for t, budget in zip(sp.trials, budgets)],
+    }
+    write_json(d / SPEC_FILE, spec)
+    root = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    env["PYTHONUNBUFFERED"] = "1"
+    with open(d / LOG_FILE, "ab") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "llmctl.sweep.supervisor", str(d)], cwd=str(Path.cwd()),
+                                env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    (d / PID_FILE).write_text(str(proc.pid))
+    return spec
+
+
+def down(sweep_id: str, uri: Optional[str] = None) -> str:
+    """Cancel: the supervisor stops running trials and marks them and pending ones KILLED.
+
+    If the supervisor is gone (killed, machine rebooted), do its job here: stop each running
+    trial through its backend and close every open run as KILLED.
+    """
+    spec = load_spec(sweep_id, uri)
+    pid = supervisor_pid(sweep_id)
+    if pid_alive(pid):
+        assert pid is not None
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + DOWN_GRACE_S
+        while pid_alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.3)
+    stopped = _close_leftovers(spec, get_status(sweep_id, uri))
+    st = get_status(sweep_id, uri)
+    counts = ", ".join(f"{n} {s}" for s, n in sorted(st.counts().items()))
+    extra = f"; closed {stopped} trial(s) the supervisor left open" if stopped else ""
+    return f"sweep {sweep_id} cancelled ({counts}){extra}"
+
+
+def _close_leftovers(spec: dict[str, Any], st: SweepStatus) -> int:
+    """Stop and close trials still open after the supervisor exited (or if it died)."""
+    from llmctl import lifecycle, tracking
+    from llmctl.backends import backend_of
+
+    mc = tracking.client(spec["uri"])
+    closed = 0
+    for t in st.trials:
+        if t.run_id is None or t.status in TERMINAL:
+            continue
+        run = mc.get_run(t.run_id)
+        if run.info.status == "RUNNING":
+            try:
+                backend_of(run).down(run, spec["uri"])  # its controller, if alive, closes the run
+            except Exception as exc:  # noqa: BLE001 - still close the run below
+                print(f"warning: stopping trial {t.index}: {exc}")
+        lifecycle.close_run(spec["uri"], t.run_id, lifecycle.Outcome.KILLED, "llmctl down (sweep)")
+        closed += 1
+    lifecycle.close_run(spec["uri"], spec["parent_run_id"], lifecycle.Outcome.KILLED, "llmctl down")
+    return closed
+
+
+def wait(sweep_id: str, poll_s: float = 2.0) -> SweepStatus:
+    """Block until the sweep ends, showing a live table (rich, imported here)."""
+    from rich.console import Console
+    from rich.live import Live
+    from rich.table import Table
+
+    def render(st: SweepStatus) -> Any:
+        header, rows = st.rows()
+        table = Table(title=f"{sweep_id}: {st.parent_status}", caption=f"best: {st.best_line()}")
+        for h in header:
+            table.add_column(h)
+        for r in rows:
+            table.add_row(*r)
+        return table
+
+    console = Console()
+    st = get_status(sweep_id)
+    with Live(render(st), console=console, refresh_per_second=1, auto_refresh=console.is_terminal) as live:
+        while not st.done:
+            time.sleep(poll_s)
+            st = get_status(sweep_id)
+            live.update(render(st))
+    return st
+
+
+def launch_cli(overrides: list[str], config_dir: Optional[str], max_parallel: Optional[int], wait_: bool,
+               max_cost: Optional[float], metric: str, mode: str, echo: Callable[[str], None]) -> int:
+    """``llmctl launch -m``: validate all, start the supervisor, return at once (or ``--wait``).
+
+    Raises ConfigError (exit 3) before anything is created when any trial is invalid.
+    """
+    sp = make_sweep_plan(overrides, config_dir, max_parallel)
+    budget = check_budget(sp, max_cost)
+    spec = start(sp, metric, mode, max_cost)
+    sid = spec["sweep_id"]
+    echo(f"llmctl: sweep {sid}: {len(sp.trials)} trial(s), up to {sp.max_parallel} at once on"
+         f" {sp.trials[0].plan.where}; parent run {spec['parent_run_id']}")
+    if budget:
+        echo(f"llmctl: {budget}")
+    echo(f"llmctl: status: llmctl status {sid} | cancel: llmctl down {sid}"
+         f" | supervisor log: {sweep_dir(sid) / LOG_FILE}")
+    if not wait_:
+        return 0
+    try:
+        st = wait(sid)
+    except KeyboardInterrupt:
+        echo(f"llmctl: interrupted; cancelling sweep {sid}")
+        echo(f"llmctl: {down(sid)}")
+        return 130
+    echo(f"llmctl: sweep {sid} {st.parent_status}: best {st.best_line()}")
+    return exit_code(st)

@@ -1,0 +1,201 @@
+"""A sweep's state: its id and directory, the spec and state files, and its status from MLflow.
+
+State lives in two places: MLflow (run statuses and metrics, the truth) and the sweep directory
+``llmctl-runs/sweeps/<sweep-id>/`` (``sweep.json`` spec, ``state.json`` written by the supervisor,
+``supervisor.pid``, ``supervisor.log``). Without the directory (another machine), the spec is
+rebuilt from the MLflow runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from llmctl.errors import ConfigError
+from llmctl.procs import pid_alive
+from llmctl.sweep import table
+from llmctl.tracking import redact
+from llmctl.workdir import sweeps_root
+
+PREFIX = "sweep-"
+SPEC_FILE = "sweep.json"
+STATE_FILE = "state.json"
+PID_FILE = "supervisor.pid"
+LOG_FILE = "supervisor.log"
+TAG_SWEEP_ID = "llmctl.sweep_id"
+TAG_KIND = "llmctl.kind"
+TAG_TRIAL = "llmctl.trial"
+TAG_TRIAL_OVERRIDES = "llmctl.trial.overrides"
+TAG_PARENT = "mlflow.parentRunId"
+KEY_METRICS = ("train/loss", "val/loss", "perf/tokens_per_s", "cost/actual_usd")
+TERMINAL = ("FINISHED", "FAILED", "KILLED")
+DOWN_GRACE_S = 60.0
+
+
+def is_sweep_id(value: Optional[str]) -> bool:
+    return bool(value) and str(value).startswith(PREFIX)
+
+
+def new_sweep_id() -> str:
+    return f"{PREFIX}{time.strftime('%Y%m%d')}-{uuid.uuid4().hex[:6]}"
+
+
+def sweep_dir(sweep_id: str) -> Path:
+    return sweeps_root() / sweep_id
+
+
+def write_json(path: Path, data: Any) -> None:
+    tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=1, default=str))
+    os.replace(tmp, path)
+
+
+def read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+@dataclass
+class TrialStatus:
+    index: int
+    overrides: list[str]
+    run_id: Optional[str]
+    status: str
+    metrics: dict[str, float]
+    reason: str = ""
+    cost: Optional[float] = None
+
+
+@dataclass
+class SweepStatus:
+    spec: dict[str, Any]
+    parent_status: str
+    supervisor_alive: bool
+    trials: list[TrialStatus]
+
+    @property
+    def done(self) -> bool:
+        return not self.supervisor_alive and all(t.status in TERMINAL for t in self.trials)
+
+    def counts(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for t in self.trials:
+            out[t.status] = out.get(t.status, 0) + 1
+        return out
+
+    def best(self) -> Optional[TrialStatus]:
+        metric, mode = self.spec["metric"], self.spec["mode"]
+        scored = [t for t in self.trials if t.status == "FINISHED" and metric in t.metrics]
+        if not scored:
+            return None
+        return (min if mode == "min" else max)(scored, key=lambda t: t.metrics[metric])
+
+    def rows(self) -> tuple[list[str], list[list[str]]]:
+        keys = table.varying([t.overrides for t in self.trials])
+        header = ["#", "run", "status", *keys, "train/loss", "val/loss", "tok/s", "cost"]
+        rows = []
+        for t in self.trials:
+            m = t.metrics
+            rows.append([str(t.index), (t.run_id or "-")[:12], t.status, *table.values(t.overrides, keys),
+                         table.num(m.get("train/loss")), table.num(m.get("val/loss")),
+                         table.num(m.get("perf/tokens_per_s"), "{:,.0f}"), table.fmt_cost(t.cost)])
+        return header, rows
+
+    def describe(self) -> str:
+        spec = self.spec
+        counts = ", ".join(f"{n} {s}" for s, n in sorted(self.counts().items()))
+        header, rows = self.rows()
+        lines = [f"sweep:       {spec['sweep_id']} (parent run {spec['parent_run_id']})",
+                 f"state:       {self.parent_status}; supervisor {'running' if self.supervisor_alive else 'exited'};"
+                 f" {len(self.trials)} trials: {counts}",
+                 f"overrides:   {' '.join(spec['overrides'])}",
+                 "", table.render(header, rows), "",
+                 f"total cost:  {table.fmt_cost(table.total_cost([t.cost for t in self.trials]))}",
+                 f"best:        {self.best_line()}"]
+        return "\n".join(lines)
+
+    def best_line(self) -> str:
+        metric, mode = self.spec["metric"], self.spec["mode"]
+        b = self.best()
+        if b is None:
+            return f"none yet (no FINISHED trial with {metric})"
+        keys = table.varying([t.overrides for t in self.trials])
+        shown = " ".join(f"{k}={v}" for k, v in zip(keys, table.values(b.overrides, keys)))
+        return (f"trial {b.index}{f' ({shown})' if shown else ''} {metric}={b.metrics[metric]:.4f} ({mode}),"
+                f" run {b.run_id}")
+
+
+def load_spec(sweep_id: str, uri: Optional[str] = None) -> dict[str, Any]:
+    """The sweep's spec from ``llmctl-runs/sweeps/<id>``; else rebuilt from its MLflow runs."""
+    spec = read_json(sweep_dir(sweep_id) / SPEC_FILE)
+    if spec is not None:
+        return spec
+    from llmctl import tracking
+
+    store = tracking.resolve_uri(uri)
+    mc = tracking.client(store)
+    exps = [e.experiment_id for e in mc.search_experiments()]
+    parents = mc.search_runs(exps, f"tags.`{TAG_SWEEP_ID}` = '{sweep_id}' and tags.`{TAG_KIND}` = 'sweep'") if exps else []
+    if not parents:
+        raise ConfigError(f"no sweep '{sweep_id}' in ./llmctl-runs/sweeps or in {redact(store)}."
+                          " Fix: run llmctl from where you launched, or pass --tracking-uri")
+    p = parents[0]
+    children = _children(mc, p.info.experiment_id, sweep_id)
+    return {"sweep_id": sweep_id, "parent_run_id": p.info.run_id, "uri": store,
+            "experiment_id": p.info.experiment_id, "overrides": p.data.params.get("sweep.overrides", "").split(),
+            "metric": p.data.params.get("sweep.metric", "val/loss"), "mode": p.data.params.get("sweep.mode", "min"),
+            "trials": [{"index": int(c.data.tags.get(TAG_TRIAL, -1)),
+                        "overrides": c.data.tags.get(TAG_TRIAL_OVERRIDES, "").split()} for c in children],
+            "remote": True}
+
+
+def _children(mc: Any, experiment_id: str, sweep_id: str) -> list[Any]:
+    runs = mc.search_runs( [experiment_id], f"tags.`{TAG_SWEEP_ID}` = '{sweep_id}' and tags.`{TAG_KIND}` = 'trial'",
+                 max_results=50000)
+    return sorted(runs, key=lambda r: int(r.data.tags.get(TAG_TRIAL, 0)))
+
+
+def supervisor_pid(sweep_id: str) -> Optional[int]:
+    try:
+        return int((sweep_dir(sweep_id) / PID_FILE).read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def get_status(sweep_id: str, uri: Optional[str] = None) -> SweepStatus:
+    from llmctl import tracking
+
+    spec = load_spec(sweep_id, uri)
+    mc = tracking.client(spec["uri"])
+    parent = mc.get_run(spec["parent_run_id"])
+    by_index = {int(r.data.tags.get(TAG_TRIAL, -1)): r for r in _children(mc, spec["experiment_id"], sweep_id)}
+    trials = []
+    for t in spec["trials"]:
+        run = by_index.get(t["index"])
+        if run is None:
+            trials.append(TrialStatus(t["index"], t["overrides"], None, "PENDING", {}))
+            continue
+        status = "PENDING" if run.info.status == "SCHEDULED" else run.info.status
+        trials.append(TrialStatus(t["index"], t["overrides"], run.info.run_id, status,
+                                  {k: v for k, v in run.data.metrics.items() if k in KEY_METRICS},
+                                  run.data.tags.get("llmctl.status", ""), run.data.metrics.get("cost/actual_usd")))
+    return SweepStatus(spec=spec, parent_status=parent.info.status,
+                       supervisor_alive=pid_alive(supervisor_pid(sweep_id)), trials=trials)
+
+
+def status_text(sweep_id: str, uri: Optional[str] = None) -> str:
+    return get_status(sweep_id, uri).describe()
+
+
+def exit_code(st: SweepStatus) -> int:
+    """0 all FINISHED, 130 cancelled, 1 any trial FAILED."""
+    if st.parent_status == "KILLED" or any(t.status == "KILLED" for t in st.trials):
+        return 130
+    return 0 if all(t.status == "FINISHED" for t in st.trials) else 1

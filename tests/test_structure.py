@@ -1,0 +1,150 @@
+"""The structure the features build on, checked from the source: one direction of dependency
+(the workload never imports llmctl), no import cycle among llmctl's modules (imports inside
+functions included), and every backend implementing the whole declared interface."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import ROOT
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _modules(package: str) -> dict[str, Path]:
+    return {_module_name(p): p for p in sorted((ROOT / package).rglob("*.py"))}
+
+
+def _imports(path: Path, name: str, known: set[str]) -> set[str]:
+    """Every module ``path`` imports, anywhere in the file (functions, ``TYPE_CHECKING`` blocks too).
+    ``from a import b`` counts as ``a.b`` when that is a module, else as ``a``."""
+    is_package = path.name == "__init__.py"
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: resolve against this module's package
+                pkg = name.split(".") if is_package else name.split(".")[:-1]
+                pkg = pkg[: len(pkg) - node.level + 1]
+                base = ".".join(pkg + ([base] if base else []))
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                found.add(sub if sub in known else base)
+    return found
+
+
+def _graph(package: str) -> dict[str, set[str]]:
+    mods = _modules(package)
+    return {name: {m for m in _imports(path, name, set(mods)) if m in mods and m != name}
+            for name, path in mods.items()}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every strongly connected component with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_workload_imports_nothing_from_llmctl() -> None:
+    mods = _modules("workloads")
+    assert len(mods) > 15, "the scan found the workload's modules"
+    offenders = {name: sorted(m for m in _imports(path, name, set(mods)) if m == "llmctl" or m.startswith("llmctl."))
+                 for name, path in mods.items()}
+    assert {k: v for k, v in offenders.items() if v} == {}
+
+
+def test_the_scan_sees_imports_inside_functions(tmp_path: Path) -> None:
+    """The checker itself: a function-level import and a relative one are found (else both tests above
+    could pass on a tree full of them)."""
+    src = tmp_path / "mod.py"
+    src.write_text("def f():\n    from llmctl.cost import ledger\n    from . import sibling\n")
+    found = _imports(src, "pkg.mod", {"llmctl.cost.ledger", "pkg.sibling"})
+    assert found == {"llmctl.cost.ledger", "pkg.sibling"}
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_import_cycle_among_llmctl_modules() -> None:
+    graph = _graph("llmctl")
+    assert {"llmctl.lifecycle", "llmctl.backends.local", "llmctl.cost.estimate", "llmctl.sweep.state"} <= set(graph)
+    assert _cycles(graph) == []
+
+
+def test_data_flows_one_way() -> None:
+    """Backends and the cost model never reach back into what calls them."""
+    graph = _graph("llmctl")
+    upstream = {"llmctl.cli", "llmctl.lifecycle", "llmctl.resume", "llmctl.planner", "llmctl.sweep.control",
+                "llmctl.sweep.supervisor", "llmctl.sweep.planning"}
+    for name, deps in graph.items():
+        if name.startswith(("llmctl.backends", "llmctl.cost")):
+            assert not deps & upstream, (name, sorted(deps & upstream))
+    assert "llmctl.backends" not in graph["llmctl.cost.estimate"] and not any(
+        d.startswith("llmctl.backends") for d in graph["llmctl.cost.estimate"])
+
+
+def test_every_backend_implements_the_whole_interface() -> None:
+    from llmctl.backends import registry
+    from llmctl.backends.base import Backend
+
+    methods = [n for n, v in vars(Backend).items() if callable(v) and not n.startswith("_")]
+    assert {"plan", "preflight", "launch", "status", "logs", "down"} <= set(methods)
+    backends = registry()
+    assert set(backends) == {"local", "sky"}
+    for kind, backend in backends.items():
+        assert isinstance(backend, Backend) and backend.name == kind
+        for method in methods:  # defined by the class itself, with the interface's parameters
+            impl = vars(type(backend)).get(method)
+            assert impl is not None, f"{kind} lacks {method}"
+            want = list(inspect.signature(getattr(Backend, method)).parameters)
+            assert list(inspect.signature(impl).parameters) == want, (kind, method)
+
+
+@pytest.mark.parametrize("module", ["workloads.pretrain.schema", "workloads.pretrain.hardware",
+                                    "workloads.pretrain.shape", "workloads.pretrain.validate",
+                                    "workloads.pretrain.contract", "llmctl.cli"])
+def test_contract_modules_import_no_heavy_dependency(module: str) -> None:
+    """What the CLI reads at start-up and what a launcher reads of the trainer's contract costs
+    no torch, hydra, mlflow or sky import."""
+    code = (f"import sys; import {module}; "
+            "print(sorted(m for m in ('torch', 'hydra', 'mlflow', 'sky', 'omegaconf') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout

@@ -1,0 +1,39 @@
+"""The trainer's run contract with whoever launches it, besides the config: the environment it reads,
+the MLflow tags it writes (facts, never bills) and its exit codes. Stdlib only, so a launcher
+(llmctl) imports these names instead of spelling them a second time.
+
+Environment (all optional; the trainer runs without any of them):
+
+    MLFLOW_TRACKING_URI, MLFLOW_RUN_ID   the run rank 0 logs metrics and tags into
+    LLMCTL_ATTEMPT          the launcher's attempt number (recorded with each start)
+    LLMCTL_MAX_COST_USD     budget guard: the limit for the whole run
+    LLMCTL_PRICE_PER_HOUR   budget guard: $/h of the whole job (all nodes)
+    LLMCTL_BILLING_START    budget guard: epoch seconds when this attempt's billing started
+    LLMCTL_SPENT_USD        budget guard: spend of earlier attempts
+
+Tags rank 0 writes (JSON values):
+
+    llmctl.workload_start.<k>  each start: time, attempt, from_step, world_size (k = 1, 2, ...)
+    llmctl.preempted           stopped on SIGTERM/SIGUSR1: step, checkpoint, saved, signal
+    llmctl.budget_stop         stopped by the budget guard: step, spent_usd, max_cost_usd, checkpoint
+    llmctl.sky.task_id         SkyPilot's task id (stable across a managed job's recoveries)
+
+Exit codes: 0 done (also after a budget stop: read the tag), 1 error, 2 bad config, 75 preempted
+with state saved, 130 SIGINT. torchrun reports any non-zero worker exit as 1, so a launcher reads
+the tags, not the code, to tell a preemption from a failure.
+"""
+
+ENV_ATTEMPT = "LLMCTL_ATTEMPT"
+ENV_MAX_COST = "LLMCTL_MAX_COST_USD"
+ENV_PRICE = "LLMCTL_PRICE_PER_HOUR"
+ENV_BILLING_START = "LLMCTL_BILLING_START"
+ENV_SPENT = "LLMCTL_SPENT_USD"
+ATTEMPT_ENVS = (ENV_ATTEMPT, ENV_PRICE, ENV_MAX_COST, ENV_BILLING_START, ENV_SPENT)
+
+TAG_START_PREFIX = "llmctl.workload_start."
+TAG_PREEMPTED = "llmctl.preempted"
+TAG_BUDGET_STOP = "llmctl.budget_stop"
+TAG_TASK_ID = "llmctl.sky.task_id"
+
+EXIT_CONFIG = 2
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped on request with state saved; a resume continues it

@@ -1,0 +1,282 @@
+"""The tokenized corpus on disk: built once per (source, files, vocab), shared by ranks, jobs and nodes.
+
+A byte-level BPE is trained on the source (``tokenizer``) and the tokenized corpus is cached in
+``<cache root>/<key>/`` (``tokenizer.json``, ``tokens.npy``, ``meta.json``). The directory is built
+in a temp dir and renamed into place, under an ``O_EXCL`` lock file, so concurrent ranks (or
+concurrent jobs) build it once and never see a half-written cache. The cache key covers the
+source, the file listing with each file's size and ETag/mtime, the vocab size, the text field and
+the ``tokenizers`` version: changed data means a new cache entry.
+
+``data.cache_dir`` may itself be a URL (``s3://bucket/llmctl-cache``): entries are then built in
+the local cache (``$LLMCTL_CACHE_DIR`` or ``~/.cache/llmctl``) and uploaded there, and another
+node with the same key downloads them instead of tokenizing again. ``meta.json`` is uploaded
+last and is what marks a remote entry complete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import shutil
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+import numpy as np
+
+from workloads.pretrain.data.sources import (
+    BUILTIN_SOURCE, CORPUS_VERSION, SourceFile, builtin_pydoc_texts, file_texts, list_source_files, source_files,
+)
+from workloads.pretrain.data.tokenizer import EOT, train_tokenizer
+
+_LOCK_STALE_S = 3600.0
+# The BPE is trained on at most this many characters (the first ones, in file order); the whole
+# source is still tokenized. Merges are settled long before this on any natural-language corpus.
+TOKENIZER_TRAIN_CHARS = 1_000_000_000
+_ENCODE_BATCH_DOCS = 1024
+CACHE_FILES = ("tokenizer.json", "tokens.npy", "meta.json")  # meta.json last: the commit marker
+
+
+def cache_root(data_cfg: Any) -> Path:
+    """Local cache: ``data.cache_dir`` (a path or file:// URL), else ``$LLMCTL_CACHE_DIR``, else
+    ``~/.cache/llmctl``. A remote ``data.cache_dir`` (s3://...) is a shared copy on top of it."""
+    root = getattr(data_cfg, "cache_dir", None)
+    if root and _remote_root(data_cfg) is None:
+        return Path(str(root).removeprefix("file://")).expanduser()
+    root = os.environ.get("LLMCTL_CACHE_DIR")
+    return Path(root).expanduser() if root else Path.home() / ".cache" / "llmctl"
+
+
+def _remote_root(data_cfg: Any) -> str | None:
+    root = str(getattr(data_cfg, "cache_dir", None) or "")
+    return root.rstrip("/") if "://" in root and not root.startswith("file://") else None
+
+
+def cache_key(data_cfg: Any, files: list[SourceFile] | None = None) -> str:
+    """What the cached tokens depend on: the source and, for files, every file's URL, size and
+    ETag/mtime; vocab size; text field; tokenizers version. Builtin: fixed per Python version."""
+    import tokenizers
+
+    builtin = data_cfg.source == BUILTIN_SOURCE
+    if not builtin and files is None:
+        files = list_source_files(data_cfg.source)
+    ident = {
+        "source": data_cfg.source,
+        "vocab_size": int(data_cfg.vocab_size),
+        "corpus_version": CORPUS_VERSION,
+        "tokenizers": tokenizers.__version__,
+        "python": platform.python_version() if builtin else None,
+        "text_field": None if builtin else data_cfg.text_field,
+        "files": None if builtin else [[f.url, f.size, f.version] for f in files],
+    }
+    digest = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+    return f"{data_cfg.name}-v{int(data_cfg.vocab_size)}-{digest}"
+
+
+@dataclass
+class Corpus:
+    """A cached tokenized corpus. ``tokens`` is a read-only memmap of the whole corpus.
+
+    ``origin``: "cache" (found locally), "built" (tokenized here) or "downloaded" (from a remote
+    ``data.cache_dir``).
+    """
+
+    path: Path
+    tokens: np.ndarray
+    tokenizer: Any
+    cache_hit: bool
+    origin: str = "cache"
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size()
+
+    def split(self, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+        """(train, val): val is the last ``val_fraction`` of tokens, never seen in training."""
+        n_val = int(len(self.tokens) * val_fraction)
+        if n_val <= 0:
+            raise ValueError(f"data.val_fraction={val_fraction} leaves no validation tokens")
+        return self.tokens[:-n_val], self.tokens[-n_val:]
+
+
+def prepare_corpus(data_cfg: Any, *, timeout_s: float = 1800.0) -> Corpus:
+    """Load the cached corpus for ``data_cfg``, building (or downloading) it first if needed."""
+    from tokenizers import Tokenizer
+
+    files = source_files(data_cfg)
+    key = cache_key(data_cfg, files)
+    final = cache_root(data_cfg) / key
+    remote = _remote_root(data_cfg)
+    origin = ["built"]
+
+    def build(tmp: Path) -> None:
+        if remote and _download(f"{remote}/{key}", tmp):
+            origin[0] = "downloaded"
+            return
+        _build(data_cfg, tmp, files)
+        if remote:
+            _upload(tmp, f"{remote}/{key}")
+
+    built = _build_once(final, build, timeout_s)
+    return Corpus(
+        path=final,
+        tokens=np.load(final / "tokens.npy", mmap_mode="r"),
+        tokenizer=Tokenizer.from_file(str(final / "tokenizer.json")),
+        cache_hit=not built,
+        origin=origin[0] if built else "cache",
+    )
+
+
+def _download(remote_dir: str, out: Path) -> bool:
+    """Fetch a complete remote cache entry into ``out``; False if there is none."""
+    from fsspec.core import url_to_fs
+
+    fs, path = url_to_fs(remote_dir)
+    if not fs.exists(f"{path}/meta.json"):
+        return False
+    for name in CACHE_FILES:
+        fs.get_file(f"{path}/{name}", str(out / name))
+    return True
+
+
+def _upload(local_dir: Path, remote_dir: str) -> None:
+    """Copy a built entry to the shared cache, ``meta.json`` last (readers wait for it)."""
+    from fsspec.core import url_to_fs
+
+    fs, path = url_to_fs(remote_dir)
+    for name in CACHE_FILES:
+        fs.put_file(str(local_dir / name), f"{path}/{name}")
+
+
+def _counted(texts: Iterable[str], stats: dict, max_chars: int) -> Iterator[str]:
+    """``texts`` up to ``max_chars`` characters in all, counting documents and characters."""
+    for text in texts:
+        if stats["chars"] >= max_chars:
+            return
+        stats["docs"] += 1
+        stats["chars"] += len(text)
+        yield text
+
+
+def _batched(it: Iterable[str], n: int) -> Iterator[list[str]]:
+    batch: list[str] = []
+    for x in it:
+        batch.append(x)
+        if len(batch) == n:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def _build(data_cfg: Any, out: Path, files: list[SourceFile] | None = None) -> None:
+    """Train the BPE on the source, then stream it through the tokenizer into ``tokens.npy``.
+
+    File sources are read twice (tokenizer training, then encoding) so that no more than a batch
+    of documents is ever held in memory; token ids go to disk as they are produced.
+    """
+    t0 = time.time()
+    texts = (lambda: builtin_pydoc_texts()) if files is None else (lambda: file_texts(files, data_cfg.text_field))
+    if files is None:
+        docs = texts()
+        texts = lambda: docs  # noqa: E731  (build the builtin list once)
+    seen = {"docs": 0, "chars": 0}
+    tok = train_tokenizer(_counted(texts(), seen, TOKENIZER_TRAIN_CHARS), int(data_cfg.vocab_size))
+    if seen["chars"] == 0:
+        raise ValueError(f"data.source={data_cfg.source!r}: its files hold no text "
+                         f"(empty files, or empty data.text_field={data_cfg.text_field!r} values)")
+    eot = tok.token_to_id(EOT)
+    dtype = np.uint16 if tok.get_vocab_size() <= np.iinfo(np.uint16).max + 1 else np.uint32
+    sha = hashlib.sha256()
+    n_docs = n_chars = n_tokens = 0
+    raw = out / "tokens.bin"
+    with open(raw, "wb") as fh:
+        for batch in _batched(texts(), _ENCODE_BATCH_DOCS):
+            for text, enc in zip(batch, tok.encode_batch(batch)):
+                ids = np.asarray(enc.ids + [eot], dtype=dtype)
+                fh.write(ids.tobytes())
+                n_tokens += len(ids)
+                sha.update(("\x00" if n_docs else "").encode() + text.encode())
+                n_docs += 1
+                n_chars += len(text)
+    arr = np.lib.format.open_memmap(out / "tokens.npy", mode="w+", dtype=dtype, shape=(n_tokens,))
+    src = np.memmap(raw, dtype=dtype, mode="r", shape=(n_tokens,)) if n_tokens else np.empty(0, dtype)
+    for i in range(0, n_tokens, 1 << 24):
+        arr[i : i + (1 << 24)] = src[i : i + (1 << 24)]
+    arr.flush()
+    del arr, src
+    raw.unlink()
+    tok.save(str(out / "tokenizer.json"))
+    meta = {
+        "source": data_cfg.source,
+        "files": None if files is None else [{"url": f.url, "size": f.size, "version": f.version} for f in files],
+        "vocab_size": tok.get_vocab_size(),
+        "documents": n_docs,
+        "chars": n_chars,
+        "tokens": n_tokens,
+        "tokenizer_train_chars": seen["chars"],
+        "text_sha256": sha.hexdigest(),
+        "corpus_version": CORPUS_VERSION,
+        "build_seconds": round(time.time() - t0, 2),
+    }
+    (out / "meta.json").write_text(json.dumps(meta, indent=2))
+
+
+def _build_once(final: Path, build, timeout_s: float) -> bool:
+    """Run ``build(tmp_dir)`` and rename tmp_dir to ``final`` unless it exists; True if built here.
+
+    Whoever creates the lock file (O_CREAT|O_EXCL) builds; the others poll for ``final``. A lock
+    left by a dead process on this host (or older than an hour) is broken.
+    """
+    final.parent.mkdir(parents=True, exist_ok=True)
+    lock = final.with_name(final.name + ".lock")
+    deadline = time.monotonic() + timeout_s
+    while not final.is_dir():
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            if _lock_is_stale(lock):
+                lock.unlink(missing_ok=True)
+            elif time.monotonic() > deadline:
+                raise TimeoutError(f"waited {timeout_s:.0f}s for another process to build {final} (lock {lock})")
+            else:
+                time.sleep(0.2)
+            continue
+        try:
+            os.write(fd, f"{socket.gethostname()} {os.getpid()}\n".encode())
+            os.close(fd)
+            if final.is_dir():  # finished by someone else between our check and the lock
+                return False
+            tmp = final.with_name(f"{final.name}.tmp-{socket.gethostname()}-{os.getpid()}")
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+            try:
+                build(tmp)
+                os.rename(tmp, final)  # atomic: readers see all files or none
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+            return True
+        finally:
+            lock.unlink(missing_ok=True)
+    return False
+
+
+def _lock_is_stale(lock: Path) -> bool:
+    try:
+        host, pid = lock.read_text().split()
+        age = time.time() - lock.stat().st_mtime
+    except (OSError, ValueError):
+        return False  # being written right now, or just removed
+    if host == socket.gethostname():
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            pass
+    return age > _LOCK_STALE_S
