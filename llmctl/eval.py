@@ -74,7 +74,7 @@ def _apply_overrides(cfg: dict[str, Any], overrides: list[str]) -> dict[str, Any
                               " Run 'llmctl config show' to see every key.")
         dotlist.append(f"{DATA_TO_EVAL.get(key, key)}={value}")
     try:
-        typed = OmegaConf.merge(to_typed(cfg), OmegaConf.from_dotlist(dotlist))
+        typed = OmegaConf.merge(to_typed(schema.drop_retired(cfg)), OmegaConf.from_dotlist(dotlist))
         return OmegaConf.to_container(typed, resolve=True, enum_to_str=True)
     except (OmegaConfBaseException, ValueError) as exc:
         raise ConfigError(f"Bad override: {str(exc).splitlines()[0]}") from None

@@ -104,13 +104,14 @@ def trial(plan: Plan, handle: RunHandle, *, max_cost: Optional[float], say: Say,
                 banner=f"run {handle.run_id} on {plan.where}, {plan.world_size} process(es) on {plan.device}")
 
 
-def resume(plan: Plan, run: Any, *, from_step: Optional[int], remaining: Any, max_cost: Optional[float],
-           say: Say, where: str) -> int:
-    """``llmctl resume``: attempt n+1 of ``run``. ``remaining`` is the estimate of the steps left;
-    ``max_cost`` (else the run's stored budget) covers the whole run, earlier attempts included."""
+def resume(plan: Plan, uri: str, run: Any, *, from_step: Optional[int], remaining: Any,
+           max_cost: Optional[float], say: Say, where: str) -> int:
+    """``llmctl resume``: attempt n+1 of ``run`` (found in the store ``uri``). ``remaining`` is the
+    estimate of the steps left; ``max_cost`` (else the run's stored budget) covers the whole run,
+    earlier attempts included."""
     backend = backend_for(plan.backend)
     backend.preflight(plan)
-    uri, rid = plan.tracking_uri, run.info.run_id
+    rid = run.info.run_id
     mc = tracking.client(uri)
     ledger.reconcile(mc, rid)  # a managed job's recoveries are attempts before this one is numbered
     run = mc.get_run(rid)
@@ -201,14 +202,22 @@ def _run(plan: Plan, backend: Backend, handle: RunHandle, attempt: Attempt, *, n
         error = Interrupted(signal.SIGINT)
     except (LaunchError, OSError) as exc:
         error = exc
+    finally:  # closing takes a second: a stop request now must not leave the run half-closed
+        for sig in previous:
+            signal.signal(sig, _note_late_stop)
+    try:
+        outcome, reason = classify(code, error, mc.get_run(handle.run_id).data.tags, handle.run_id)
+        cost_line = hooks.close(mc, handle.run_id, plan.cfg, plan.estimate, reason)
+        tracking.end_run(handle, RULES[outcome].mlflow_status, reason)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    outcome, reason = classify(code, error, mc.get_run(handle.run_id).data.tags, handle.run_id)
-    cost_line = hooks.close(mc, handle.run_id, plan.cfg, plan.estimate, reason)
-    tracking.end_run(handle, RULES[outcome].mlflow_status, reason)
     _report(outcome, reason, handle, time.monotonic() - started, cost_line, say)
     return RULES[outcome].exit_code
+
+
+def _note_late_stop(signum: int, frame: Any) -> None:
+    """SIGINT/SIGTERM while the attempt is being closed: the job has already ended; finish closing."""
 
 
 def classify(code: Optional[int], error: Optional[BaseException], tags: dict[str, str],
@@ -217,8 +226,8 @@ def classify(code: Optional[int], error: Optional[BaseException], tags: dict[str
     a stop request, an error starting) and what the workload recorded (its tags)."""
     if isinstance(error, Interrupted):
         if error.signum == signal.SIGTERM:
-            return Outcome.KILLED, (f"killed: SIGTERM to llmctl before the workers saved a checkpoint"
-                                    f" — resume with: llmctl resume {run_id}")
+            return Outcome.KILLED, (f"killed: SIGTERM to llmctl stopped the job without waiting for a checkpoint"
+                                    f" — resume from the last one with: llmctl resume {run_id}")
         return Outcome.INTERRUPTED, "interrupted (Ctrl-C)"
     if error is not None:
         return Outcome.FAILED, f"failed to start: {error}"

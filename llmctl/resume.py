@@ -47,7 +47,8 @@ def compose_resume(stored: dict[str, Any], choices: dict[str, str], overrides: l
     the old machine's layout). ``model=`` and ``experiment=`` are refused: a checkpoint only loads
     into the model that wrote it.
     """
-    from llmctl.config import GROUPS, parse_overrides, compose, flatten
+    from llmctl.config import GROUPS, parse_overrides, compose
+    from llmctl.schema import drop_retired
 
     user = list(overrides)
     dropped: set[str] = set()
@@ -60,7 +61,10 @@ def compose_resume(stored: dict[str, Any], choices: dict[str, str], overrides: l
             dropped.update(RESECTION.get(group, (group,)))
     base = [f"{g}={c}" for g, c in choices.items()
             if g in GROUPS and g not in ("experiment",) and g not in dropped and c not in (None, "None", "null")]
-    base += [f"{k}={_hydra_value(v)}" for k, v in flatten(stored).items() if k.split(".")[0] not in dropped]
+    # section.key = value, two levels as the schema has them: a map value (infra.accelerator_aliases)
+    # stays one override, not one per entry
+    base += [f"{section}.{key}={_hydra_value(v)}" for section, values in drop_retired(stored).items()
+             if section not in dropped for key, v in values.items()]
     return compose(base + user, config_dir)
 
 
@@ -126,4 +130,4 @@ def resume(run_id: str, overrides: list[str], config_dir: Optional[str], trackin
     where = (f"from step {step} ({tracking.redact(str(root))})" if step is not None else
              f"from step 0: no complete checkpoint in {tracking.redact(str(root))}, so the run restarts"
              " within the same MLflow run")
-    return lifecycle.resume(plan, run, from_step=step, remaining=remaining, max_cost=max_cost, say=echo, where=where)
+    return lifecycle.resume(plan, uri, run, from_step=step, remaining=remaining, max_cost=max_cost, say=echo, where=where)

@@ -71,6 +71,21 @@ class RootCfg(TrainerCfg):
     tracking: TrackingCfg = field(default_factory=TrackingCfg)
 
 
+# Keys older llmctl versions wrote into a run's config.yaml that the schema no longer has (what a
+# provider can do now comes from SkyPilot). Dropped when an old run is resumed or evaluated.
+RETIRED_KEYS = ("infra.max_nodes", "infra.supports_spot", "infra.supports_autostop")
+
+
+def drop_retired(cfg: dict) -> dict:
+    """``cfg`` (a nested plain dict) without ``RETIRED_KEYS``."""
+    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in cfg.items()}
+    for dotted in RETIRED_KEYS:
+        section, _, key = dotted.partition(".")
+        if isinstance(out.get(section), dict):
+            out[section].pop(key, None)
+    return out
+
+
 def schema_keys(node: type = RootCfg, prefix: str = "") -> list[str]:
     """Every dotted key the schema knows, for did-you-mean suggestions and completion."""
     keys: list[str] = []

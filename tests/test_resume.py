@@ -226,4 +226,4 @@ def test_resume_refuses_bad_overrides_and_finished_runs(base_env, tmp_path: Path
     assert model.returncode == 3 and "keeps its model" in model.stderr
     assert run_cli(["resume", "nosuchrun"], tmp_path, base_env).returncode == 3
     (run,) = mlflow_runs(f"sqlite:///{tmp_path / 'mlflow.db'}")  # untouched by the refusals
-    assert run.info.status == "FINISHED" and "llmctl.attempt" not in run.data.tags
+    assert run.info.status == "FINISHED" and run.data.tags["llmctl.attempt"] == "1"

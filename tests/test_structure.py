@@ -148,3 +148,16 @@ def test_contract_modules_import_no_heavy_dependency(module: str) -> None:
             "print(sorted(m for m in ('torch', 'hydra', 'mlflow', 'sky', 'omegaconf') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_module_map_in_the_docs_matches_the_tree() -> None:
+    """docs/concepts.md lists every module once, and nothing that does not exist."""
+    text = (ROOT / "docs" / "concepts.md").read_text()
+    block = text.split("## Module map", 1)[1].split("```text", 1)[1].split("```", 1)[0]
+    listed = [line.split()[0] for line in block.strip().splitlines()]
+    assert len(listed) == len(set(listed)), "a module is listed twice"
+    missing = [p for p in listed if not (ROOT / p).is_file()]
+    assert missing == [], f"listed but not in the tree: {missing}"
+    tree = sorted(str(p.relative_to(ROOT)) for pkg in ("llmctl", "workloads") for p in (ROOT / pkg).rglob("*.py")
+                  if p.name not in ("__init__.py", "__main__.py"))
+    assert sorted(set(tree) - set(listed)) == [], "in the tree but not in docs/concepts.md's module map"

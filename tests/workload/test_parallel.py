@@ -62,13 +62,15 @@ def test_layout_matches_single_process(reference, workload, tmp_path, nproc, ove
 ], ids=["tp3-heads", "tp4-kv_heads", "mesh-vs-world", "batch"])
 def test_workload_rejects_bad_layouts_before_process_groups(reference, workload, tmp_path, nproc, overrides,
                                                              message):
-    """``init_distributed`` validates before ``init_process_group``: no rank waits on a peer."""
+    """The trainer validates before ``init_process_group`` (``config.load``, then the world size in
+    ``init_distributed``): every rank exits 2 with one line naming the key; no rank waits on a peer."""
     cfg, _ = reference
     launcher = workload.torchrun(nproc) if nproc > 1 else None
     proc = workload.run(["--config", str(cfg), *overrides], loss_env(tmp_path / "l.jsonl"),
                         launcher=launcher, timeout=120)
-    assert proc.returncode != 0
-    assert message in proc.stderr and "ConfigError" in proc.stderr, proc.stderr[-3000:]
+    assert proc.returncode == (2 if nproc == 1 else 1)  # torchrun turns a worker's 2 into 1
+    assert f"pretrain: config error: Bad value for 'parallel" in proc.stderr or "train.batch_size" in proc.stderr
+    assert message in proc.stderr and "workloads/pretrain" not in proc.stderr, proc.stderr[-3000:]  # no traceback
     assert "init_process_group" not in proc.stderr and "pretrain | model" not in proc.stdout
 
 

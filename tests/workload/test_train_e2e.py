@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 
 import pytest
@@ -77,3 +79,43 @@ def test_two_process_data_parallel_matches_one_process(write_tiny_config, worklo
     for kind in ("train", "val"):
         for step, loss in a[kind].items():
             assert abs(b[kind][step] - loss) <= 2e-4, (kind, step, loss, b[kind][step])
+
+
+@pytest.mark.slow
+def test_trains_under_plain_torchrun_where_llmctl_cannot_be_imported(workload_env, workload, cache_dir, tmp_path):
+    """The config llmctl composes, run by torchrun with an ``llmctl`` on the path that refuses to be
+    imported: the trainer (and everything it loads) needs nothing from llmctl. Two gloo ranks; the
+    metrics and the start record still reach MLflow."""
+    import subprocess
+
+    from mlflow.tracking import MlflowClient
+
+    from helpers import ROOT
+
+    config = tmp_path / "run.yaml"
+    shown = subprocess.run([sys.executable, "-m", "llmctl", "config", "show", "experiment=smoke", "parallel=fsdp2",
+                            "train.steps=4", "train.log_every=2", "train.val_every=4", f"data.cache_dir={cache_dir}",
+                            f"checkpoint.dir={tmp_path / 'ckpt'}"], cwd=ROOT, capture_output=True, text=True,
+                           env=workload_env, check=True)
+    config.write_text(shown.stdout)
+    assert "infra:" in shown.stdout and "tracking:" in shown.stdout  # the launcher's sections are there, and skipped
+    poisoned = tmp_path / "poisoned" / "llmctl"
+    poisoned.mkdir(parents=True)
+    (poisoned / "__init__.py").write_text("raise ImportError('the workload imported llmctl')\n")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    mc = MlflowClient(tracking_uri=uri)
+    run = mc.create_run(mc.create_experiment("plain"))
+    env = {**workload_env, "PYTHONPATH": os.pathsep.join([str(poisoned.parent), str(ROOT)]),
+           "MLFLOW_TRACKING_URI": uri, "MLFLOW_RUN_ID": run.info.run_id}
+    check = subprocess.run([sys.executable, "-c", "import llmctl"], env=env, capture_output=True, text=True)
+    assert check.returncode == 1 and "the workload imported llmctl" in check.stderr  # the poison works
+
+    proc = workload.run(["--config", str(config)], env, launcher=workload.torchrun(2))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "world 2 on cpu" in proc.stdout and "dp_shard 2" in proc.stdout
+    assert sorted(workload.losses(proc.stdout)["train"]) == [2, 4]
+    assert (tmp_path / "ckpt" / "step-4" / ".complete").is_file()
+    got = mc.get_run(run.info.run_id)
+    assert {"train/loss", "val/loss", "perf/tokens_per_s"} <= set(got.data.metrics)
+    start = json.loads(got.data.tags["llmctl.workload_start.1"])
+    assert start["from_step"] == 0 and start["world_size"] == 2

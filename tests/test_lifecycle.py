@@ -1,0 +1,358 @@
+"""Every outcome of an attempt × every entry point (launch, resume, sweep trial), held against the one
+table ``llmctl.lifecycle.RULES``: the MLflow status, the ``llmctl.status`` tag, the exit code and the
+ledger rows. Real parts: the CLI in subprocesses, torchrun + the workload, a sqlite MLflow store,
+the sweep supervisor. Nothing here depends on this machine's speed: every stop is triggered by
+what the run has logged, and the budget stops come from a price so high that the guard's own
+reserve (5 s of billing) passes the limit at the first step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from helpers import run_cli
+from llmctl.cost import ledger
+from llmctl.lifecycle import RULES, Outcome, classify
+
+PRICE = 360_000.0  # $/h = $100 per second: the guard's 5 s reserve alone is $500
+STATUS_PREFIX = {
+    Outcome.FINISHED: "finished",
+    Outcome.BUDGET_STOP: "stopped: budget $",
+    Outcome.PREEMPTED: "preempted at step ",
+    Outcome.INTERRUPTED: "interrupted",
+    Outcome.KILLED: "killed: SIGTERM",
+    Outcome.FAILED: "workload exited with code",
+}
+SMALL = ["experiment=smoke", "train.log_every=1", "train.val_every=1000", "checkpoint.every=2", "train.val_batches=1"]
+
+
+# ----------------------------------------------------------------------------- the table itself
+
+
+def test_outcomes_from_what_the_controller_and_the_workload_recorded() -> None:
+    from llmctl.procs import Interrupted
+    from llmctl.errors import LaunchError
+
+    stop = json.dumps({"step": 3, "spent_usd": 1.5, "max_cost_usd": 1.0, "checkpoint": True})
+    pre = json.dumps({"step": 7, "checkpoint": 7, "saved": True, "signal": "SIGTERM"})
+    cases = [
+        ((0, None, {}), Outcome.FINISHED),
+        ((0, None, {"llmctl.budget_stop": stop}), Outcome.BUDGET_STOP),
+        ((0, None, {"llmctl.preempted": pre}), Outcome.FINISHED),  # preempted, then recovered and done
+        ((1, None, {"llmctl.preempted": pre}), Outcome.PREEMPTED),
+        ((1, None, {}), Outcome.FAILED),
+        ((None, LaunchError("no cluster"), {}), Outcome.FAILED),
+        ((None, Interrupted(signal.SIGINT), {"llmctl.preempted": pre}), Outcome.INTERRUPTED),
+        ((None, Interrupted(signal.SIGTERM), {"llmctl.preempted": pre}), Outcome.KILLED),
+    ]
+    for (code, error, tags), want in cases:
+        got, reason = classify(code, error, tags, "r1")
+        assert got is want, (code, error, tags)
+        assert reason.startswith(STATUS_PREFIX[want]) or (error and reason.startswith("failed to start")), reason
+    assert classify(1, None, {"llmctl.preempted": pre}, "r1")[1] == \
+        "preempted at step 7 (checkpoint step-7) — resume with: llmctl resume r1"
+    codes = {o: r.exit_code for o, r in RULES.items()}
+    assert codes == {Outcome.FINISHED: 0, Outcome.BUDGET_STOP: 4, Outcome.PREEMPTED: 75, Outcome.INTERRUPTED: 130,
+                     Outcome.KILLED: 143, Outcome.FAILED: 1}
+    assert len(set(codes.values())) == len(codes), "each outcome has its own exit code"
+
+
+def test_docs_show_the_table() -> None:
+    from helpers import ROOT
+
+    text = (ROOT / "docs" / "concepts.md").read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| `")]
+    for outcome, rule in RULES.items():
+        row = next((r for r in rows if r.startswith(f"| `{outcome.value}`")), None)
+        assert row is not None, f"docs/concepts.md has no row for {outcome.value}"
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert cells[1] == rule.mlflow_status and cells[3] == str(rule.exit_code), row
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _client(uri: str) -> Any:
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=uri)
+
+
+def _assert_outcome(uri: str, run_id: str, outcome: Outcome, exit_code: int, attempt: int) -> dict[str, str]:
+    """The run as the table says, after attempt ``attempt`` ended with ``outcome``; returns its tags."""
+    mc = _client(uri)
+    run = mc.get_run(run_id)
+    rule, tags = RULES[outcome], run.data.tags
+    assert (run.info.status, exit_code) == (rule.mlflow_status, rule.exit_code), (outcome, tags.get("llmctl.status"))
+    assert tags["llmctl.status"].startswith(STATUS_PREFIX[outcome]), tags["llmctl.status"]
+    rows = ledger.attempts(tags)
+    assert [a.n for a in rows] == list(range(1, attempt + 1)) and tags["llmctl.attempt"] == str(attempt)
+    assert all(a.end is not None and a.end >= a.start for a in rows), "every attempt is closed"
+    assert tags[f"llmctl.attempt.{attempt}.status"] == tags["llmctl.status"][:500]
+    billed = sum((a.end - a.start) / 3600 * a.usd_per_hour for a in rows)
+    assert run.data.metrics["cost/actual_usd"] == pytest.approx(billed, rel=1e-6, abs=1e-9)
+    assert run.data.metrics["cost/attempts"] == attempt
+    return tags
+
+
+def _start(args: list[str], cwd: Path, env: dict[str, str]) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "llmctl", *args], cwd=cwd, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def _steps(loss_file: Path) -> list[int]:
+    if not loss_file.exists():
+        return []
+    return [json.loads(line)["step"] for line in loss_file.read_text().splitlines() if "train/loss" in line]
+
+
+def _wait_training(loss_file: Path, proc: subprocess.Popen[str], after: int, timeout: float = 300) -> None:
+    """Until the attempt logged a step past ``after`` (it is training, checkpoints on their way)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "the attempt ended before it was stopped"
+        if len([s for s in _steps(loss_file) if s > after]) >= 2:
+            return
+        time.sleep(0.05)
+    raise AssertionError("no training step logged")
+
+
+def _stop(proc: subprocess.Popen[str], how: str) -> tuple[int, str]:
+    """``interrupt``: Ctrl-C; ``preempt``: one SIGTERM (what llmctl down sends); ``kill``: two at once."""
+    sig = {"interrupt": [signal.SIGINT], "preempt": [signal.SIGTERM], "kill": [signal.SIGTERM, signal.SIGTERM]}[how]
+    for s in sig:
+        os.kill(proc.pid, s)
+    out, err = proc.communicate(timeout=180)
+    return proc.returncode, out + err
+
+
+def _run_id(cwd: Path) -> str:
+    return max((cwd / "llmctl-runs").iterdir(), key=lambda p: p.stat().st_mtime).name
+
+
+def _fast_history(uri: str, overrides: list[str]) -> None:
+    """A FINISHED run that measured this shape at 10M tok/s: the estimate then passes any --max-cost,
+    and the real (slower) run meets its budget in the middle."""
+    from mlflow.entities import Metric, Param
+
+    from llmctl.config import compose
+    from llmctl.cost import history
+    from llmctl.cost.estimate import shape_key
+    from llmctl.planner import make_plan
+
+    plan = make_plan(compose(overrides + [f"tracking.uri={uri}"]))
+    mc = _client(uri)
+    exp = mc.get_experiment_by_name("history") or mc.get_experiment(mc.create_experiment("history"))
+    run = mc.create_run(exp.experiment_id, tags={history.TAG_SHAPE: shape_key(plan.cfg),
+                                                 history.TAG_ACCELERATOR: plan.hardware.accelerator})
+    mc.log_batch(run.info.run_id, metrics=[Metric(history.STEADY, 1e7, 0, 0), Metric(history.OVERHEAD, 0.0, 0, 0)],
+                 params=[Param("infra.nodes", "1"), Param("train.batch_size", "8"), Param("train.val_batches", "1")])
+    mc.set_terminated(run.info.run_id, "FINISHED")
+
+
+# ----------------------------------------------------------------------------- launch
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("outcome", [Outcome.FINISHED, Outcome.FAILED, Outcome.INTERRUPTED, Outcome.KILLED])
+def test_launch_outcomes(outcome: Outcome, cli_env: dict[str, str], tmp_path: Path) -> None:
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    loss_file = tmp_path / "losses.jsonl"
+    env = {**cli_env, "LLMCTL_LOSS_FILE": str(loss_file)}
+    if outcome in (Outcome.FINISHED, Outcome.FAILED):
+        if outcome is Outcome.FAILED:
+            env["LLMCTL_FAIL_AT_STEP"] = "2"
+        out = run_cli(["launch", *SMALL, "train.steps=2"], tmp_path, env)
+        code, text = out.returncode, out.stdout + out.stderr
+    else:
+        proc = _start(["launch", *SMALL, "train.steps=100000"], tmp_path, env)
+        _wait_training(loss_file, proc, after=0)
+        code, text = _stop(proc, "interrupt" if outcome is Outcome.INTERRUPTED else "kill")
+    assert code == RULES[outcome].exit_code, text[-3000:]
+    _assert_outcome(uri, _run_id(tmp_path), outcome, code, attempt=1)
+    assert "Traceback" not in text
+
+
+@pytest.mark.slow
+def test_budget_stop_then_resume_with_a_larger_budget(cli_env: dict[str, str], tmp_path: Path) -> None:
+    """The issue's scenario: a budget that stops mid-run (exit 4, checkpoint written), then
+    ``resume --max-cost <larger>`` finishes, billed as two attempts whose sum is the run's cost."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    args = [*SMALL, "train.steps=20", f"infra.price_per_gpu_hour={PRICE}"]
+    _fast_history(uri, args)
+    out = run_cli(["launch", *args, "--max-cost", "1"], tmp_path, cli_env)
+    assert out.returncode == 4, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "stopped: budget $1.00 reached at step" in out.stderr
+    rid = _run_id(tmp_path)
+    tags = _assert_outcome(uri, rid, Outcome.BUDGET_STOP, out.returncode, attempt=1)
+    step = json.loads(tags["llmctl.budget_stop"])["step"]
+    assert 0 < step < 20 and "checkpoint saved" in tags["llmctl.status"]
+    assert (tmp_path / "llmctl-runs" / rid / "checkpoints" / f"step-{step}" / ".complete").is_file()
+    assert _client(uri).get_run(rid).data.metrics["train/steps_done"] == step  # the stop step was logged
+
+    # the old limit still holds: refused before anything changes
+    again = run_cli(["resume", rid], tmp_path, cli_env)
+    assert again.returncode == 3 and "already spent" in again.stderr and "--max-cost" in again.stderr, again.stderr
+    assert _client(uri).get_run(rid).data.tags["llmctl.attempt"] == "1"
+
+    out = run_cli(["resume", rid, "--max-cost", "1000000000"], tmp_path, cli_env)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert f"resumed from step {step}" in out.stdout
+    tags = _assert_outcome(uri, rid, Outcome.FINISHED, out.returncode, attempt=2)
+    assert tags["llmctl.max_cost_usd"] == "1000000000.00" and "llmctl.budget_stop" not in tags
+    assert tags["llmctl.attempt.1.status"].startswith("stopped: budget")
+    assert float(tags["llmctl.attempt.1.usd_per_hour"]) == float(tags["llmctl.attempt.2.usd_per_hour"]) == PRICE
+    run = _client(uri).get_run(rid)
+    assert run.data.metrics["cost/actual_usd"] > 1.0  # both attempts billed at $100/s
+    assert sorted(m.step for m in _client(uri).get_metric_history(rid, "train/loss")) == list(range(1, 21))
+
+
+# ----------------------------------------------------------------------------- resume
+
+
+@pytest.mark.slow
+def test_resume_outcomes_in_one_run(cli_env: dict[str, str], tmp_path: Path) -> None:
+    """One run, seven attempts: launch preempted, then a resume ending in each outcome in turn."""
+    from workloads.pretrain.checkpoint_layout import latest_complete
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    loss_file = tmp_path / "losses.jsonl"
+    env = {**cli_env, "LLMCTL_LOSS_FILE": str(loss_file)}
+    args = [*SMALL, "train.steps=100000"]
+    _fast_history(uri, args)
+
+    proc = _start(["launch", *args], tmp_path, env)
+    _wait_training(loss_file, proc, after=0)
+    code, text = _stop(proc, "preempt")
+    rid = _run_id(tmp_path)
+    _assert_outcome(uri, rid, Outcome.PREEMPTED, code, attempt=1)
+    ckpts = str(tmp_path / "llmctl-runs" / rid / "checkpoints")
+
+    def last() -> int:
+        step = latest_complete(ckpts)
+        assert step is not None
+        return step
+
+    from_steps = [0]
+
+    def stopped(attempt: int, how: str, outcome: Outcome) -> None:
+        before = max(_steps(loss_file))
+        from_steps.append(last())
+        proc = _start(["resume", rid], tmp_path, env)
+        _wait_training(loss_file, proc, after=before)
+        code, text = _stop(proc, how)
+        assert code == RULES[outcome].exit_code, text[-3000:]
+        _assert_outcome(uri, rid, outcome, code, attempt)
+
+    def ran(attempt: int, outcome: Outcome, args: list[str], extra_env: dict[str, str]) -> dict[str, str]:
+        from_steps.append(last())
+        out = run_cli(["resume", rid, *args], tmp_path, {**env, **extra_env})
+        assert out.returncode == RULES[outcome].exit_code, out.stdout[-3000:] + out.stderr[-3000:]
+        return _assert_outcome(uri, rid, outcome, out.returncode, attempt)
+
+    ran(2, Outcome.FAILED, [], {"LLMCTL_FAIL_AT_STEP": str(last() + 2)})
+    stopped(3, "interrupt", Outcome.INTERRUPTED)
+    stopped(4, "kill", Outcome.KILLED)
+    stopped(5, "preempt", Outcome.PREEMPTED)
+    ran(6, Outcome.BUDGET_STOP, [f"train.steps={last() + 10}", f"infra.price_per_gpu_hour={PRICE}", "--max-cost", "1"], {})
+    tags = ran(7, Outcome.FINISHED, [f"train.steps={last() + 2}", "infra.price_per_gpu_hour=0",
+                                     "--max-cost", "1000000000"], {})
+    assert [int(tags[f"llmctl.attempt.{n}.from_step"]) for n in range(1, 8)] == from_steps
+    statuses = [tags[f"llmctl.attempt.{n}.status"].split(":")[0].split(" at ")[0] for n in range(1, 8)]
+    assert statuses == ["preempted", "workload exited with code 1", "interrupted (Ctrl-C)", "killed", "preempted",
+                        "stopped", "finished"], statuses
+    assert [int(tags[f"llmctl.attempt.{n}.world_size"]) for n in range(1, 8)] == [1] * 7
+
+
+# ----------------------------------------------------------------------------- sweep trials
+
+
+def _sweep(tmp: Path) -> tuple[Any, list[Any]]:
+    mc = _client(f"sqlite:///{tmp / 'mlflow.db'}")
+    runs = mc.search_runs([e.experiment_id for e in mc.search_experiments()])
+    [parent] = [r for r in runs if r.data.tags.get("llmctl.kind") == "sweep"]
+    children = sorted((r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id),
+                      key=lambda r: int(r.data.tags["llmctl.trial"]))
+    return parent, children
+
+
+def _controller_codes(tmp: Path, sweep_id: str) -> dict[int, int]:
+    """Each trial controller's exit code, as the supervisor logged it ("trial 2 FINISHED (controller exit 4)")."""
+    import re
+
+    log = (tmp / "llmctl-runs" / "sweeps" / sweep_id / "supervisor.log").read_text()
+    return {int(i): int(c) for i, c in re.findall(r"trial (\d+) \w+ \(controller exit (-?\d+)\)", log)}
+
+
+@pytest.mark.slow
+def test_sweep_trial_outcomes_finished_failed_budget(cli_env: dict[str, str], tmp_path: Path) -> None:
+    """Four trials: free and fine, free and broken, priced and stopped by its share of --max-cost,
+    priced and broken. Each child run and its controller's exit code follow the table."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    args = [*SMALL, "train.steps=20"]
+    _fast_history(uri, args)
+    out = run_cli(["launch", "-m", "--max-parallel", "2", "--wait", "--max-cost", "1", *args,
+                   f"infra.price_per_gpu_hour=0,{PRICE}", "data.val_fraction=0.05,0.000001"], tmp_path, cli_env)
+    assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]  # a trial failed
+    sid = next(w.rstrip(":") for w in out.stdout.split() if w.startswith("sweep-"))
+    parent, children = _sweep(tmp_path)
+    codes = _controller_codes(tmp_path, sid)
+    want = [Outcome.FINISHED, Outcome.FAILED, Outcome.BUDGET_STOP, Outcome.FAILED]
+    for child, outcome in zip(children, want):
+        _assert_outcome(uri, child.info.run_id, outcome, codes[int(child.data.tags["llmctl.trial"])], attempt=1)
+    budget = json.loads(children[2].data.tags["llmctl.budget_stop"])
+    assert budget["max_cost_usd"] == pytest.approx(0.5)  # its share: half the sweep's $1 (the other priced trial's)
+    assert parent.info.status == "FAILED"
+
+
+@pytest.mark.slow
+def test_sweep_trial_outcomes_interrupted_and_killed(cli_env: dict[str, str], tmp_path: Path) -> None:
+    """Two long trials: Ctrl-C to one trial's controller, two SIGTERMs to the other's."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    out = run_cli(["launch", "-m", "--max-parallel", "2", *SMALL, "train.steps=100000", "train.seed=0,1"],
+                  tmp_path, cli_env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    sid = next(w.rstrip(":") for w in out.stdout.split() if w.startswith("sweep-"))
+    sdir = tmp_path / "llmctl-runs" / "sweeps" / sid
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:  # both trials training
+        st = json.loads((sdir / "state.json").read_text()) if (sdir / "state.json").exists() else {"trials": {}}
+        running = {int(i): t for i, t in st["trials"].items() if t["state"] == "RUNNING"}
+        logs = [tmp_path / "llmctl-runs" / t["run_id"] / "output.log" for t in running.values()]
+        if len(running) == 2 and all(p.exists() and p.read_text().count(" | loss ") >= 2 for p in logs):
+            break
+        time.sleep(0.2)
+    else:
+        pytest.fail("trials did not start training: " + (sdir / "supervisor.log").read_text())
+    os.kill(running[0]["pid"], signal.SIGINT)
+    os.kill(running[1]["pid"], signal.SIGTERM)
+    os.kill(running[1]["pid"], signal.SIGTERM)
+    while time.monotonic() < deadline and not json.loads((sdir / "state.json").read_text()).get("done"):
+        time.sleep(0.5)
+    parent, children = _sweep(tmp_path)
+    codes = _controller_codes(tmp_path, sid)
+    _assert_outcome(uri, children[0].info.run_id, Outcome.INTERRUPTED, codes[0], attempt=1)
+    _assert_outcome(uri, children[1].info.run_id, Outcome.KILLED, codes[1], attempt=1)
+    assert parent.info.status == "FAILED"  # not every trial finished, and the sweep was not cancelled
+
+
+def test_a_run_launched_before_capabilities_came_from_skypilot_still_resumes() -> None:
+    """Its stored config.yaml carries infra keys the schema retired; resume drops exactly those."""
+    from llmctl.config import compose
+    from llmctl.resume import compose_resume
+
+    stored = compose(["experiment=smoke", "infra=runpod", "tracking.uri=http://mlflow.example:5000"]).cfg
+    stored["infra"].update({"max_nodes": 1, "supports_spot": True, "supports_autostop": True})
+    choices = {"model": "tiny", "data": "pydoc", "train": "default", "parallel": "auto", "infra": "runpod"}
+    again = compose_resume(stored, choices, ["train.steps=80"]).cfg
+    assert again["train"]["steps"] == 80 and again["infra"]["provider"] == "runpod"
+    assert "max_nodes" not in again["infra"] and again["infra"]["accelerator_aliases"]["H100"] == "H100-SXM"
