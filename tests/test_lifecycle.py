@@ -126,13 +126,14 @@ def _wait_training(loss_file: Path, proc: subprocess.Popen[str], after: int, tim
     raise AssertionError("no training step logged")
 
 
-def _stop(proc: subprocess.Popen[str], how: str) -> tuple[int, str]:
-    """``interrupt``: Ctrl-C; ``preempt``: one SIGTERM (what llmctl down sends); ``kill``: two at once."""
+def _stop(proc: subprocess.Popen[str], how: str) -> tuple[int, str, str]:
+    """``interrupt``: Ctrl-C; ``preempt``: one SIGTERM (what llmctl down sends); ``kill``: two at once.
+    Returns the exit code, what the job printed (stdout) and what llmctl itself said (stderr)."""
     sig = {"interrupt": [signal.SIGINT], "preempt": [signal.SIGTERM], "kill": [signal.SIGTERM, signal.SIGTERM]}[how]
     for s in sig:
         os.kill(proc.pid, s)
     out, err = proc.communicate(timeout=180)
-    return proc.returncode, out + err
+    return proc.returncode, out, err
 
 
 def _run_id(cwd: Path) -> str:
@@ -172,14 +173,17 @@ def test_launch_outcomes(outcome: Outcome, cli_env: dict[str, str], tmp_path: Pa
         if outcome is Outcome.FAILED:
             env["LLMCTL_FAIL_AT_STEP"] = "2"
         out = run_cli(["launch", *SMALL, "train.steps=2"], tmp_path, env)
-        code, text = out.returncode, out.stdout + out.stderr
+        code, job, said = out.returncode, out.stdout, out.stderr
     else:
         proc = _start(["launch", *SMALL, "train.steps=100000"], tmp_path, env)
         _wait_training(loss_file, proc, after=0)
-        code, text = _stop(proc, "interrupt" if outcome is Outcome.INTERRUPTED else "kill")
-    assert code == RULES[outcome].exit_code, text[-3000:]
-    _assert_outcome(uri, _run_id(tmp_path), outcome, code, attempt=1)
-    assert "Traceback" not in text
+        code, job, said = _stop(proc, "interrupt" if outcome is Outcome.INTERRUPTED else "kill")
+    assert code == RULES[outcome].exit_code, job[-3000:] + said[-3000:]
+    rid = _run_id(tmp_path)
+    _assert_outcome(uri, rid, outcome, code, attempt=1)
+    assert "Traceback" not in said  # llmctl's own words: one line, whatever the job printed
+    if outcome is not Outcome.FINISHED:
+        assert said.strip().splitlines()[-1].startswith(f"error: run {rid} "), said
 
 
 @pytest.mark.slow
@@ -232,7 +236,7 @@ def test_resume_outcomes_in_one_run(cli_env: dict[str, str], tmp_path: Path) -> 
 
     proc = _start(["launch", *args], tmp_path, env)
     _wait_training(loss_file, proc, after=0)
-    code, text = _stop(proc, "preempt")
+    code, _, _ = _stop(proc, "preempt")
     rid = _run_id(tmp_path)
     _assert_outcome(uri, rid, Outcome.PREEMPTED, code, attempt=1)
     ckpts = str(tmp_path / "llmctl-runs" / rid / "checkpoints")
@@ -249,8 +253,8 @@ def test_resume_outcomes_in_one_run(cli_env: dict[str, str], tmp_path: Path) -> 
         from_steps.append(last())
         proc = _start(["resume", rid], tmp_path, env)
         _wait_training(loss_file, proc, after=before)
-        code, text = _stop(proc, how)
-        assert code == RULES[outcome].exit_code, text[-3000:]
+        code, job, said = _stop(proc, how)
+        assert code == RULES[outcome].exit_code, job[-3000:] + said[-3000:]
         _assert_outcome(uri, rid, outcome, code, attempt)
 
     def ran(attempt: int, outcome: Outcome, args: list[str], extra_env: dict[str, str]) -> dict[str, str]:

@@ -1,4 +1,5 @@
-"""The embedded default: torchrun on this machine (all local GPUs, or CPU processes with gloo).
+"""The embedded default: torchrun on this machine (all local GPUs, or CPU processes with gloo; a
+single process runs without torchrun's agent).
 
 Output is streamed to the terminal (under a live progress bar when it is one: ``progress.py``) and
 kept in ``llmctl-runs/<run-id>/output.log``; the exit code of torchrun is the exit code of the run.
@@ -44,9 +45,14 @@ def _process_count(cfg: dict[str, Any], gpus: int) -> int:
     return par["dp_replicate"] * shard * par["tp"]
 
 
-def torchrun_command(nproc: int, config_path: str) -> list[str]:
+def job_command(nproc: int, config_path: str) -> list[str]:
+    """torchrun for several processes; one process runs the workload itself (torchrun's agent
+    would only add a second interpreter and a torch import, ~3 s, to every single-process run)."""
+    workload = ["-m", "workloads.pretrain", "--config", config_path]
+    if nproc == 1:
+        return [sys.executable, "-u", *workload]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
-            f"--nproc_per_node={nproc}", "-m", "workloads.pretrain", "--config", config_path]
+            f"--nproc_per_node={nproc}", *workload]
 
 
 def _worker_env(plan: Plan, handle: RunHandle, rdir: Path) -> dict[str, str]:
@@ -126,7 +132,7 @@ class LocalBackend:
             notes.append(f"{nproc} processes share {gpus} GPU(s)")
         return Plan(cfg=resolved, choices=composed.choices, backend=self.name, where="local (this machine)",
                     nodes=1, nproc_per_node=nproc, layout=layout, device=device,
-                    command=torchrun_command(nproc, CONFIG_PLACEHOLDER), tracking_uri="", hardware=hardware,
+                    command=job_command(nproc, CONFIG_PLACEHOLDER), tracking_uri="", hardware=hardware,
                     notes=notes)
 
     def preflight(self, plan: Plan) -> None:
@@ -141,12 +147,12 @@ class LocalBackend:
         return cfg
 
     def launch(self, plan: Plan, handle: RunHandle, echo: Optional[TextIO] = None) -> int:
-        """Run torchrun, tee its output, return its exit code (``Interrupted`` after stopping it)."""
+        """Run the job, tee its output, return its exit code (``Interrupted`` after stopping it)."""
         rdir = run_dir(handle.run_id)
         rdir.mkdir(parents=True, exist_ok=True)
         config_path = rdir / "config.yaml"
         config_path.write_text(to_yaml(plan.cfg))
-        cmd = torchrun_command(plan.nproc_per_node, str(config_path))
+        cmd = job_command(plan.nproc_per_node, str(config_path))
         out = echo or sys.stdout
         bar = progress.StepProgress(out) if progress.wanted(out) else None
         with open(rdir / "output.log", "a") as log, (bar or contextlib.nullcontext()):  # a resume appends
