@@ -31,7 +31,7 @@ from llmctl.config import to_yaml
 from llmctl.cost import hooks, ledger
 from llmctl.errors import LaunchError
 from llmctl.plan import Plan
-from llmctl.procs import Interrupted, raise_interrupted
+from llmctl.procs import Interrupted, clear_stop_requests, raise_interrupted, stop_requested
 from llmctl.tracking import RunHandle
 from llmctl.workdir import run_dir
 from workloads.pretrain.contract import (
@@ -66,8 +66,8 @@ RULES: dict[Outcome, Rule] = {
     Outcome.PREEMPTED: Rule("KILLED", 75, "the workload was told to stop (SIGTERM/SIGUSR1: a spot reclaim, scancel,"
                             " llmctl down) and saved its state (tag llmctl.preempted); `llmctl resume RUN`"),
     Outcome.INTERRUPTED: Rule("KILLED", 130, "Ctrl-C (SIGINT) to llmctl: the workers were stopped"),
-    Outcome.KILLED: Rule("KILLED", 143, "SIGTERM to llmctl that the workers did not turn into a checkpoint"
-                         " (before they started, or a second SIGTERM)"),
+    Outcome.KILLED: Rule("KILLED", 143, "SIGTERM to llmctl that did not end in the workers' checkpoint"
+                         " (before they started, a second SIGTERM, or workers that did not stop in time)"),
     Outcome.FAILED: Rule("FAILED", 1, "the workload exited non-zero without a preemption tag, or could not start"),
 }
 
@@ -183,6 +183,7 @@ def _tag(key: str, value: str) -> Any:
 def _run(plan: Plan, backend: Backend, handle: RunHandle, attempt: Attempt, *, new_run: bool, say: Say,
          banner: str, workload_out: Optional[TextIO] = None) -> int:
     mc = tracking.client(handle.uri)
+    clear_stop_requests()
     previous = {sig: signal.signal(sig, raise_interrupted) for sig in (signal.SIGINT, signal.SIGTERM)}
     started = time.monotonic()
     code: Optional[int] = None
@@ -206,7 +207,8 @@ def _run(plan: Plan, backend: Backend, handle: RunHandle, attempt: Attempt, *, n
         for sig in previous:
             signal.signal(sig, _note_late_stop)
     try:
-        outcome, reason = classify(code, error, mc.get_run(handle.run_id).data.tags, handle.run_id)
+        outcome, reason = classify(code, error, mc.get_run(handle.run_id).data.tags, handle.run_id,
+                                   stop_requested())
         cost_line = hooks.close(mc, handle.run_id, plan.cfg, plan.estimate, reason)
         tracking.end_run(handle, RULES[outcome].mlflow_status, reason)
     finally:
@@ -220,15 +222,14 @@ def _note_late_stop(signum: int, frame: Any) -> None:
     """SIGINT/SIGTERM while the attempt is being closed: the job has already ended; finish closing."""
 
 
-def classify(code: Optional[int], error: Optional[BaseException], tags: dict[str, str],
-             run_id: str) -> tuple[Outcome, str]:
+def classify(code: Optional[int], error: Optional[BaseException], tags: dict[str, str], run_id: str,
+             stop: Optional[int] = None) -> tuple[Outcome, str]:
     """The outcome of an attempt and its ``llmctl.status``, from what the controller saw (exit code,
-    a stop request, an error starting) and what the workload recorded (its tags)."""
+    an error starting, ``stop``: a stop request it received) and what the workload recorded (its tags)."""
+    killed = (Outcome.KILLED, f"killed: SIGTERM to llmctl stopped the job without its checkpoint"
+                              f" — resume from the last one with: llmctl resume {run_id}")
     if isinstance(error, Interrupted):
-        if error.signum == signal.SIGTERM:
-            return Outcome.KILLED, (f"killed: SIGTERM to llmctl stopped the job without waiting for a checkpoint"
-                                    f" — resume from the last one with: llmctl resume {run_id}")
-        return Outcome.INTERRUPTED, "interrupted (Ctrl-C)"
+        return killed if error.signum == signal.SIGTERM else (Outcome.INTERRUPTED, "interrupted (Ctrl-C)")
     if error is not None:
         return Outcome.FAILED, f"failed to start: {error}"
     if code == 0:
@@ -237,6 +238,8 @@ def classify(code: Optional[int], error: Optional[BaseException], tags: dict[str
     preempted = tags.get(TAG_PREEMPTED)
     if preempted:
         return Outcome.PREEMPTED, _preempted_reason(preempted, run_id)
+    if stop == signal.SIGTERM:  # passed on to the workers, which ended without saving (hung past the grace)
+        return killed
     return Outcome.FAILED, f"workload exited with code {code}"
 
 

@@ -22,8 +22,27 @@ class Interrupted(KeyboardInterrupt):
         self.signum = signum
 
 
+_STOP_REQUESTS: list[int] = []  # signals this process was asked to stop by, during the current attempt
+
+
+def note_stop_request(signum: int) -> None:
+    """Remember that someone asked this process to stop (a handler that passes the request on,
+    e.g. to workers that checkpoint first, still leaves a record of it)."""
+    _STOP_REQUESTS.append(signum)
+
+
+def stop_requested() -> Optional[int]:
+    """The first stop signal since ``clear_stop_requests``, or None."""
+    return _STOP_REQUESTS[0] if _STOP_REQUESTS else None
+
+
+def clear_stop_requests() -> None:
+    _STOP_REQUESTS.clear()
+
+
 def raise_interrupted(signum: int, frame: Any) -> None:
-    """A signal handler: turn SIGINT/SIGTERM into ``Interrupted``."""
+    """A signal handler: turn SIGINT/SIGTERM into ``Interrupted`` (and note the request)."""
+    note_stop_request(signum)
     raise Interrupted(signum)
 
 

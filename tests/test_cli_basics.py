@@ -53,7 +53,7 @@ def test_plan_has_no_side_effects(cli_env: dict[str, str], tmp_path: Path) -> No
     out = run_cli(["plan", "model=tiny", "train.steps=7"], tmp_path, cli_env)
     assert out.returncode == 0, out.stderr
     assert "steps: 7" in out.stdout and "local (this machine)" in out.stdout
-    assert "-m workloads.pretrain --config <run-dir>/config.yaml" in out.stdout  # one process: no torchrun agent
+    assert "-m workloads.pretrain --config '<run-dir>/config.yaml'" in out.stdout  # one process: no torchrun agent
     two = run_cli(["plan", "model=tiny", "parallel=fsdp2"], tmp_path, cli_env)
     assert "torch.distributed.run --standalone --nnodes=1 --nproc_per_node=2 -m workloads.pretrain" in two.stdout
     assert sorted(p.name for p in tmp_path.iterdir()) == ["home"]

@@ -126,12 +126,53 @@ def _wait_training(loss_file: Path, proc: subprocess.Popen[str], after: int, tim
     raise AssertionError("no training step logged")
 
 
-def _stop(proc: subprocess.Popen[str], how: str) -> tuple[int, str, str]:
-    """``interrupt``: Ctrl-C; ``preempt``: one SIGTERM (what llmctl down sends); ``kill``: two at once.
-    Returns the exit code, what the job printed (stdout) and what llmctl itself said (stderr)."""
-    sig = {"interrupt": [signal.SIGINT], "preempt": [signal.SIGTERM], "kill": [signal.SIGTERM, signal.SIGTERM]}[how]
-    for s in sig:
-        os.kill(proc.pid, s)
+def _pending(pid: int) -> int:
+    """The signals waiting for ``pid`` (thread- and process-directed), as a bit mask."""
+    mask = 0
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(("SigPnd:", "ShdPnd:")):
+            mask |= int(line.split()[1], 16)
+    return mask
+
+
+def _wait_pending(pid: int, sig: int, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not _pending(pid) & (1 << (sig - 1)):
+        assert time.monotonic() < deadline, f"{signal.Signals(sig).name} never reached pid {pid}"
+        time.sleep(0.02)
+
+
+def kill_controller(controller: int, workers: int) -> None:
+    """Two SIGTERMs to a controller whose workers are frozen: the first is passed on as a preemption
+    they cannot act on yet (seen pending in /proc), the second makes the controller stop them without
+    waiting (SIGINT, seen pending too); then they run again and exit without a checkpoint. Each step
+    waits for the effect of the last, so the order holds at any speed."""
+    from llmctl.procs import signal_tree
+
+    signal_tree(workers, signal.SIGSTOP)
+    os.kill(controller, signal.SIGTERM)
+    _wait_pending(workers, signal.SIGTERM)
+    os.kill(controller, signal.SIGTERM)
+    _wait_pending(workers, signal.SIGINT)
+    signal_tree(workers, signal.SIGCONT)
+
+
+def _workers(run_dir: Path) -> int:
+    deadline = time.monotonic() + 60
+    while not (run_dir / "pids.json").exists():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    return int(json.loads((run_dir / "pids.json").read_text())["workers"])
+
+
+def _stop(proc: subprocess.Popen[str], how: str, cwd: Path) -> tuple[int, str, str]:
+    """``interrupt``: Ctrl-C; ``preempt``: one SIGTERM (what llmctl down sends); ``kill``: see
+    ``kill_controller``. Returns the exit code, what the job printed (stdout) and what llmctl itself
+    said (stderr)."""
+    if how == "kill":
+        kill_controller(proc.pid, _workers(cwd / "llmctl-runs" / _run_id(cwd)))
+    else:
+        os.kill(proc.pid, signal.SIGINT if how == "interrupt" else signal.SIGTERM)
     out, err = proc.communicate(timeout=180)
     return proc.returncode, out, err
 
@@ -177,7 +218,7 @@ def test_launch_outcomes(outcome: Outcome, cli_env: dict[str, str], tmp_path: Pa
     else:
         proc = _start(["launch", *SMALL, "train.steps=100000"], tmp_path, env)
         _wait_training(loss_file, proc, after=0)
-        code, job, said = _stop(proc, "interrupt" if outcome is Outcome.INTERRUPTED else "kill")
+        code, job, said = _stop(proc, "interrupt" if outcome is Outcome.INTERRUPTED else "kill", tmp_path)
     assert code == RULES[outcome].exit_code, job[-3000:] + said[-3000:]
     rid = _run_id(tmp_path)
     _assert_outcome(uri, rid, outcome, code, attempt=1)
@@ -236,7 +277,7 @@ def test_resume_outcomes_in_one_run(cli_env: dict[str, str], tmp_path: Path) -> 
 
     proc = _start(["launch", *args], tmp_path, env)
     _wait_training(loss_file, proc, after=0)
-    code, _, _ = _stop(proc, "preempt")
+    code, _, _ = _stop(proc, "preempt", tmp_path)
     rid = _run_id(tmp_path)
     _assert_outcome(uri, rid, Outcome.PREEMPTED, code, attempt=1)
     ckpts = str(tmp_path / "llmctl-runs" / rid / "checkpoints")
@@ -253,7 +294,7 @@ def test_resume_outcomes_in_one_run(cli_env: dict[str, str], tmp_path: Path) -> 
         from_steps.append(last())
         proc = _start(["resume", rid], tmp_path, env)
         _wait_training(loss_file, proc, after=before)
-        code, job, said = _stop(proc, how)
+        code, job, said = _stop(proc, how, tmp_path)
         assert code == RULES[outcome].exit_code, job[-3000:] + said[-3000:]
         _assert_outcome(uri, rid, outcome, code, attempt)
 
@@ -320,7 +361,7 @@ def test_sweep_trial_outcomes_finished_failed_budget(cli_env: dict[str, str], tm
 
 @pytest.mark.slow
 def test_sweep_trial_outcomes_interrupted_and_killed(cli_env: dict[str, str], tmp_path: Path) -> None:
-    """Two long trials: Ctrl-C to one trial's controller, two SIGTERMs to the other's."""
+    """Two long trials: Ctrl-C to one trial's controller, ``kill_controller`` on the other's."""
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     out = run_cli(["launch", "-m", "--max-parallel", "2", *SMALL, "train.steps=100000", "train.seed=0,1"],
                   tmp_path, cli_env)
@@ -338,8 +379,7 @@ def test_sweep_trial_outcomes_interrupted_and_killed(cli_env: dict[str, str], tm
     else:
         pytest.fail("trials did not start training: " + (sdir / "supervisor.log").read_text())
     os.kill(running[0]["pid"], signal.SIGINT)
-    os.kill(running[1]["pid"], signal.SIGTERM)
-    os.kill(running[1]["pid"], signal.SIGTERM)
+    kill_controller(running[1]["pid"], _workers(tmp_path / "llmctl-runs" / running[1]["run_id"]))
     while time.monotonic() < deadline and not json.loads((sdir / "state.json").read_text()).get("done"):
         time.sleep(0.5)
     parent, children = _sweep(tmp_path)

@@ -25,7 +25,7 @@ from llmctl.config import Composed, to_yaml
 from llmctl.errors import LaunchError
 from llmctl.hardware import local_gpu_count, this_machine
 from llmctl.plan import Plan
-from llmctl.procs import Interrupted, pid_alive, signal_tree
+from llmctl.procs import Interrupted, note_stop_request, pid_alive, signal_tree
 from llmctl.tracking import RunHandle
 from llmctl.validate import resolve_layout
 from llmctl.workdir import run_dir
@@ -89,6 +89,7 @@ def _forward_sigterm(proc: subprocess.Popen[Any], grace_s: float) -> Any:
     state: dict[str, Any] = {}
 
     def handler(signum: int, frame: Any) -> None:
+        note_stop_request(signum)
         if state:
             raise Interrupted(signal.SIGTERM)
         try:

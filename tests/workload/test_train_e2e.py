@@ -107,10 +107,13 @@ def test_trains_under_plain_torchrun_where_llmctl_cannot_be_imported(workload_en
     run = mc.create_run(mc.create_experiment("plain"))
     env = {**workload_env, "PYTHONPATH": os.pathsep.join([str(poisoned.parent), str(ROOT)]),
            "MLFLOW_TRACKING_URI": uri, "MLFLOW_RUN_ID": run.info.run_id}
-    check = subprocess.run([sys.executable, "-c", "import llmctl"], env=env, capture_output=True, text=True)
+    # from a directory without llmctl in it (python puts the working directory first on the path)
+    check = subprocess.run([sys.executable, "-c", "import llmctl"], env=env, cwd=tmp_path, capture_output=True,
+                           text=True)
     assert check.returncode == 1 and "the workload imported llmctl" in check.stderr  # the poison works
 
-    proc = workload.run(["--config", str(config)], env, launcher=workload.torchrun(2))
+    proc = subprocess.run([*workload.torchrun(2), "-m", "workloads.pretrain", "--config", str(config)], cwd=tmp_path,
+                          env=env, text=True, capture_output=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "world 2 on cpu" in proc.stdout and "dp_shard 2" in proc.stdout
     assert sorted(workload.losses(proc.stdout)["train"]) == [2, 4]
