@@ -1,11 +1,18 @@
-"""Helpers the tests import: the real CLI in a subprocess, and reading a real MLflow store."""
+"""Helpers the tests import: the real CLI in a subprocess, reading a real MLflow store, and checking a
+run against the outcome table."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+import pytest
+
+from llmctl.cost import ledger
+from llmctl.lifecycle import RULES, Outcome
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -23,3 +30,44 @@ def mlflow_runs(tracking_uri: str) -> list[Any]:
     client = MlflowClient(tracking_uri=tracking_uri)
     exps = client.search_experiments()
     return client.search_runs([e.experiment_id for e in exps]) if exps else []
+
+
+# ----------------------------------------------------------------------------- the outcome table (llmctl/lifecycle.py)
+
+STATUS_PREFIX = {
+    Outcome.FINISHED: "finished",
+    Outcome.BUDGET_STOP: "stopped: budget $",
+    Outcome.PREEMPTED: "preempted at step ",
+    Outcome.INTERRUPTED: "interrupted",
+    Outcome.KILLED: "killed: SIGTERM",
+    Outcome.FAILED: "workload exited with code",
+}
+
+
+def mlflow_client(uri: str) -> Any:
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=uri)
+
+
+def assert_outcome(uri: str, run_id: str, outcome: Outcome, exit_code: int, attempt: int) -> dict[str, str]:
+    """The run as the table says, after attempt ``attempt`` ended with ``outcome``; returns its tags."""
+    mc = mlflow_client(uri)
+    run = mc.get_run(run_id)
+    rule, tags = RULES[outcome], run.data.tags
+    assert (run.info.status, exit_code) == (rule.mlflow_status, rule.exit_code), (outcome, tags.get("llmctl.status"))
+    assert tags["llmctl.status"].startswith(STATUS_PREFIX[outcome]), tags["llmctl.status"]
+    rows = ledger.attempts(tags)
+    assert [a.n for a in rows] == list(range(1, attempt + 1)) and tags["llmctl.attempt"] == str(attempt)
+    assert all(a.end is not None and a.end >= a.start for a in rows), "every attempt is closed"
+    assert tags[f"llmctl.attempt.{attempt}.status"] == tags["llmctl.status"][:500]
+    billed = sum((a.end - a.start) / 3600 * a.usd_per_hour for a in rows)
+    assert run.data.metrics["cost/actual_usd"] == pytest.approx(billed, rel=1e-6, abs=1e-9)
+    assert run.data.metrics["cost/attempts"] == attempt
+    return tags
+
+
+def controller_codes(tmp: Path, sweep_id: str) -> dict[int, int]:
+    """Each trial controller's exit code, as the supervisor logged it ("trial 2 FINISHED (controller exit 4)")."""
+    log = (tmp / "llmctl-runs" / "sweeps" / sweep_id / "supervisor.log").read_text()
+    return {int(i): int(c) for i, c in re.findall(r"trial (\d+) \w+ \(controller exit (-?\d+)\)", log)}

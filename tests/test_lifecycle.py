@@ -19,19 +19,10 @@ from typing import Any
 
 import pytest
 
-from helpers import run_cli
-from llmctl.cost import ledger
+from helpers import STATUS_PREFIX, assert_outcome, controller_codes, mlflow_client, run_cli
 from llmctl.lifecycle import RULES, Outcome, classify
 
 PRICE = 360_000.0  # $/h = $100 per second: the guard's 5 s reserve alone is $500
-STATUS_PREFIX = {
-    Outcome.FINISHED: "finished",
-    Outcome.BUDGET_STOP: "stopped: budget $",
-    Outcome.PREEMPTED: "preempted at step ",
-    Outcome.INTERRUPTED: "interrupted",
-    Outcome.KILLED: "killed: SIGTERM",
-    Outcome.FAILED: "workload exited with code",
-}
 SMALL = ["experiment=smoke", "train.log_every=1", "train.val_every=1000", "checkpoint.every=2", "train.val_batches=1"]
 
 
@@ -44,22 +35,25 @@ def test_outcomes_from_what_the_controller_and_the_workload_recorded() -> None:
 
     stop = json.dumps({"step": 3, "spent_usd": 1.5, "max_cost_usd": 1.0, "checkpoint": True})
     pre = json.dumps({"step": 7, "checkpoint": 7, "saved": True, "signal": "SIGTERM"})
-    cases = [
-        ((0, None, {}), Outcome.FINISHED),
-        ((0, None, {"llmctl.budget_stop": stop}), Outcome.BUDGET_STOP),
-        ((0, None, {"llmctl.preempted": pre}), Outcome.FINISHED),  # preempted, then recovered and done
-        ((1, None, {"llmctl.preempted": pre}), Outcome.PREEMPTED),
-        ((1, None, {}), Outcome.FAILED),
-        ((None, LaunchError("no cluster"), {}), Outcome.FAILED),
-        ((None, Interrupted(signal.SIGINT), {"llmctl.preempted": pre}), Outcome.INTERRUPTED),
-        ((None, Interrupted(signal.SIGTERM), {"llmctl.preempted": pre}), Outcome.KILLED),
+    cases = [  # (exit code, error, stop request, tags) -> outcome, llmctl.status
+        ((0, None, None, {}), Outcome.FINISHED, "finished"),
+        ((0, None, None, {"llmctl.budget_stop": stop}), Outcome.BUDGET_STOP,
+         "stopped: budget $1.00 reached at step 3 (spent $1.50; checkpoint saved)"),
+        ((0, None, None, {"llmctl.preempted": pre}), Outcome.FINISHED, "finished"),  # recovered, then done
+        ((1, None, signal.SIGTERM, {"llmctl.preempted": pre}), Outcome.PREEMPTED,
+         "preempted at step 7 (checkpoint step-7) — resume with: llmctl resume r1"),
+        ((1, None, None, {}), Outcome.FAILED, "workload exited with code 1"),
+        ((1, None, signal.SIGTERM, {}), Outcome.KILLED, STATUS_PREFIX[Outcome.KILLED]),  # workers hung past the grace
+        ((None, LaunchError("no cluster"), None, {}), Outcome.FAILED, "failed to start: no cluster"),
+        ((None, Interrupted(signal.SIGINT), signal.SIGINT, {"llmctl.preempted": pre}), Outcome.INTERRUPTED,
+         "interrupted (Ctrl-C)"),
+        ((None, Interrupted(signal.SIGTERM), signal.SIGTERM, {"llmctl.preempted": pre}), Outcome.KILLED,
+         STATUS_PREFIX[Outcome.KILLED]),
     ]
-    for (code, error, tags), want in cases:
-        got, reason = classify(code, error, tags, "r1")
+    for (code, error, stop_request, tags), want, status in cases:
+        got, reason = classify(code, error, tags, "r1", stop_request)
         assert got is want, (code, error, tags)
-        assert reason.startswith(STATUS_PREFIX[want]) or (error and reason.startswith("failed to start")), reason
-    assert classify(1, None, {"llmctl.preempted": pre}, "r1")[1] == \
-        "preempted at step 7 (checkpoint step-7) — resume with: llmctl resume r1"
+        assert reason.startswith(status) and reason.startswith(STATUS_PREFIX[want]), reason
     codes = {o: r.exit_code for o, r in RULES.items()}
     assert codes == {Outcome.FINISHED: 0, Outcome.BUDGET_STOP: 4, Outcome.PREEMPTED: 75, Outcome.INTERRUPTED: 130,
                      Outcome.KILLED: 143, Outcome.FAILED: 1}
@@ -79,29 +73,6 @@ def test_docs_show_the_table() -> None:
 
 
 # ----------------------------------------------------------------------------- helpers
-
-
-def _client(uri: str) -> Any:
-    from mlflow.tracking import MlflowClient
-
-    return MlflowClient(tracking_uri=uri)
-
-
-def _assert_outcome(uri: str, run_id: str, outcome: Outcome, exit_code: int, attempt: int) -> dict[str, str]:
-    """The run as the table says, after attempt ``attempt`` ended with ``outcome``; returns its tags."""
-    mc = _client(uri)
-    run = mc.get_run(run_id)
-    rule, tags = RULES[outcome], run.data.tags
-    assert (run.info.status, exit_code) == (rule.mlflow_status, rule.exit_code), (outcome, tags.get("llmctl.status"))
-    assert tags["llmctl.status"].startswith(STATUS_PREFIX[outcome]), tags["llmctl.status"]
-    rows = ledger.attempts(tags)
-    assert [a.n for a in rows] == list(range(1, attempt + 1)) and tags["llmctl.attempt"] == str(attempt)
-    assert all(a.end is not None and a.end >= a.start for a in rows), "every attempt is closed"
-    assert tags[f"llmctl.attempt.{attempt}.status"] == tags["llmctl.status"][:500]
-    billed = sum((a.end - a.start) / 3600 * a.usd_per_hour for a in rows)
-    assert run.data.metrics["cost/actual_usd"] == pytest.approx(billed, rel=1e-6, abs=1e-9)
-    assert run.data.metrics["cost/attempts"] == attempt
-    return tags
 
 
 def _start(args: list[str], cwd: Path, env: dict[str, str]) -> subprocess.Popen[str]:
@@ -192,7 +163,7 @@ def _fast_history(uri: str, overrides: list[str]) -> None:
     from llmctl.planner import make_plan
 
     plan = make_plan(compose(overrides + [f"tracking.uri={uri}"]))
-    mc = _client(uri)
+    mc = mlflow_client(uri)
     exp = mc.get_experiment_by_name("history") or mc.get_experiment(mc.create_experiment("history"))
     run = mc.create_run(exp.experiment_id, tags={history.TAG_SHAPE: shape_key(plan.cfg),
                                                  history.TAG_ACCELERATOR: plan.hardware.accelerator})
@@ -221,7 +192,7 @@ def test_launch_outcomes(outcome: Outcome, cli_env: dict[str, str], tmp_path: Pa
         code, job, said = _stop(proc, "interrupt" if outcome is Outcome.INTERRUPTED else "kill", tmp_path)
     assert code == RULES[outcome].exit_code, job[-3000:] + said[-3000:]
     rid = _run_id(tmp_path)
-    _assert_outcome(uri, rid, outcome, code, attempt=1)
+    assert_outcome(uri, rid, outcome, code, attempt=1)
     assert "Traceback" not in said  # llmctl's own words: one line, whatever the job printed
     if outcome is not Outcome.FINISHED:
         assert said.strip().splitlines()[-1].startswith(f"error: run {rid} "), said
@@ -238,27 +209,27 @@ def test_budget_stop_then_resume_with_a_larger_budget(cli_env: dict[str, str], t
     assert out.returncode == 4, out.stdout[-3000:] + out.stderr[-3000:]
     assert "stopped: budget $1.00 reached at step" in out.stderr
     rid = _run_id(tmp_path)
-    tags = _assert_outcome(uri, rid, Outcome.BUDGET_STOP, out.returncode, attempt=1)
+    tags = assert_outcome(uri, rid, Outcome.BUDGET_STOP, out.returncode, attempt=1)
     step = json.loads(tags["llmctl.budget_stop"])["step"]
     assert 0 < step < 20 and "checkpoint saved" in tags["llmctl.status"]
     assert (tmp_path / "llmctl-runs" / rid / "checkpoints" / f"step-{step}" / ".complete").is_file()
-    assert _client(uri).get_run(rid).data.metrics["train/steps_done"] == step  # the stop step was logged
+    assert mlflow_client(uri).get_run(rid).data.metrics["train/steps_done"] == step  # the stop step was logged
 
     # the old limit still holds: refused before anything changes
     again = run_cli(["resume", rid], tmp_path, cli_env)
     assert again.returncode == 3 and "already spent" in again.stderr and "--max-cost" in again.stderr, again.stderr
-    assert _client(uri).get_run(rid).data.tags["llmctl.attempt"] == "1"
+    assert mlflow_client(uri).get_run(rid).data.tags["llmctl.attempt"] == "1"
 
     out = run_cli(["resume", rid, "--max-cost", "1000000000"], tmp_path, cli_env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert f"resumed from step {step}" in out.stdout
-    tags = _assert_outcome(uri, rid, Outcome.FINISHED, out.returncode, attempt=2)
+    tags = assert_outcome(uri, rid, Outcome.FINISHED, out.returncode, attempt=2)
     assert tags["llmctl.max_cost_usd"] == "1000000000.00" and "llmctl.budget_stop" not in tags
     assert tags["llmctl.attempt.1.status"].startswith("stopped: budget")
     assert float(tags["llmctl.attempt.1.usd_per_hour"]) == float(tags["llmctl.attempt.2.usd_per_hour"]) == PRICE
-    run = _client(uri).get_run(rid)
+    run = mlflow_client(uri).get_run(rid)
     assert run.data.metrics["cost/actual_usd"] > 1.0  # both attempts billed at $100/s
-    assert sorted(m.step for m in _client(uri).get_metric_history(rid, "train/loss")) == list(range(1, 21))
+    assert sorted(m.step for m in mlflow_client(uri).get_metric_history(rid, "train/loss")) == list(range(1, 21))
 
 
 # ----------------------------------------------------------------------------- resume
@@ -279,7 +250,7 @@ def test_resume_outcomes_in_one_run(cli_env: dict[str, str], tmp_path: Path) -> 
     _wait_training(loss_file, proc, after=0)
     code, _, _ = _stop(proc, "preempt", tmp_path)
     rid = _run_id(tmp_path)
-    _assert_outcome(uri, rid, Outcome.PREEMPTED, code, attempt=1)
+    assert_outcome(uri, rid, Outcome.PREEMPTED, code, attempt=1)
     ckpts = str(tmp_path / "llmctl-runs" / rid / "checkpoints")
 
     def last() -> int:
@@ -296,13 +267,13 @@ def test_resume_outcomes_in_one_run(cli_env: dict[str, str], tmp_path: Path) -> 
         _wait_training(loss_file, proc, after=before)
         code, job, said = _stop(proc, how, tmp_path)
         assert code == RULES[outcome].exit_code, job[-3000:] + said[-3000:]
-        _assert_outcome(uri, rid, outcome, code, attempt)
+        assert_outcome(uri, rid, outcome, code, attempt)
 
     def ran(attempt: int, outcome: Outcome, args: list[str], extra_env: dict[str, str]) -> dict[str, str]:
         from_steps.append(last())
         out = run_cli(["resume", rid, *args], tmp_path, {**env, **extra_env})
         assert out.returncode == RULES[outcome].exit_code, out.stdout[-3000:] + out.stderr[-3000:]
-        return _assert_outcome(uri, rid, outcome, out.returncode, attempt)
+        return assert_outcome(uri, rid, outcome, out.returncode, attempt)
 
     ran(2, Outcome.FAILED, [], {"LLMCTL_FAIL_AT_STEP": str(last() + 2)})
     stopped(3, "interrupt", Outcome.INTERRUPTED)
@@ -322,20 +293,12 @@ def test_resume_outcomes_in_one_run(cli_env: dict[str, str], tmp_path: Path) -> 
 
 
 def _sweep(tmp: Path) -> tuple[Any, list[Any]]:
-    mc = _client(f"sqlite:///{tmp / 'mlflow.db'}")
+    mc = mlflow_client(f"sqlite:///{tmp / 'mlflow.db'}")
     runs = mc.search_runs([e.experiment_id for e in mc.search_experiments()])
     [parent] = [r for r in runs if r.data.tags.get("llmctl.kind") == "sweep"]
     children = sorted((r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id),
                       key=lambda r: int(r.data.tags["llmctl.trial"]))
     return parent, children
-
-
-def _controller_codes(tmp: Path, sweep_id: str) -> dict[int, int]:
-    """Each trial controller's exit code, as the supervisor logged it ("trial 2 FINISHED (controller exit 4)")."""
-    import re
-
-    log = (tmp / "llmctl-runs" / "sweeps" / sweep_id / "supervisor.log").read_text()
-    return {int(i): int(c) for i, c in re.findall(r"trial (\d+) \w+ \(controller exit (-?\d+)\)", log)}
 
 
 @pytest.mark.slow
@@ -350,10 +313,10 @@ def test_sweep_trial_outcomes_finished_failed_budget(cli_env: dict[str, str], tm
     assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]  # a trial failed
     sid = next(w.rstrip(":") for w in out.stdout.split() if w.startswith("sweep-"))
     parent, children = _sweep(tmp_path)
-    codes = _controller_codes(tmp_path, sid)
+    codes = controller_codes(tmp_path, sid)
     want = [Outcome.FINISHED, Outcome.FAILED, Outcome.BUDGET_STOP, Outcome.FAILED]
     for child, outcome in zip(children, want):
-        _assert_outcome(uri, child.info.run_id, outcome, codes[int(child.data.tags["llmctl.trial"])], attempt=1)
+        assert_outcome(uri, child.info.run_id, outcome, codes[int(child.data.tags["llmctl.trial"])], attempt=1)
     budget = json.loads(children[2].data.tags["llmctl.budget_stop"])
     assert budget["max_cost_usd"] == pytest.approx(0.5)  # its share: half the sweep's $1 (the other priced trial's)
     assert parent.info.status == "FAILED"
@@ -383,9 +346,9 @@ def test_sweep_trial_outcomes_interrupted_and_killed(cli_env: dict[str, str], tm
     while time.monotonic() < deadline and not json.loads((sdir / "state.json").read_text()).get("done"):
         time.sleep(0.5)
     parent, children = _sweep(tmp_path)
-    codes = _controller_codes(tmp_path, sid)
-    _assert_outcome(uri, children[0].info.run_id, Outcome.INTERRUPTED, codes[0], attempt=1)
-    _assert_outcome(uri, children[1].info.run_id, Outcome.KILLED, codes[1], attempt=1)
+    codes = controller_codes(tmp_path, sid)
+    assert_outcome(uri, children[0].info.run_id, Outcome.INTERRUPTED, codes[0], attempt=1)
+    assert_outcome(uri, children[1].info.run_id, Outcome.KILLED, codes[1], attempt=1)
     assert parent.info.status == "FAILED"  # not every trial finished, and the sweep was not cancelled
 
 

@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from helpers import run_cli
+from helpers import assert_outcome, controller_codes, run_cli
+from llmctl.lifecycle import Outcome
 
 pytestmark = pytest.mark.slow
 
@@ -131,5 +132,12 @@ def test_down_cancels_running_and_pending_trials(cli_env: dict[str, str], tmp_pa
     parent, children = _sweep_runs(tmp_path)
     assert parent.info.status == "KILLED"
     assert [c.info.status for c in children] == ["KILLED"] * 3
-    assert "before this trial started" in children[2].data.tags["llmctl.status"]
+    # the running trials: the supervisor's SIGTERM reached their workers, which saved and stopped
+    codes = controller_codes(tmp_path, sid)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    for child in children[:2]:
+        assert_outcome(uri, child.info.run_id, Outcome.PREEMPTED, codes[int(child.data.tags["llmctl.trial"])], attempt=1)
+    # the pending one never ran: closed without an attempt
+    assert children[2].data.tags["llmctl.status"] == "sweep cancelled before this trial started"
+    assert "llmctl.attempt" not in children[2].data.tags
     assert _processes_mentioning(sid, *(c.info.run_id for c in children)) == []
