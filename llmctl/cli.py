@@ -292,8 +292,10 @@ def eval_cmd(target: str = typer.Argument(..., help="MLflow run id, or a checkpo
     from llmctl import eval as ev
 
     try:
+        if hf or tasks:
+            ev.require_transformers()  # before any work: the messages name the install
         if tasks:
-            ev.require_lm_eval()  # before any work: the message names the install
+            ev.require_lm_eval()
         t = ev.resolve_target(target, overrides or [], tracking_uri, config_dir)
         if tasks:
             hf_dir, step = (hf, ev.export_step(hf) or 0) if hf else ev.export_hf(t, None, typer.echo)

@@ -29,12 +29,12 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from llmctl.errors import ConfigError, LaunchError
+from workloads.pretrain.contract import EXPORT_INFO
 
 LM_EVAL_HINT = "lm-eval is not installed: `pip install lm-eval` (lm-evaluation-harness), then run again"
 # ``data.*`` overrides of an existing run would change how its tokenizer was built; for eval they
 # name the data set to score instead, tokenized with the run's own tokenizer.
 DATA_TO_EVAL = {"data.source": "eval.source", "data.text_field": "eval.text_field"}
-EXPORT_INFO = "llmctl_export.json"
 
 
 @dataclass
@@ -201,10 +201,8 @@ def log_result(t: Target, result: dict[str, Any], prefix: str) -> None:
 def export_hf(t: Target, out: Optional[str], echo: Callable[[str], None]) -> tuple[Path, int]:
     """Write the checkpoint as a transformers Llama model; tag the run with where it is."""
     out_dir = Path(out).expanduser().resolve() if out else t.workdir.parent / "export-hf"
-    result = run_workload(t, 1, ["--export-hf", str(out_dir)], echo)
+    result = run_workload(t, 1, ["--export-hf", str(out_dir)] + (["--run-id", t.run_id] if t.run_id else []), echo)
     step = int(result["step"])
-    (out_dir / EXPORT_INFO).write_text(json.dumps({"run_id": t.run_id, "step": step,
-                                                   "checkpoint": result["checkpoint"]}, indent=2))
     if t.run_id:
         from llmctl.tracking import client
 
@@ -227,6 +225,15 @@ def export_step(hf_dir: str) -> Optional[int]:
 
 
 # ----------------------------------------------------------------------------- lm-eval
+
+
+def require_transformers() -> None:
+    """``--hf`` and ``--tasks`` load the export with transformers: say how to get it before any work."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        raise ConfigError("scoring a Hugging Face export needs transformers: pip install 'llmctl[hf]'"
+                          " (llmctl export itself does not)") from None
 
 
 def require_lm_eval() -> Any:

@@ -81,8 +81,11 @@ def test_export_loads_in_transformers_and_accelerate_eval_matches(trained) -> No
 
     tags = MlflowClient(tracking_uri=uri).get_run(run_id).data.tags
     assert tags["llmctl.export.hf"] == str(cwd / "hf") and tags["llmctl.export.hf_step"] == "10"
-    for name in ("model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json"):
+    for name in ("model.safetensors", "config.json", "generation_config.json", "tokenizer.json",
+                 "tokenizer_config.json"):
         assert (cwd / "hf" / name).is_file(), name
+    info = json.loads((cwd / "hf" / "llmctl_export.json").read_text())
+    assert (info["run_id"], info["step"]) == (run_id, 10)  # provenance, written inside the atomic directory
 
     # logits: transformers on the export vs the native model on the checkpoint
     cfg = load_config(cwd / "llmctl-runs" / run_id / "config.yaml")
@@ -104,6 +107,15 @@ def test_eval_usage_errors(trained) -> None:
     cwd, env, uri, run_id = trained
     out = run_cli(["eval", run_id, "--tasks", "hellaswag"], cwd, env)
     assert out.returncode == 3 and "pip install lm-eval" in out.stderr
+    # without transformers, scoring an export is refused before any work, naming the extra
+    poisoned = cwd / "no-transformers" / "transformers"
+    poisoned.mkdir(parents=True, exist_ok=True)
+    (poisoned / "__init__.py").write_text("raise ImportError('no transformers here')\n")
+    bare = {**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(poisoned.parent), env.get("PYTHONPATH")]))}
+    out = run_cli(["eval", run_id, "--hf", str(cwd / "hf")], cwd, bare)
+    assert out.returncode == 3 and "pip install 'llmctl[hf]'" in out.stderr, out.stderr
+    out = run_cli(["export", run_id, "--out", str(cwd / "hf-bare")], cwd, bare)  # export itself needs none
+    assert out.returncode == 0 and (cwd / "hf-bare" / "tokenizer_config.json").is_file(), out.stderr[-3000:]
     out = run_cli(["eval", run_id, "eval.max_new_tokns=3"], cwd, env)
     assert out.returncode == 3 and "Did you mean 'eval.max_new_tokens'" in out.stderr
     out = run_cli(["eval", run_id, "model=tiny"], cwd, env)

@@ -58,3 +58,87 @@ def test_hf_export_matches_native_logits(tie: bool, tmp_path: Path) -> None:
         theirs = hf(tokens).logits
     # fp32 tolerance: same math, different kernels/association order
     torch.testing.assert_close(theirs, ours, atol=2e-5, rtol=1e-4)
+
+
+def _tokenizer(tmp_path: Path) -> Path:
+    """A byte-level BPE with the end-of-text token, trained on stdlib text (what runs export)."""
+    from pydoc_data.topics import topics
+
+    from workloads.pretrain.data import EOT, train_tokenizer
+
+    tok = train_tokenizer([topics[k] for k in sorted(topics)][:200], 300)
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    assert tok.token_to_id(EOT) is not None
+    return path
+
+
+def test_hf_export_is_complete_for_transformers(tmp_path: Path) -> None:
+    """No missing or unexpected weights; special-token ids from the tokenizer in config.json and
+    generation_config.json, so generate() stops at end-of-text; the tokenizer round-trips text."""
+    transformers = pytest.importorskip("transformers")
+    from workloads.pretrain.data import EOT
+
+    model, cfg = _model()
+    tok_file = _tokenizer(tmp_path)
+    out = export(model.state_dict(), cfg, tmp_path / "hf", tokenizer_file=tok_file, eos_token=EOT)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors",
+                                                     "special_tokens_map.json", "tokenizer.json",
+                                                     "tokenizer_config.json"]
+    hf, info = transformers.AutoModelForCausalLM.from_pretrained(str(out), output_loading_info=True)
+    assert info["missing_keys"] in ([], set()) and info["unexpected_keys"] in ([], set()), info
+    tok = transformers.AutoTokenizer.from_pretrained(str(out))
+    eos = tok.convert_tokens_to_ids(EOT)
+    assert tok.eos_token == EOT and hf.config.eos_token_id == hf.generation_config.eos_token_id == eos
+    text = "def f(x):\n    return x  # naïve, but fine"
+    assert tok.decode(tok(text)["input_ids"]) == text
+
+    class EndAtThird(transformers.LogitsProcessor):  # the model "says" end-of-text as its third token
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+            if input_ids.shape[1] == prompt.shape[1] + 2:
+                scores = torch.full_like(scores, -1e9)
+                scores[:, eos] = 0
+            return scores
+
+    prompt = torch.tensor([tok("Return a")["input_ids"]])
+    generated = hf.generate(prompt, max_new_tokens=20, do_sample=False, logits_processor=[EndAtThird()])
+    assert generated.shape[1] == prompt.shape[1] + 3 and generated[0, -1].item() == eos  # stopped there
+
+
+def test_hf_export_appears_whole_or_not_at_all(tmp_path: Path) -> None:
+    model, cfg = _model()
+    tok_file = _tokenizer(tmp_path)
+    with pytest.raises(ValueError, match="no token"):  # fails after the weights were written
+        export(model.state_dict(), cfg, tmp_path / "hf", tokenizer_file=tok_file, eos_token="<|no such token|>")
+    assert list(tmp_path.iterdir()) == [tok_file]  # no directory, no leftovers
+    first = export(model.state_dict(), cfg, tmp_path / "hf", tokenizer_file=tok_file, eos_token="<|endoftext|>")
+    other, _ = _model(seed=1)
+    again = export(other.state_dict(), cfg, tmp_path / "hf", tokenizer_file=tok_file, eos_token="<|endoftext|>")
+    assert again == first and sorted(p.name for p in tmp_path.iterdir()) == ["hf", "tokenizer.json"]
+    from safetensors.torch import load_file
+
+    weights = load_file(str(again / "model.safetensors"))
+    assert torch.equal(weights["model.embed_tokens.weight"], other.state_dict()["tok_embeddings.weight"])
+
+
+def test_hf_export_needs_no_transformers(tmp_path: Path) -> None:
+    """In a process where importing transformers fails, the export is written all the same."""
+    import subprocess
+    import sys
+
+    poisoned = tmp_path / "poisoned" / "transformers"
+    poisoned.mkdir(parents=True)
+    (poisoned / "__init__.py").write_text("raise ImportError('export imported transformers')\n")
+    tok_file = _tokenizer(tmp_path)
+    code = (
+        "import sys, torch; from workloads.pretrain.schema import ModelCfg;"
+        "from workloads.pretrain.model import build_model; from workloads.pretrain.export_hf import export;"
+        "cfg = ModelCfg(name='t', dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=300, max_seq_len=96);"
+        f"export(build_model(cfg).state_dict(), cfg, {str(tmp_path / 'hf')!r}, tokenizer_file={str(tok_file)!r},"
+        " eos_token='<|endoftext|>'); print('transformers' in sys.modules)"
+    )
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
+                         env={**__import__("os").environ, "PYTHONPATH": f"{poisoned.parent}:{root}"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "False" and (tmp_path / "hf" / "tokenizer_config.json").is_file()

@@ -35,5 +35,7 @@ TAG_PREEMPTED = "llmctl.preempted"
 TAG_BUDGET_STOP = "llmctl.budget_stop"
 TAG_TASK_ID = "llmctl.sky.task_id"
 
+EXPORT_INFO = "llmctl_export.json"  # in an HF export: what it was made from (step, checkpoint, run)
+
 EXIT_CONFIG = 2
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped on request with state saved; a resume continues it

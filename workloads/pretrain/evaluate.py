@@ -48,6 +48,7 @@ import torch.nn.functional as F
 
 from workloads.pretrain.checkpoint_layout import MARKER, fs_and_path, join, latest_complete, step_dir
 from workloads.pretrain.config import parse_args
+from workloads.pretrain.contract import EXPORT_INFO
 from workloads.pretrain.data import EOT, Corpus, load_texts, prepare_corpus, val_batches
 from workloads.pretrain.model import Transformer, build_model
 
@@ -222,7 +223,7 @@ def _init() -> tuple[int, int, torch.device]:
 
 
 def run(cfg: Any, checkpoint: Optional[str] = None, hf_dir: Optional[str] = None,
-        export_dir: Optional[str] = None) -> dict[str, Any]:
+        export_dir: Optional[str] = None, run_id: Optional[str] = None) -> dict[str, Any]:
     """Do the requested mode; returns the result (rank 0's is complete)."""
     rank, world, device = _init()
     say = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
@@ -256,7 +257,7 @@ def run(cfg: Any, checkpoint: Optional[str] = None, hf_dir: Optional[str] = None
     if export_dir:
         if world > 1:
             raise ValueError("--export-hf runs in one process")
-        export_model(model, cfg.model, corpus, export_dir)
+        export_model(model, cfg.model, corpus, export_dir, {"run_id": run_id, "step": step, "checkpoint": step_dir})
         result["export"] = str(export_dir)
         say(f"eval | exported step {step} to {export_dir} (transformers Llama, safetensors + tokenizer)")
         return result
@@ -277,15 +278,14 @@ def run(cfg: Any, checkpoint: Optional[str] = None, hf_dir: Optional[str] = None
     return result
 
 
-def export_model(model: Transformer, model_cfg: Any, corpus: Corpus, out_dir: str) -> None:
+def export_model(model: Transformer, model_cfg: Any, corpus: Corpus, out_dir: str,
+                 info: Optional[dict[str, Any]] = None) -> None:
+    """The checkpoint's model and the run's tokenizer as a transformers Llama (no transformers needed)."""
     from workloads.pretrain.export_hf import export
 
-    state = {k: v for k, v in model.state_dict().items()}
-    export(state, model_cfg, out_dir)
-    from transformers import PreTrainedTokenizerFast
-
-    PreTrainedTokenizerFast(tokenizer_file=str(corpus.path / "tokenizer.json"), eos_token=EOT,
-                            bos_token=EOT).save_pretrained(str(out_dir))
+    extra = {EXPORT_INFO: json.dumps(info, indent=2)} if info else None
+    export(dict(model.state_dict()), model_cfg, out_dir, tokenizer_file=corpus.path / "tokenizer.json",
+           eos_token=EOT, extra_files=extra)
 
 
 def _line(m: dict[str, float]) -> str:
@@ -302,9 +302,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--checkpoint", help="checkpoint root or step-N directory (default: checkpoint.dir)")
     parser.add_argument("--hf", help="score this Hugging Face export instead of a checkpoint")
     parser.add_argument("--export-hf", help="export the checkpoint to this directory")
+    parser.add_argument("--run-id", help="the run the checkpoint belongs to, recorded in the export's provenance")
     try:
         args, cfg = parse_args(parser, argv, config_required=True)
-        result = run(cfg, args.checkpoint, args.hf, args.export_hf)
+        result = run(cfg, args.checkpoint, args.hf, args.export_hf, args.run_id)
         if args.out and int(os.environ.get("RANK", "0")) == 0:
             with open(args.out, "w") as f:
                 json.dump(result, f, indent=2)
