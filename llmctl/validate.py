@@ -26,6 +26,16 @@ def validate(cfg: dict[str, Any]) -> None:
         raise ConfigError("Bad value for 'infra.nproc_per_node': must be >= 0 (0 = automatic)")
 
 
+def pretrained_shape(model: dict[str, Any]) -> dict[str, Any]:
+    """``model.init_from``: the shape is the checkpoint's (its config.json), as the trainer will see it."""
+    from workloads.pretrain import hf_config
+
+    try:
+        return hf_config.apply(model)
+    except trainer.ConfigError as exc:
+        raise ConfigError(str(exc)) from None
+
+
 def resolve_layout(cfg: dict[str, Any], world_size: int) -> dict[str, int]:
     """Concrete mesh degrees for ``world_size`` processes (``dp_shard=-1`` filled in)."""
     try:

@@ -13,6 +13,7 @@ import argparse
 from dataclasses import fields
 from typing import Any, Optional, Sequence
 
+from workloads.pretrain import hf_config
 from workloads.pretrain.schema import LAUNCHER_SECTIONS, TrainerCfg
 from workloads.pretrain.validate import ConfigError, validate
 
@@ -44,7 +45,11 @@ def load(path: Optional[str], overrides: Sequence[str] = ()) -> Any:
     try:
         parts.append(OmegaConf.from_dotlist(list(overrides)))
         cfg = OmegaConf.merge(*parts)
+        if cfg.model.init_from:  # the checkpoint's config.json decides the shape
+            cfg = OmegaConf.merge(cfg, {"model": hf_config.apply(plain(cfg)["model"])})
     except (OmegaConfBaseException, ValueError) as exc:
+        if isinstance(exc, ConfigError):
+            raise
         first = str(exc).splitlines()[0]
         raise ConfigError(f"{first}{f' (in {path})' if path else ''}") from None
     validate(plain(cfg))

@@ -21,20 +21,8 @@ from typing import Any, Optional
 
 import torch
 
+from workloads.pretrain.hf_checkpoint import hf_name
 from workloads.pretrain.shape import hidden_dim
-
-_LAYER_NAMES = {
-    "attention.wq.weight": "self_attn.q_proj.weight",
-    "attention.wk.weight": "self_attn.k_proj.weight",
-    "attention.wv.weight": "self_attn.v_proj.weight",
-    "attention.wo.weight": "self_attn.o_proj.weight",
-    "feed_forward.w1.weight": "mlp.gate_proj.weight",
-    "feed_forward.w3.weight": "mlp.up_proj.weight",
-    "feed_forward.w2.weight": "mlp.down_proj.weight",
-    "attention_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-}
-
 
 def interleaved_to_halves(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Reorder each head's output rows from (x0, x1), (x2, x3)... pairs to [evens..., odds...]."""
@@ -46,9 +34,14 @@ def interleaved_to_halves(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
 def hf_config(model_cfg: Any, bos_token_id: Optional[int] = None, eos_token_id: Optional[int] = None) -> dict[str, Any]:
     """A ``LlamaConfig`` dict for this shape (``model_cfg`` is a ModelCfg or the same attributes)."""
     special = {k: v for k, v in (("bos_token_id", bos_token_id), ("eos_token_id", eos_token_id)) if v is not None}
+    qwen2 = _value(getattr(model_cfg, "arch", "llama")) == "qwen2"
+    scaling = getattr(model_cfg, "rope_scaling", None)
+    rope = {"rope_type": "default", "rope_theta": float(model_cfg.rope_theta)}
+    if scaling:
+        rope = {**dict(scaling), "rope_theta": float(model_cfg.rope_theta)}
     return {**special,
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": ["Qwen2ForCausalLM" if qwen2 else "LlamaForCausalLM"],
+        "model_type": "qwen2" if qwen2 else "llama",
         "vocab_size": int(model_cfg.vocab_size),
         "hidden_size": int(model_cfg.dim),
         "intermediate_size": hidden_dim(model_cfg),
@@ -60,31 +53,34 @@ def hf_config(model_cfg: Any, bos_token_id: Optional[int] = None, eos_token_id: 
         "max_position_embeddings": int(model_cfg.max_seq_len),
         "rms_norm_eps": float(model_cfg.norm_eps),
         "rope_theta": float(model_cfg.rope_theta),
-        "rope_parameters": {"rope_type": "default", "rope_theta": float(model_cfg.rope_theta)},
+        "rope_scaling": dict(scaling) if scaling else None,  # transformers 4.x reads this ...
+        "rope_parameters": rope,  # ... and 5.x this
         "tie_word_embeddings": bool(model_cfg.tie_embeddings),
-        "attention_bias": False,
+        **({"use_sliding_window": False} if qwen2 else {"attention_bias": False}),
         "mlp_bias": False,
         "torch_dtype": "float32",
     }
 
 
 def to_hf_state_dict(state: dict[str, torch.Tensor], model_cfg: Any) -> dict[str, torch.Tensor]:
-    """Native parameter names/layout → HF Llama's. ``state`` is a full (unsharded) state dict."""
+    """Native parameter names/layout → HF's. ``state`` is a full (unsharded) state dict. A model
+    that rotates RoPE in Meta's interleaved pairs has its q/k rows (and biases) permuted per head
+    into HF's halves; one already in HF's layout (loaded from HF: ``rope_layout=half``) is not."""
     n_heads, n_kv = int(model_cfg.n_heads), int(model_cfg.n_kv_heads or model_cfg.n_heads)
-    out: dict[str, torch.Tensor] = {"model.embed_tokens.weight": state["tok_embeddings.weight"],
-                                    "model.norm.weight": state["norm.weight"]}
-    if not model_cfg.tie_embeddings:
-        out["lm_head.weight"] = state["output.weight"]
+    permute = _value(getattr(model_cfg, "rope_layout", "interleaved")) == "interleaved"
+    out: dict[str, torch.Tensor] = {}
     for name, tensor in state.items():
-        if not name.startswith("layers."):
-            continue
-        _, index, rest = name.split(".", 2)
-        if rest == "attention.wq.weight":
-            tensor = interleaved_to_halves(tensor, n_heads)
-        elif rest == "attention.wk.weight":
-            tensor = interleaved_to_halves(tensor, n_kv)
-        out[f"model.layers.{index}.{_LAYER_NAMES[rest]}"] = tensor
+        if name == "output.weight" and model_cfg.tie_embeddings:
+            continue  # the embedding, saved once
+        if permute and name.startswith("layers.") and name.split(".", 2)[2].startswith(("attention.wq.", "attention.wk.")):
+            heads = n_heads if ".wq." in name else n_kv
+            tensor = interleaved_to_halves(tensor if tensor.dim() == 2 else tensor[:, None], heads).reshape(tensor.shape)
+        out[hf_name(name) or name] = tensor
     return {k: v.detach().to("cpu").contiguous() for k, v in out.items()}
+
+
+def _value(x: Any) -> Any:
+    return getattr(x, "value", x)
 
 
 def generation_config(bos_token_id: Optional[int], eos_token_id: Optional[int]) -> dict[str, Any]:

@@ -22,9 +22,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from workloads.pretrain.losses import chunked_linear_cross_entropy
-from workloads.pretrain.shape import hidden_dim
+from workloads.pretrain.shape import hidden_dim, qkv_bias
 
 IGNORE_INDEX = -100
+
+
+def _value(x: Any) -> Any:
+    return getattr(x, "value", x)  # an enum member (structured config) or a plain value (raw YAML)
 
 
 def _kernels(cfg: Any) -> str:
@@ -35,11 +39,28 @@ def _kernels(cfg: Any) -> str:
     return k
 
 
-def rope_tables(head_dim: int, max_seq_len: int, theta: float, device=None):
-    """cos/sin of position * theta^(-2i/d), shape [max_seq_len, head_dim // 2], fp32."""
+def rope_tables(head_dim: int, max_seq_len: int, theta: float, device=None, scaling: Any = None):
+    """cos/sin of position * theta^(-2i/d), shape [max_seq_len, head_dim // 2], fp32.
+
+    ``scaling``: Llama 3.1's frequency rescaling (``rope_type: llama3``): wavelengths longer than
+    the original context divided by ``factor``, shorter than ``original / high_freq_factor`` kept,
+    a smooth blend between (Meta's ``apply_scaling``, as transformers computes it).
+    """
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    if scaling:
+        inv_freq = _llama3_scaled(inv_freq, float(scaling["factor"]), float(scaling["low_freq_factor"]),
+                                  float(scaling["high_freq_factor"]), float(scaling["original_max_position_embeddings"]))
     angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float32), inv_freq)
     return angles.cos(), angles.sin()
+
+
+def _llama3_scaled(inv_freq: torch.Tensor, factor: float, low: float, high: float, original: float) -> torch.Tensor:
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (original / wavelen - low) / (high - low)
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    out = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)
+    middle = (wavelen >= original / high) & (wavelen <= original / low)
+    return torch.where(middle, blended, out)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -61,6 +82,15 @@ def apply_rope_complex(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
     freqs = torch.complex(cos[:s], sin[:s]).view(1, s, 1, -1)
     xc = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
     return torch.view_as_real(xc * freqs).flatten(-2).type_as(x)
+
+
+def apply_rope_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first half of each head with its second half, as Hugging Face's Llama/Qwen do."""
+    s = x.shape[1]
+    cos = cos[:s].view(1, s, 1, -1)
+    sin = sin[:s].view(1, s, 1, -1)
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).type_as(x)
 
 
 def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
@@ -95,15 +125,17 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     """Causal GQA self-attention. Head counts come from tensor shapes, so TP-sharded q/k/v work."""
 
-    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, kernels: str):
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, kernels: str, qkv_bias: bool = False,
+                 rope_layout: str = "interleaved"):
         super().__init__()
         if dim % n_heads or n_heads % n_kv_heads:
             raise ValueError(f"need dim % n_heads == 0 and n_heads % n_kv_heads == 0 (got {dim}, {n_heads}, {n_kv_heads})")
         self.head_dim = dim // n_heads
         self.kernels = kernels
-        self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
+        self.rope_layout = rope_layout
+        self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=qkv_bias)
+        self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=qkv_bias)
+        self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=qkv_bias)
         self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -114,7 +146,10 @@ class Attention(nn.Module):
         # Under torch.compile Inductor fuses the real-valued form into one kernel (it has no
         # complex codegen); eager runs the complex multiply.
         fast_rope = self.kernels == "fused" and not torch.compiler.is_compiling()
-        rope = apply_rope_complex if fast_rope else apply_rope
+        if self.rope_layout == "half":
+            rope = apply_rope_half
+        else:
+            rope = apply_rope_complex if fast_rope else apply_rope
         q, k = rope(q, cos, sin), rope(k, cos, sin)
         n_rep = q.shape[2] // k.shape[2]
         q, k, v = (t.transpose(1, 2) for t in (q, repeat_kv(k, n_rep), repeat_kv(v, n_rep)))
@@ -147,7 +182,8 @@ class TransformerBlock(nn.Module):
 
     def __init__(self, cfg: Any, kernels: str):
         super().__init__()
-        self.attention = Attention(cfg.dim, cfg.n_heads, cfg.n_kv_heads or cfg.n_heads, kernels)
+        self.attention = Attention(cfg.dim, cfg.n_heads, cfg.n_kv_heads or cfg.n_heads, kernels, qkv_bias(cfg),
+                                   _value(getattr(cfg, "rope_layout", "interleaved")))
         self.feed_forward = FeedForward(cfg.dim, hidden_dim(cfg))
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps, kernels)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps, kernels)
@@ -173,6 +209,8 @@ class Transformer(nn.Module):
         self.tie_embeddings = bool(cfg.tie_embeddings)
         self.max_seq_len = cfg.max_seq_len
         self.rope_theta = float(cfg.rope_theta)
+        scaling = getattr(cfg, "rope_scaling", None)
+        self.rope_scaling = dict(scaling) if scaling else None
         # Set by parallelize.apply_tp: the LM head yields vocab-sharded logits (a DTensor), so the
         # loss is plain cross-entropy on them under ``loss_parallel()``, not the chunked kernel.
         self.vocab_parallel_loss = False
@@ -182,7 +220,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, self.kernels) for i in range(cfg.n_layers)})
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps, self.kernels)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        cos, sin = rope_tables(self.head_dim, self.max_seq_len, self.rope_theta)
+        cos, sin = rope_tables(self.head_dim, self.max_seq_len, self.rope_theta, scaling=self.rope_scaling)
         self.register_buffer("freqs_cos", cos, persistent=False)
         self.register_buffer("freqs_sin", sin, persistent=False)
         self.tie_weights()
@@ -201,9 +239,7 @@ class Transformer(nn.Module):
         Deterministic given ``torch.manual_seed``; call after ``to_empty`` on a meta-built model.
         """
         self.tie_weights()
-        device = buffer_device or self.freqs_cos.device
-        cos, sin = rope_tables(self.head_dim, self.max_seq_len, self.rope_theta, device=device)
-        self.freqs_cos, self.freqs_sin = cos, sin
+        self.init_rope(buffer_device)
         std, out_std = 0.02, 0.02 / math.sqrt(2 * self.n_layers)
         nn.init.normal_(self.tok_embeddings.weight, std=std)
         for block in self.layers.values():
@@ -212,11 +248,22 @@ class Transformer(nn.Module):
                 nn.init.normal_(lin.weight, std=std)
             for lin in (attn.wo, ffn.w2):
                 nn.init.normal_(lin.weight, std=out_std)
+            for lin in (attn.wq, attn.wk, attn.wv):
+                if lin.bias is not None:
+                    nn.init.zeros_(lin.bias)
             block.attention_norm.reset_parameters()
             block.ffn_norm.reset_parameters()
         self.norm.reset_parameters()
         if not self.tie_embeddings:
             nn.init.normal_(self.output.weight, std=std)
+
+    @torch.no_grad()
+    def init_rope(self, device: torch.device | None = None):
+        """The RoPE tables (buffers ``to_empty`` leaves uninitialised; weights loaded from a
+        checkpoint need only these)."""
+        device = device or self.freqs_cos.device
+        self.freqs_cos, self.freqs_sin = rope_tables(self.head_dim, self.max_seq_len, self.rope_theta, device=device,
+                                                     scaling=self.rope_scaling)
 
     def hidden_states(self, tokens: torch.Tensor) -> torch.Tensor:
         """Final-norm hidden states [b, s, dim], before the LM head."""

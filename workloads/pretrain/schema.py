@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Any, Dict, List, Optional
 
 
 class Kernels(str, enum.Enum):
@@ -19,6 +19,21 @@ class Kernels(str, enum.Enum):
 
     reference = "reference"
     fused = "fused"
+
+
+class Arch(str, enum.Enum):
+    """The Hugging Face family a model's weights follow; ``qwen2`` adds biases to q/k/v."""
+
+    llama = "llama"
+    qwen2 = "qwen2"
+
+
+class RopeLayout(str, enum.Enum):
+    """Which dimensions RoPE rotates together: Meta's pairs (x0, x1), (x2, x3)... or Hugging Face's
+    first half with second half. Weights trained one way only work that way."""
+
+    interleaved = "interleaved"
+    half = "half"
 
 
 class ActivationCheckpointing(str, enum.Enum):
@@ -56,6 +71,16 @@ class ModelCfg:
     tie_embeddings: bool = False
     kernels: Kernels = Kernels.fused
     compile: bool = False
+    arch: Arch = Arch.llama
+    # the FFN width; None: Llama's rule from dim, multiple_of and ffn_dim_multiplier
+    hidden_dim: Optional[int] = None
+    rope_layout: RopeLayout = RopeLayout.interleaved
+    # None, or Llama 3.1's {"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
+    # "original_max_position_embeddings"}
+    rope_scaling: Optional[Dict[str, Any]] = None
+    # a Hugging Face checkpoint (directory or fsspec URL: config.json + safetensors) to start from;
+    # its config.json sets the shape fields above (``hf_config``)
+    init_from: Optional[str] = None
 
 
 @dataclass

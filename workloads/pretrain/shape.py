@@ -24,7 +24,21 @@ def ffn_hidden_dim(dim: int, multiple_of: int, ffn_dim_multiplier: Optional[floa
 
 
 def hidden_dim(model: Any) -> int:
+    """``model.hidden_dim`` when set (a checkpoint's intermediate_size), else Llama's rule."""
+    explicit = _get(model, "hidden_dim") if _has(model, "hidden_dim") else None
+    if explicit:
+        return int(explicit)
     return ffn_hidden_dim(int(_get(model, "dim")), int(_get(model, "multiple_of")), _get(model, "ffn_dim_multiplier"))
+
+
+def _has(model: Any, key: str) -> bool:
+    return key in model if isinstance(model, Mapping) else hasattr(model, key)
+
+
+def qkv_bias(model: Any) -> bool:
+    """Qwen2's q/k/v projections carry biases."""
+    arch = _get(model, "arch") if _has(model, "arch") else "llama"
+    return str(getattr(arch, "value", arch)) == "qwen2"
 
 
 def num_params(model: Any, exclude_embedding: bool = True) -> int:
@@ -34,6 +48,8 @@ def num_params(model: Any, exclude_embedding: bool = True) -> int:
     kv_heads = int(_get(model, "n_kv_heads") or heads)
     vocab, head_dim = int(_get(model, "vocab_size")), dim // heads
     attention = dim * heads * head_dim + 2 * dim * kv_heads * head_dim + heads * head_dim * dim
+    if qkv_bias(model):
+        attention += heads * head_dim + 2 * kv_heads * head_dim
     block = attention + 3 * dim * hidden_dim(model) + 2 * dim  # q k v o + SwiGLU w1 w2 w3 + two RMSNorms
     n = layers * block + dim + vocab * dim  # + final norm + LM head
     if not exclude_embedding and not bool(_get(model, "tie_embeddings")):

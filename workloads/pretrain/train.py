@@ -46,7 +46,7 @@ from workloads.pretrain.config import parse_args
 from workloads.pretrain.contract import EXIT_CONFIG, EXIT_PREEMPTED
 from workloads.pretrain.data import Sampler, prepare_corpus, val_batches
 from workloads.pretrain.metrics import MetricSink, format_train_line, peak_memory_gb, peak_tflops
-from workloads.pretrain.model import build_model
+from workloads.pretrain.model import Transformer, build_model
 from workloads.pretrain.optim import build_optimizer, lr_factor
 from workloads.pretrain.parallelize import ParallelDims, local_loss, loss_context, parallelize
 from workloads.pretrain import preempt, shape
@@ -164,6 +164,21 @@ def _mean_across(value: torch.Tensor, env: DistEnv) -> float:
     return value.item()
 
 
+def load_pretrained(cfg: Any, env: DistEnv) -> torch.nn.Module:
+    """``model.init_from``: meta → parallelize → materialise empty → RoPE tables → the checkpoint's
+    weights (``hf_checkpoint``): no rank ever holds more than its shards."""
+    from workloads.pretrain import hf_checkpoint
+    from workloads.pretrain.data.cache import cache_root
+
+    with torch.device("meta"):
+        model = Transformer(cfg.model)
+    model = parallelize(model, env.dims, env.mesh, cfg)
+    model.to_empty(device=env.device)
+    model.init_rope(env.device)
+    hf_checkpoint.load(model, str(cfg.model.init_from), cache_root(cfg.data))
+    return model
+
+
 def train(cfg: Any) -> dict:
     """Train per ``cfg`` (a RootCfg-shaped DictConfig). Returns the val losses and final speed."""
     env = init_distributed(cfg)
@@ -178,14 +193,16 @@ def train(cfg: Any) -> dict:
     sampler = Sampler(train_tokens, tc.seq_len, tc.batch_size, tc.seed, env.dp_rank, env.dp_size)
     val_set = val_batches(val_tokens, tc.seq_len, tc.batch_size, tc.val_batches, env.dp_rank, env.dp_size, env.device)
 
-    # Every rank builds the same full model from the seed, then keeps its shards: the init is
-    # identical to a single process for any layout. (Past one device's memory, init on meta and
-    # shard first, as torchtitan does; per-shard random init then depends on the layout.)
-    torch.manual_seed(tc.seed)
-    model = build_model(mc, env.device)
     flops_per_token = shape.flops_per_token(mc, tc.seq_len)
     n_params = shape.num_params(mc)
-    model = parallelize(model, env.dims, env.mesh, cfg)
+    if mc.init_from:  # built on meta, sharded, then each rank reads only its slices of the checkpoint
+        model = load_pretrained(cfg, env)
+    else:
+        # Every rank builds the same full model from the seed, then keeps its shards: the init is
+        # identical to a single process for any layout. (Past one device's memory, init on meta and
+        # shard first, as torchtitan does; per-shard random init then depends on the layout.)
+        torch.manual_seed(tc.seed)
+        model = parallelize(build_model(mc, env.device), env.dims, env.mesh, cfg)
     optimizer = build_optimizer(model, tc)
     checkpointer = Checkpointer(cfg, env, model, optimizer, sampler)
     start_step = checkpointer.load()

@@ -28,6 +28,13 @@ def validate(cfg: dict[str, Any]) -> None:
              f"{model['dim']} is not divisible by model.n_heads={model['n_heads']}")
     _require(model["n_heads"] % model["n_kv_heads"] == 0, "model.n_kv_heads",
              f"model.n_heads={model['n_heads']} must be a multiple of n_kv_heads={model['n_kv_heads']}")
+    _require(model.get("hidden_dim") is None or model["hidden_dim"] > 0, "model.hidden_dim",
+             "must be a positive integer, or null for Llama's rule")
+    scaling = model.get("rope_scaling")
+    keys = ("rope_type", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    _require(not scaling or (scaling.get("rope_type") == "llama3" and all(k in scaling for k in keys)),
+             "model.rope_scaling", f"only Llama 3.1's scaling is supported: null or {{{', '.join(keys)}}} with"
+             " rope_type=llama3")
     for key in ("steps", "batch_size", "seq_len", "log_every", "val_batches"):
         _require(train[key] > 0, f"train.{key}", f"must be a positive integer, got {train[key]}. Fix: train.{key}=<n > 0>")
     _require(train["val_every"] >= 0, "train.val_every", "must be >= 0 (0: validate only at the start and the end)")
