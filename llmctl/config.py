@@ -201,9 +201,9 @@ def compose(overrides: Optional[list[str]] = None, config_dir: Optional[str] = N
     finally:
         GlobalHydra.instance().clear()
     choices = {k: v for k, v in choices.items() if not k.startswith("hydra") and k != SCHEMA_NAME}
-    from llmctl.validate import pretrained_shape, validate
+    from llmctl.validate import pretrained, validate
 
-    resolved["model"] = pretrained_shape(resolved["model"])
+    resolved = pretrained(resolved)
     validate(resolved)
     return Composed(cfg=resolved, choices=choices, overrides=overrides)
 

@@ -26,12 +26,12 @@ def validate(cfg: dict[str, Any]) -> None:
         raise ConfigError("Bad value for 'infra.nproc_per_node': must be >= 0 (0 = automatic)")
 
 
-def pretrained_shape(model: dict[str, Any]) -> dict[str, Any]:
-    """``model.init_from``: the shape is the checkpoint's (its config.json), as the trainer will see it."""
+def pretrained(cfg: dict[str, Any]) -> dict[str, Any]:
+    """``model.init_from``: the shape (and tokenizer) are the checkpoint's, as the trainer will see them."""
     from workloads.pretrain import hf_config
 
     try:
-        return hf_config.apply(model)
+        return hf_config.resolve(cfg)
     except trainer.ConfigError as exc:
         raise ConfigError(str(exc)) from None
 

@@ -37,6 +37,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         cfg = transformers.LlamaConfig(**COMMON, tie_word_embeddings=tie, rope_theta=500000.0,
                                        rope_scaling=dict(LLAMA3_ROPE))
         out[name] = _save(transformers.LlamaForCausalLM(cfg), root / name)
+    _hf_tokenizer().save_pretrained(str(out["llama-tied"]))  # a checkpoint that brings its tokenizer
     qwen = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**COMMON, tie_word_embeddings=False))
     with torch.no_grad():  # transformers initialises biases to 0: make them count
         for layer in qwen.model.layers:
@@ -44,6 +45,22 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
                 proj.bias.normal_(std=0.5)
     out["qwen2"] = _save(qwen, root / "qwen2")
     return out
+
+
+def _hf_tokenizer():
+    """A transformers tokenizer of VOCAB tokens whose end-of-text is "<|end|>" (not llmctl's)."""
+    import transformers
+    from pydoc_data.topics import topics
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator([topics[k] for k in sorted(topics)], trainers.BpeTrainer(
+        vocab_size=VOCAB, special_tokens=["<|end|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    assert tok.get_vocab_size() <= VOCAB
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|end|>")
 
 
 def _batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,8 +92,12 @@ def test_config_json_sets_the_shape(checkpoints: dict[str, Path]) -> None:
         (64, 2, 4, 2, VOCAB, 160)
     assert llama.tie_embeddings and llama.rope_layout.value == "half" and llama.arch.value == "llama"
     assert dict(llama.rope_scaling) == LLAMA3_ROPE and llama.rope_theta == 500000.0
-    qwen = load(None, OVERRIDES + [f"model.init_from={checkpoints['qwen2']}"]).model
-    assert qwen.arch.value == "qwen2" and not qwen.tie_embeddings and qwen.rope_scaling is None
+    qwen = load(None, OVERRIDES + [f"model.init_from={checkpoints['qwen2']}"])
+    assert qwen.model.arch.value == "qwen2" and not qwen.model.tie_embeddings and qwen.model.rope_scaling is None
+    # the checkpoint's own tokenizer, when it brings one; else a BPE trained on the data
+    assert load(None, OVERRIDES + [f"model.init_from={checkpoints['llama-tied']}"]).data.tokenizer == \
+        str(checkpoints["llama-tied"])
+    assert qwen.data.tokenizer is None
 
 
 @pytest.mark.parametrize("name", ["llama", "llama-tied", "qwen2"])
@@ -162,6 +183,13 @@ def test_launch_fine_tunes_exports_and_transformers_agrees(checkpoints: dict[str
     monkeypatch.setenv("LLMCTL_CACHE_DIR", cli_env["LLMCTL_CACHE_DIR"])  # the corpus the run trained on
     first = next(json.loads(line) for line in loss_file.read_text().splitlines() if '"train/loss"' in line)
     corpus = prepare_corpus(cfg.data)
+    # tokenized by the checkpoint's tokenizer, as transformers tokenizes: documents end in its "<|end|>"
+    from workloads.pretrain.data.sources import builtin_pydoc_texts
+
+    hf_tok = transformers.AutoTokenizer.from_pretrained(str(ckpt))
+    doc = builtin_pydoc_texts()[0]
+    want = hf_tok(doc)["input_ids"] + [hf_tok.eos_token_id]
+    assert corpus.eos_token == "<|end|>" and corpus.tokens[: len(want)].tolist() == want
     x, y = Sampler(corpus.split(float(cfg.data.val_fraction))[0], 48, 4, int(cfg.train.seed)).next_batch()
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).eval()
     with torch.no_grad():
@@ -178,6 +206,9 @@ def test_launch_fine_tunes_exports_and_transformers_agrees(checkpoints: dict[str
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     exported = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "export"), dtype=torch.float32)
     assert exported.config.rope_parameters["rope_type"] == "llama3" and exported.config.tie_word_embeddings
+    back = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "export"))  # the same tokenizer, handed on
+    assert back(doc)["input_ids"] == hf_tok(doc)["input_ids"] and back.eos_token == "<|end|>"
+    assert exported.generation_config.eos_token_id == hf_tok.eos_token_id
     native = load_model(cfg.model, str(step_dir))
     with torch.no_grad():
         torch.testing.assert_close(exported.eval()(input_ids=x).logits, native(x), atol=2e-5, rtol=1e-4)

@@ -45,8 +45,9 @@ def load(path: Optional[str], overrides: Sequence[str] = ()) -> Any:
     try:
         parts.append(OmegaConf.from_dotlist(list(overrides)))
         cfg = OmegaConf.merge(*parts)
-        if cfg.model.init_from:  # the checkpoint's config.json decides the shape
-            cfg = OmegaConf.merge(cfg, {"model": hf_config.apply(plain(cfg)["model"])})
+        if cfg.model.init_from:  # the checkpoint's config.json decides the shape (and the tokenizer)
+            done = hf_config.resolve(plain(cfg))
+            cfg = OmegaConf.merge(cfg, {"model": done["model"], "data": done["data"]})
     except (OmegaConfBaseException, ValueError) as exc:
         if isinstance(exc, ConfigError):
             raise

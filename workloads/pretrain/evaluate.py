@@ -122,7 +122,7 @@ def source_tokens(corpus: Corpus, source: str, text_field: str, max_tokens: Opti
     """``source``'s documents tokenized with the run's tokenizer (EOT after each), in file order."""
     from types import SimpleNamespace
 
-    eot = corpus.tokenizer.token_to_id(EOT)
+    eot = corpus.tokenizer.token_to_id(corpus.eos_token)
     ids: list[int] = []
     for text in load_texts(SimpleNamespace(source=source, text_field=text_field)):
         ids.extend(corpus.tokenizer.encode(text).ids + [eot])
@@ -194,7 +194,7 @@ def samples(model: Transformer, corpus: Corpus, ec: Any, device: torch.device) -
     tok, out = corpus.tokenizer, []
     gen = torch.Generator(device=device).manual_seed(int(ec.seed))
     for prompt in ec.prompts:
-        ids = tok.encode(prompt).ids or [tok.token_to_id(EOT)]
+        ids = tok.encode(prompt).ids or [tok.token_to_id(corpus.eos_token)]
         n = max(0, min(int(ec.max_new_tokens), model.max_seq_len - len(ids)))
         x = torch.tensor([ids], device=device)
         greedy = generate(model, x, n, temperature=0.0, use_cache=True)[0].tolist()
@@ -285,7 +285,7 @@ def export_model(model: Transformer, model_cfg: Any, corpus: Corpus, out_dir: st
 
     extra = {EXPORT_INFO: json.dumps(info, indent=2)} if info else None
     export(dict(model.state_dict()), model_cfg, out_dir, tokenizer_file=corpus.path / "tokenizer.json",
-           eos_token=EOT, extra_files=extra)
+           eos_token=corpus.eos_token, extra_files=extra)
 
 
 def _line(m: dict[str, float]) -> str:

@@ -77,8 +77,21 @@ def model_fields(hf: Mapping[str, Any], init_from: str) -> dict[str, Any]:
     }
 
 
-def apply(model: dict[str, Any]) -> dict[str, Any]:
-    """``model`` (a plain ModelCfg dict) with its shape taken from ``init_from``'s config.json, if set."""
-    if not model.get("init_from"):
-        return model
-    return {**model, **model_fields(read(model["init_from"]), model["init_from"])}
+def resolve(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A plain config whose ``model.init_from`` is set: the shape from its config.json, and the
+    checkpoint's own tokenizer when ``data.tokenizer`` names none and the checkpoint has one."""
+    init_from = cfg["model"].get("init_from")
+    if not init_from:
+        return cfg
+    model = {**cfg["model"], **model_fields(read(init_from), init_from)}
+    data = dict(cfg["data"])
+    if not data.get("tokenizer") and _exists(f"{str(init_from).rstrip('/')}/tokenizer.json"):
+        data["tokenizer"] = init_from
+    return {**cfg, "model": model, "data": data}
+
+
+def _exists(url: str) -> bool:
+    from fsspec.core import url_to_fs
+
+    fs, path = url_to_fs(url)
+    return fs.exists(path)

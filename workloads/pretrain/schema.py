@@ -95,6 +95,10 @@ class DataCfg:
     val_fraction: float = 0.05
     # None: $LLMCTL_CACHE_DIR, else ~/.cache/llmctl
     cache_dir: Optional[str] = None
+    # a tokenizer.json, or a Hugging Face model directory / fsspec URL holding one (its
+    # tokenizer_config.json names the end-of-text token); None: a byte-level BPE of data.vocab_size
+    # trained on data.source, or with model.init_from the checkpoint's own tokenizer
+    tokenizer: Optional[str] = None
 
 
 @dataclass

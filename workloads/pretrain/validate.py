@@ -47,10 +47,11 @@ def validate(cfg: dict[str, Any]) -> None:
     _require(bool(data["source"]), "data.source",
              "no text to train on. Fix: data.source=<fsspec URL or glob>, e.g. data.source='s3://bucket/corpus/*.jsonl'")
     _require(0 < data["val_fraction"] < 1, "data.val_fraction", f"must lie in (0, 1), got {data['val_fraction']}")
-    _require(2 <= data["vocab_size"] <= model["vocab_size"], "data.vocab_size",
-             f"the tokenizer's {data['vocab_size']} tokens must fit model.vocab_size={model['vocab_size']}")
-    _require(data["vocab_size"] <= 65535 or data["source"] != "builtin:pydoc", "data.vocab_size",
-             "the bundled corpus supports at most 65535 tokens")
+    if not data.get("tokenizer"):  # a BPE of data.vocab_size trained here (a given one is checked when loaded)
+        _require(2 <= data["vocab_size"] <= model["vocab_size"], "data.vocab_size",
+                 f"the tokenizer's {data['vocab_size']} tokens must fit model.vocab_size={model['vocab_size']}")
+        _require(data["vocab_size"] <= 65535 or data["source"] != "builtin:pydoc", "data.vocab_size",
+                 "the bundled corpus supports at most 65535 tokens")
     ckpt = cfg["checkpoint"]
     _require(ckpt["every"] >= 0, "checkpoint.every", "must be >= 0 (0 saves only at the end)")
     _require(ckpt["keep"] >= 1, "checkpoint.keep", "must keep at least 1 checkpoint")

@@ -1,6 +1,7 @@
 """The tokenized corpus on disk: built once per (source, files, vocab), shared by ranks, jobs and nodes.
 
-A byte-level BPE is trained on the source (``tokenizer``) and the tokenized corpus is cached in
+A byte-level BPE is trained on the source (``tokenizer``), or a pretrained one is used
+(``data.tokenizer``), and the tokenized corpus is cached in
 ``<cache root>/<key>/`` (``tokenizer.json``, ``tokens.npy``, ``meta.json``). The directory is built
 in a temp dir and renamed into place, under an ``O_EXCL`` lock file, so concurrent ranks (or
 concurrent jobs) build it once and never see a half-written cache. The cache key covers the
@@ -31,7 +32,7 @@ import numpy as np
 from workloads.pretrain.data.sources import (
     BUILTIN_SOURCE, CORPUS_VERSION, SourceFile, builtin_pydoc_texts, file_texts, list_source_files, source_files,
 )
-from workloads.pretrain.data.tokenizer import EOT, train_tokenizer
+from workloads.pretrain.data.tokenizer import EOT, load_pretrained, train_tokenizer
 
 _LOCK_STALE_S = 3600.0
 # The BPE is trained on at most this many characters (the first ones, in file order); the whole
@@ -56,14 +57,18 @@ def _remote_root(data_cfg: Any) -> str | None:
     return root.rstrip("/") if "://" in root and not root.startswith("file://") else None
 
 
-def cache_key(data_cfg: Any, files: list[SourceFile] | None = None) -> str:
+def cache_key(data_cfg: Any, files: list[SourceFile] | None = None, pretrained: str | None = None) -> str:
     """What the cached tokens depend on: the source and, for files, every file's URL, size and
-    ETag/mtime; vocab size; text field; tokenizers version. Builtin: fixed per Python version."""
+    ETag/mtime; vocab size (or the pretrained tokenizer's own text); text field; tokenizers version.
+    Builtin: fixed per Python version."""
     import tokenizers
 
     builtin = data_cfg.source == BUILTIN_SOURCE
     if not builtin and files is None:
         files = list_source_files(data_cfg.source)
+    if pretrained is not None:
+        digest = hashlib.sha256(pretrained.encode()).hexdigest()[:12]
+        return f"{data_cfg.name}-tok{digest}-{_ident_digest(data_cfg, files, builtin, tokenizers.__version__, digest)}"
     ident = {
         "source": data_cfg.source,
         "vocab_size": int(data_cfg.vocab_size),
@@ -75,6 +80,14 @@ def cache_key(data_cfg: Any, files: list[SourceFile] | None = None) -> str:
     }
     digest = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
     return f"{data_cfg.name}-v{int(data_cfg.vocab_size)}-{digest}"
+
+
+def _ident_digest(data_cfg: Any, files: list[SourceFile] | None, builtin: bool, version: str, tokenizer: str) -> str:
+    ident = {"source": data_cfg.source, "tokenizer": tokenizer, "corpus_version": CORPUS_VERSION, "tokenizers": version,
+             "python": platform.python_version() if builtin else None,
+             "text_field": None if builtin else data_cfg.text_field,
+             "files": None if builtin else [[f.url, f.size, f.version] for f in files or []]}
+    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
 
 
 @dataclass
@@ -90,6 +103,7 @@ class Corpus:
     tokenizer: Any
     cache_hit: bool
     origin: str = "cache"
+    eos_token: str = EOT  # what separates documents (and ends generation): the tokenizer's end-of-text
 
     @property
     def vocab_size(self) -> int:
@@ -108,7 +122,9 @@ def prepare_corpus(data_cfg: Any, *, timeout_s: float = 1800.0) -> Corpus:
     from tokenizers import Tokenizer
 
     files = source_files(data_cfg)
-    key = cache_key(data_cfg, files)
+    spec = getattr(data_cfg, "tokenizer", None)
+    pretrained = load_pretrained(spec) if spec else None
+    key = cache_key(data_cfg, files, pretrained[2] if pretrained else None)
     final = cache_root(data_cfg) / key
     remote = _remote_root(data_cfg)
     origin = ["built"]
@@ -117,17 +133,19 @@ def prepare_corpus(data_cfg: Any, *, timeout_s: float = 1800.0) -> Corpus:
         if remote and _download(f"{remote}/{key}", tmp):
             origin[0] = "downloaded"
             return
-        _build(data_cfg, tmp, files)
+        _build(data_cfg, tmp, files, pretrained)
         if remote:
             _upload(tmp, f"{remote}/{key}")
 
     built = _build_once(final, build, timeout_s)
+    meta = json.loads((final / "meta.json").read_text())
     return Corpus(
         path=final,
         tokens=np.load(final / "tokens.npy", mmap_mode="r"),
         tokenizer=Tokenizer.from_file(str(final / "tokenizer.json")),
         cache_hit=not built,
         origin=origin[0] if built else "cache",
+        eos_token=meta.get("eos_token", EOT),
     )
 
 
@@ -173,8 +191,10 @@ def _batched(it: Iterable[str], n: int) -> Iterator[list[str]]:
         yield batch
 
 
-def _build(data_cfg: Any, out: Path, files: list[SourceFile] | None = None) -> None:
-    """Train the BPE on the source, then stream it through the tokenizer into ``tokens.npy``.
+def _build(data_cfg: Any, out: Path, files: list[SourceFile] | None = None,
+           pretrained: tuple[Any, str, str] | None = None) -> None:
+    """Train the BPE on the source (unless a pretrained tokenizer is given), then stream the source
+    through the tokenizer into ``tokens.npy``, each document followed by the end-of-text token.
 
     File sources are read twice (tokenizer training, then encoding) so that no more than a batch
     of documents is ever held in memory; token ids go to disk as they are produced.
@@ -185,11 +205,11 @@ def _build(data_cfg: Any, out: Path, files: list[SourceFile] | None = None) -> N
         docs = texts()
         texts = lambda: docs  # noqa: E731  (build the builtin list once)
     seen = {"docs": 0, "chars": 0}
-    tok = train_tokenizer(_counted(texts(), seen, TOKENIZER_TRAIN_CHARS), int(data_cfg.vocab_size))
-    if seen["chars"] == 0:
-        raise ValueError(f"data.source={data_cfg.source!r}: its files hold no text "
-                         f"(empty files, or empty data.text_field={data_cfg.text_field!r} values)")
-    eot = tok.token_to_id(EOT)
+    if pretrained is None:
+        tok, eos = train_tokenizer(_counted(texts(), seen, TOKENIZER_TRAIN_CHARS), int(data_cfg.vocab_size)), EOT
+    else:
+        tok, eos, _ = pretrained
+    eot = tok.token_to_id(eos)
     dtype = np.uint16 if tok.get_vocab_size() <= np.iinfo(np.uint16).max + 1 else np.uint32
     sha = hashlib.sha256()
     n_docs = n_chars = n_tokens = 0
@@ -203,6 +223,9 @@ def _build(data_cfg: Any, out: Path, files: list[SourceFile] | None = None) -> N
                 sha.update(("\x00" if n_docs else "").encode() + text.encode())
                 n_docs += 1
                 n_chars += len(text)
+    if n_chars == 0:
+        raise ValueError(f"data.source={data_cfg.source!r}: its files hold no text "
+                         f"(empty files, or empty data.text_field={data_cfg.text_field!r} values)")
     arr = np.lib.format.open_memmap(out / "tokens.npy", mode="w+", dtype=dtype, shape=(n_tokens,))
     src = np.memmap(raw, dtype=dtype, mode="r", shape=(n_tokens,)) if n_tokens else np.empty(0, dtype)
     for i in range(0, n_tokens, 1 << 24):
@@ -210,7 +233,10 @@ def _build(data_cfg: Any, out: Path, files: list[SourceFile] | None = None) -> N
     arr.flush()
     del arr, src
     raw.unlink()
-    tok.save(str(out / "tokenizer.json"))
+    if pretrained is None:
+        tok.save(str(out / "tokenizer.json"))
+    else:  # byte for byte what the user gave: the export hands on the same file
+        (out / "tokenizer.json").write_text(pretrained[2], encoding="utf-8")
     meta = {
         "source": data_cfg.source,
         "files": None if files is None else [{"url": f.url, "size": f.size, "version": f.version} for f in files],
@@ -219,6 +245,8 @@ def _build(data_cfg: Any, out: Path, files: list[SourceFile] | None = None) -> N
         "chars": n_chars,
         "tokens": n_tokens,
         "tokenizer_train_chars": seen["chars"],
+        "tokenizer": getattr(data_cfg, "tokenizer", None),
+        "eos_token": eos,
         "text_sha256": sha.hexdigest(),
         "corpus_version": CORPUS_VERSION,
         "build_seconds": round(time.time() - t0, 2),
