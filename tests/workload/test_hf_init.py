@@ -204,7 +204,9 @@ def test_launch_fine_tunes_exports_and_transformers_agrees(checkpoints: dict[str
 
     out = run_cli(["export", run.info.run_id, "--out", str(tmp_path / "export")], tmp_path, cli_env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    exported = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "export"), dtype=torch.float32)
+    exported, info = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "export"), dtype=torch.float32,
+                                                                       output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
     assert exported.config.rope_parameters["rope_type"] == "llama3" and exported.config.tie_word_embeddings
     back = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "export"))  # the same tokenizer, handed on
     assert back(doc)["input_ids"] == hf_tok(doc)["input_ids"] and back.eos_token == "<|end|>"
@@ -212,3 +214,26 @@ def test_launch_fine_tunes_exports_and_transformers_agrees(checkpoints: dict[str
     native = load_model(cfg.model, str(step_dir))
     with torch.no_grad():
         torch.testing.assert_close(exported.eval()(input_ids=x).logits, native(x), atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("preset, published", [("llama3.2-1b", 1_235_814_400), ("llama3.1-8b", 8_030_261_248),
+                                               ("llama3.1-70b", 70_553_706_496), ("qwen2.5-7b", 7_615_616_512)])
+def test_presets_are_the_published_models(preset: str, published: int) -> None:
+    """transformers builds the preset (on meta: no memory) with exactly the published parameter count,
+    and our count (N: the input embedding left out) agrees with it."""
+    import transformers
+    from omegaconf import OmegaConf
+
+    from workloads.pretrain.export_hf import hf_config
+    from workloads.pretrain.schema import ModelCfg
+    from workloads.pretrain.shape import num_params
+
+    cfg = OmegaConf.merge(OmegaConf.structured(ModelCfg), OmegaConf.load(REPO / "conf" / "model" / f"{preset}.yaml"))
+    spec = hf_config(cfg)
+    hf_cfg = transformers.AutoConfig.for_model(**{k: v for k, v in spec.items() if k != "architectures"})
+    with torch.device("meta"):
+        hf = transformers.AutoModelForCausalLM.from_config(hf_cfg)
+    total = sum(p.numel() for p in hf.parameters())
+    assert total == published
+    embedding = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.dim
+    assert num_params(cfg) == total - embedding
