@@ -38,8 +38,8 @@ def _trainer(cfg):
 
 
 def _step(model, opt, sampler):
-    x, y = sampler.next_batch()
-    model(x, y).backward()
+    b = sampler.next_batch()
+    model(b.inputs, b.targets).backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
 

@@ -86,11 +86,13 @@ TOKENS = np.arange(10_000, dtype=np.uint16)
 
 
 def take(sampler: Sampler, n: int) -> list[torch.Tensor]:
-    return [sampler.next_batch()[0] for _ in range(n)]
+    return [sampler.next_batch().inputs for _ in range(n)]
 
 
 def test_batches_are_next_token_windows():
-    x, y = Sampler(TOKENS, seq_len=16, global_batch_size=4, seed=0).next_batch()
+    b = Sampler(TOKENS, seq_len=16, global_batch_size=4, seed=0).next_batch()
+    x, y = b.inputs, b.targets
+    assert b.global_targets == 4 * 16 and b.positions is None and b.doc_ids is None
     assert x.shape == y.shape == (4, 16) and x.dtype == torch.int64
     assert torch.equal(y[:, :-1], x[:, 1:])
     assert all(int(row[0]) % 16 == 0 for row in x)  # window starts are multiples of seq_len
@@ -139,10 +141,10 @@ def test_global_batch_must_split_evenly():
 
 def test_val_batches_are_fixed_and_sliced_per_rank():
     full = val_batches(TOKENS, 16, 8, n_batches=3)
-    assert len(full) == 3 and full[0][0][0, 0] == 0  # the first windows, in order
+    assert len(full) == 3 and full[0].inputs[0, 0] == 0  # the first windows, in order
     halves = [val_batches(TOKENS, 16, 8, 3, dp_rank=r, dp_size=2) for r in range(2)]
     for b in range(3):
-        assert torch.equal(torch.cat([halves[0][b][0], halves[1][b][0]]), full[b][0])
+        assert torch.equal(torch.cat([halves[0][b].inputs, halves[1][b].inputs]), full[b].inputs)
     assert len(val_batches(TOKENS[:200], 16, 4, n_batches=10)) == 3  # clipped to what exists
     with pytest.raises(ValueError, match="val_fraction"):
         val_batches(TOKENS[:50], 16, 8, 1)

@@ -13,21 +13,43 @@ from workloads.pretrain.generate import generate
 from workloads.pretrain.model import build_model
 
 
-def _model(tie: bool = False, kv_heads: int = 2, seed: int = 0) -> torch.nn.Module:
+def _model(tie: bool = False, kv_heads: int = 2, seed: int = 0, rope_layout: str = "interleaved") -> torch.nn.Module:
     torch.manual_seed(seed)
     cfg = ModelCfg(name="t", dim=64, n_layers=2, n_heads=4, n_kv_heads=kv_heads, vocab_size=300,
-                   max_seq_len=96, tie_embeddings=tie, rope_theta=500000.0)
+                   max_seq_len=96, tie_embeddings=tie, rope_theta=500000.0, rope_layout=rope_layout)
     return build_model(cfg).eval(), cfg
 
 
-@pytest.mark.parametrize("kv_heads", [4, 2, 1])
-def test_kv_cache_greedy_equals_full_recompute(kv_heads: int) -> None:
-    model, _ = _model(kv_heads=kv_heads)
+@pytest.mark.parametrize("kv_heads, rope_layout", [(4, "interleaved"), (2, "interleaved"), (1, "interleaved"),
+                                                   (2, "half")])
+def test_kv_cache_greedy_equals_full_recompute(kv_heads: int, rope_layout: str) -> None:
+    """Also for Hugging Face's RoPE layout (``init_from`` models): the cache rotates as the model does."""
+    model, _ = _model(kv_heads=kv_heads, rope_layout=rope_layout)
     prompt = torch.randint(0, 300, (2, 7), generator=torch.Generator().manual_seed(1))
     cached = generate(model, prompt, max_new_tokens=40, use_cache=True)
     full = generate(model, prompt, max_new_tokens=40, use_cache=False)
     assert cached.shape == (2, 40)
     assert torch.equal(cached, full)
+
+
+@pytest.mark.parametrize("rope_layout", ["interleaved", "half"])
+def test_kv_cache_logits_equal_the_full_forward(rope_layout: str) -> None:
+    """Token by token through the cache, each position's logits are the full forward's (fp32);
+    attention weights are scaled up so that RoPE visibly matters."""
+    from workloads.pretrain.generate import KVCache, _next_logits_cached
+
+    model, _ = _model(rope_layout=rope_layout)
+    with torch.no_grad():
+        for block in model.layers.values():
+            block.attention.wq.weight.mul_(30)
+            block.attention.wk.weight.mul_(30)
+    tokens = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        full = model(tokens).float()
+        cache = KVCache()
+        stepped = [_next_logits_cached(model, tokens[:, :5], cache)]
+        stepped += [_next_logits_cached(model, tokens[:, i : i + 1], cache) for i in range(5, 12)]
+    torch.testing.assert_close(torch.stack(stepped, dim=1), full[:, 4:], atol=1e-5, rtol=1e-5)
 
 
 def test_temperature_sampling_is_seeded_and_differs_from_greedy() -> None:

@@ -190,7 +190,8 @@ def test_launch_fine_tunes_exports_and_transformers_agrees(checkpoints: dict[str
     doc = builtin_pydoc_texts()[0]
     want = hf_tok(doc)["input_ids"] + [hf_tok.eos_token_id]
     assert corpus.eos_token == "<|end|>" and corpus.tokens[: len(want)].tolist() == want
-    x, y = Sampler(corpus.split(float(cfg.data.val_fraction))[0], 48, 4, int(cfg.train.seed)).next_batch()
+    batch = Sampler(corpus.split(float(cfg.data.val_fraction))[0], 48, 4, int(cfg.train.seed)).next_batch()
+    x, y = batch.inputs, batch.targets
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).eval()
     with torch.no_grad():
         ref = torch.nn.functional.cross_entropy(hf(input_ids=x).logits.flatten(0, 1), y.flatten())

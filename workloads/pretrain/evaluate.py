@@ -50,6 +50,7 @@ from workloads.pretrain.checkpoint_layout import MARKER, fs_and_path, join, late
 from workloads.pretrain.config import parse_args
 from workloads.pretrain.contract import EXPORT_INFO
 from workloads.pretrain.data import EOT, Corpus, load_texts, prepare_corpus, val_batches
+from workloads.pretrain.losses import IGNORE_INDEX
 from workloads.pretrain.model import Transformer, build_model
 
 
@@ -142,7 +143,7 @@ def eval_batches(cfg: Any, corpus: Corpus, rank: int, world: int, device: torch.
         tokens = source_tokens(corpus, ec.source, ec.text_field, need)
     else:
         n = ec.val_batches if ec.val_batches is not None else tc.val_batches
-        tokens = corpus.split(float(cfg.data.val_fraction))[1]
+        tokens = corpus.sequences(float(cfg.data.val_fraction), tc.seq_len)[1]
     return val_batches(tokens, tc.seq_len, tc.batch_size, n, rank, world, device)
 
 
@@ -167,12 +168,12 @@ def score_native(model: Transformer, batches: list, byte_len: torch.Tensor, auto
     """Sum of nats / tokens / bytes over the batches, across ranks. ``model(x, y)`` is training's
     own loss path (same kernels), so the number equals training's val/loss."""
     totals = torch.zeros(3, dtype=torch.float64)
-    for x, y in batches:
+    for b in batches:
         with autocast():
-            loss = model(x, y).float()
-        totals[0] += loss.double().item() * y.numel()
-        totals[1] += y.numel()
-        totals[2] += byte_len[y.cpu()].sum().item()
+            nats = model(b.inputs, b.targets, **b.model_kwargs(), reduction="sum").float()
+        targets = b.targets[b.targets != IGNORE_INDEX].cpu()
+        totals += torch.tensor([nats.double().item(), targets.numel(), byte_len[targets].sum().item()],
+                               dtype=torch.float64)
     return finish_metrics(*_reduce(totals).tolist())
 
 
@@ -180,11 +181,25 @@ def score_native(model: Transformer, batches: list, byte_len: torch.Tensor, auto
 def score_hf(hf_model: Any, batches: list, byte_len: torch.Tensor) -> dict[str, float]:
     totals = torch.zeros(3, dtype=torch.float64)
     device = hf_model.get_input_embeddings().weight.device
-    for x, y in batches:
-        logits = hf_model(input_ids=x.to(device)).logits.float()
-        nats = F.cross_entropy(logits.flatten(0, 1), y.to(logits.device).flatten(), reduction="sum")
-        totals += torch.tensor([nats.item(), y.numel(), byte_len[y.cpu()].sum().item()], dtype=torch.float64)
+    for b in batches:
+        for x, y in _unpacked(b):  # packed fine-tuning examples go to transformers one at a time
+            logits = hf_model(input_ids=x.to(device)).logits.float()
+            nats = F.cross_entropy(logits.flatten(0, 1), y.to(logits.device).flatten(), reduction="sum",
+                                   ignore_index=IGNORE_INDEX)
+            targets = y[y != IGNORE_INDEX].cpu()
+            totals += torch.tensor([nats.item(), targets.numel(), byte_len[targets].sum().item()], dtype=torch.float64)
     return finish_metrics(*totals.tolist())
+
+
+def _unpacked(batch: Any):
+    """(inputs, targets) [1, n] per example of a packed batch; the whole batch otherwise."""
+    if batch.doc_ids is None:
+        yield batch.inputs, batch.targets
+        return
+    for row in range(batch.inputs.shape[0]):
+        for d in batch.doc_ids[row].unique().tolist():
+            at = batch.doc_ids[row] == d
+            yield batch.inputs[row][at][None], batch.targets[row][at][None]
 
 
 def samples(model: Transformer, corpus: Corpus, ec: Any, device: torch.device) -> list[dict[str, Any]]:

@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from workloads.pretrain.model import Transformer, TransformerBlock, apply_rope, repeat_kv
+from workloads.pretrain.model import Transformer, TransformerBlock, repeat_kv
 
 
 class KVCache:
@@ -42,7 +42,7 @@ def _cached_block(block: TransformerBlock, layer: str, x: torch.Tensor, pos: int
     q = attn.wq(h).view(bs, s, -1, attn.head_dim)
     k = attn.wk(h).view(bs, s, -1, attn.head_dim)
     v = attn.wv(h).view(bs, s, -1, attn.head_dim)
-    q, k = apply_rope(q, cos[pos:], sin[pos:]), apply_rope(k, cos[pos:], sin[pos:])
+    q, k = attn.rotate(q, cos[pos:], sin[pos:]), attn.rotate(k, cos[pos:], sin[pos:])
     k, v = cache.extend(layer, k, v)
     n_rep = q.shape[2] // k.shape[2]
     q, k, v = (t.transpose(1, 2) for t in (q, repeat_kv(k, n_rep), repeat_kv(v, n_rep)))

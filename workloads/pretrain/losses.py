@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+IGNORE_INDEX = -100  # targets with this id take no loss (masked, padding, example boundaries)
+
 # Elements of fp32 logits per chunk (2**25 = 128 MiB): big enough for efficient matmuls on GPU,
 # small enough that a 128k vocabulary still processes a few hundred tokens at a time.
 _DEFAULT_CHUNK_ELEMENTS = 1 << 25
@@ -44,11 +46,12 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     """Mean CE of ``hidden @ weight.T`` vs ``targets``; grads are computed during forward."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk_size: int, ignore_index: int):
+    def forward(ctx, hidden, weight, targets, chunk_size: int, ignore_index: int, summed: bool):
         valid_all = targets != ignore_index
-        n_valid = valid_all.sum().clamp(min=1).to(torch.float32)
+        one = torch.ones((), dtype=torch.float32, device=hidden.device)
+        n_valid = one if summed else valid_all.sum().clamp(min=1).to(torch.float32)
         # Unclamped count so that "all tokens ignored" gives NaN, like F.cross_entropy.
-        denom = valid_all.sum().to(torch.float32)
+        denom = one if summed else valid_all.sum().to(torch.float32)
 
         loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.empty_like(hidden)
@@ -85,10 +88,10 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         grad_hidden, grad_weight = ctx.saved_tensors
-        return grad_hidden * grad_output, grad_weight * grad_output, None, None, None
+        return grad_hidden * grad_output, grad_weight * grad_output, None, None, None, None
 
 
-def _loss_only(hidden, weight, targets, chunk_size: int, ignore_index: int) -> torch.Tensor:
+def _loss_only(hidden, weight, targets, chunk_size: int, ignore_index: int, summed: bool) -> torch.Tensor:
     """Evaluation path: same chunking, no gradient work."""
     valid_all = targets != ignore_index
     loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
@@ -96,7 +99,7 @@ def _loss_only(hidden, weight, targets, chunk_size: int, ignore_index: int) -> t
         logits = _chunk_logits(hidden[start : start + chunk_size], weight)
         valid = valid_all[start : start + chunk_size].to(torch.float32)
         loss_sum += _chunk_loss(logits, targets[start : start + chunk_size], valid)[0]
-    return loss_sum / valid_all.sum().to(torch.float32)
+    return loss_sum if summed else loss_sum / valid_all.sum().to(torch.float32)
 
 
 def chunked_linear_cross_entropy(
@@ -105,17 +108,22 @@ def chunked_linear_cross_entropy(
     targets: torch.Tensor,
     *,
     chunk_size: int | None = None,
-    ignore_index: int = -100,
+    ignore_index: int = IGNORE_INDEX,
+    reduction: str = "mean",
 ) -> torch.Tensor:
-    """Mean cross-entropy of ``hidden @ weight.T`` against ``targets`` without full logits.
+    """Mean (or with ``reduction="sum"`` summed) cross-entropy of ``hidden @ weight.T`` against
+    ``targets`` without full logits.
 
     hidden: [..., dim]; weight: [vocab, dim]; targets: [...] (int). Tokens whose target equals
-    ``ignore_index`` are excluded from the mean, like ``F.cross_entropy``. Returns an fp32 scalar.
+    ``ignore_index`` are excluded, like ``F.cross_entropy``. Returns an fp32 scalar.
     """
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+    summed = reduction == "sum"
     hidden = hidden.reshape(-1, hidden.shape[-1])
     targets = targets.reshape(-1)
     if chunk_size is None:
         chunk_size = default_chunk_size(weight.shape[0], hidden.device.type)
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
-        return _ChunkedLinearCrossEntropy.apply(hidden, weight, targets, chunk_size, ignore_index)
-    return _loss_only(hidden, weight, targets, chunk_size, ignore_index)
+        return _ChunkedLinearCrossEntropy.apply(hidden, weight, targets, chunk_size, ignore_index, summed)
+    return _loss_only(hidden, weight, targets, chunk_size, ignore_index, summed)

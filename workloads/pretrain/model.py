@@ -21,10 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workloads.pretrain.losses import chunked_linear_cross_entropy
+from workloads.pretrain.losses import IGNORE_INDEX, chunked_linear_cross_entropy
 from workloads.pretrain.shape import hidden_dim, qkv_bias
 
-IGNORE_INDEX = -100
 
 
 def _value(x: Any) -> Any:
@@ -67,10 +66,18 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """Rotate consecutive pairs (x0, x1), (x2, x3)... as Meta's Llama does; x: [b, s, h, d]."""
     xf = x.float().unflatten(-1, (-1, 2))
     x0, x1 = xf[..., 0], xf[..., 1]
-    cos = cos[: x.shape[1]].view(1, x.shape[1], 1, -1)
-    sin = sin[: x.shape[1]].view(1, x.shape[1], 1, -1)
+    cos, sin = _per_token(cos, x), _per_token(sin, x)
     out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
     return out.flatten(-2).type_as(x)
+
+
+def _per_token(table: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """A RoPE table broadcast against x [b, s, h, d]: the first s rows of a [max_seq, d/2] table,
+    or a [b, s, d/2] table already gathered at each token's position (packed examples)."""
+    if table.dim() == 3:
+        return table.unsqueeze(2)
+    s = x.shape[1]
+    return table[:s].view(1, s, 1, -1)
 
 
 def apply_rope_complex(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -78,17 +85,14 @@ def apply_rope_complex(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
 
     Same pairs, same math as ``apply_rope``; 3.5x faster fwd+bwd on CPU (one kernel, not ~8).
     """
-    s = x.shape[1]
-    freqs = torch.complex(cos[:s], sin[:s]).view(1, s, 1, -1)
+    freqs = torch.complex(_per_token(cos, x), _per_token(sin, x))
     xc = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
     return torch.view_as_real(xc * freqs).flatten(-2).type_as(x)
 
 
 def apply_rope_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate the first half of each head with its second half, as Hugging Face's Llama/Qwen do."""
-    s = x.shape[1]
-    cos = cos[:s].view(1, s, 1, -1)
-    sin = sin[:s].view(1, s, 1, -1)
+    cos, sin = _per_token(cos, x), _per_token(sin, x)
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).type_as(x)
 
@@ -138,28 +142,38 @@ class Attention(nn.Module):
         self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=qkv_bias)
         self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """RoPE in this model's layout (the KV-cached generator rotates with it too)."""
+        if self.rope_layout == "half":
+            return apply_rope_half(x, cos, sin)
+        # Under torch.compile Inductor fuses the real-valued form into one kernel (it has no
+        # complex codegen); eager runs the complex multiply.
+        if self.kernels == "fused" and not torch.compiler.is_compiling():
+            return apply_rope_complex(x, cos, sin)
+        return apply_rope(x, cos, sin)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``mask``: None for plain causal attention, else [b, 1, s, s] bool, True where a query may
+        attend (block-causal for packed examples)."""
         bs, seqlen, _ = x.shape
         q = self.wq(x).view(bs, seqlen, -1, self.head_dim)
         k = self.wk(x).view(bs, seqlen, -1, self.head_dim)
         v = self.wv(x).view(bs, seqlen, -1, self.head_dim)
-        # Under torch.compile Inductor fuses the real-valued form into one kernel (it has no
-        # complex codegen); eager runs the complex multiply.
-        fast_rope = self.kernels == "fused" and not torch.compiler.is_compiling()
-        if self.rope_layout == "half":
-            rope = apply_rope_half
-        else:
-            rope = apply_rope_complex if fast_rope else apply_rope
-        q, k = rope(q, cos, sin), rope(k, cos, sin)
+        q, k = self.rotate(q, cos, sin), self.rotate(k, cos, sin)
         n_rep = q.shape[2] // k.shape[2]
         q, k, v = (t.transpose(1, 2) for t in (q, repeat_kv(k, n_rep), repeat_kv(v, n_rep)))
 
         if self.kernels == "fused":
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            if mask is None:
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            else:
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         else:
             scores = (q @ k.transpose(-2, -1)).float() / math.sqrt(self.head_dim)
-            mask = torch.full((seqlen, seqlen), float("-inf"), device=x.device).triu(1)
-            probs = torch.softmax(scores + mask, dim=-1)
+            if mask is None:
+                mask = torch.ones(seqlen, seqlen, dtype=torch.bool, device=x.device).tril()
+            probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
             out = probs.to(v.dtype) @ v
         return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
 
@@ -188,8 +202,9 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps, kernels)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps, kernels)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -265,49 +280,68 @@ class Transformer(nn.Module):
         self.freqs_cos, self.freqs_sin = rope_tables(self.head_dim, self.max_seq_len, self.rope_theta, device=device,
                                                      scaling=self.rope_scaling)
 
-    def hidden_states(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Final-norm hidden states [b, s, dim], before the LM head."""
+    def hidden_states(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                      doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Final-norm hidden states [b, s, dim], before the LM head.
+
+        ``positions`` / ``doc_ids`` ([b, s], packed examples): each token's position within its
+        example (RoPE) and its example's index; attention then never crosses examples.
+        """
         seqlen = tokens.shape[1]
         if seqlen > self.freqs_cos.shape[0]:
             raise ValueError(f"sequence length {seqlen} exceeds model.max_seq_len {self.freqs_cos.shape[0]}")
+        cos, sin, mask = self.freqs_cos, self.freqs_sin, None
+        if positions is not None:
+            cos, sin = cos[positions], sin[positions]
+        if doc_ids is not None:
+            causal = torch.ones(seqlen, seqlen, dtype=torch.bool, device=tokens.device).tril()
+            mask = ((doc_ids.unsqueeze(2) == doc_ids.unsqueeze(1)) & causal).unsqueeze(1)
         h = self.tok_embeddings(tokens)
         for block in self.layers.values():
-            h = block(h, self.freqs_cos, self.freqs_sin)
+            h = block(h, cos, sin, mask)
         return self.norm(h)
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        h = self.hidden_states(tokens)
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None, *,
+                positions: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None,
+                reduction: str = "mean") -> torch.Tensor:
+        """Logits, or with ``targets`` the cross-entropy over targets that are not IGNORE_INDEX:
+        their mean, or with ``reduction="sum"`` their sum (training divides it by the global
+        batch's count of targets, so the loss is exact whatever the ranks and micro-batches)."""
+        h = self.hidden_states(tokens, positions, doc_ids)
         if targets is None:
             return self.output(h)
+        if reduction not in ("mean", "sum"):
+            raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
         if self.kernels == "reference" or self.vocab_parallel_loss:
             logits = self.output(h)
-            return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX)
+            return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX,
+                                   reduction=reduction)
         # Reads output.weight directly (no module call): keep `output` in the root FSDP unit.
-        return fused_lm_loss(h, self.output.weight, targets)
+        return fused_lm_loss(h, self.output.weight, targets, reduction)
 
 
-def fused_lm_loss(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def fused_lm_loss(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
     """LM head + CE without full logits: Liger's Triton kernel on CUDA if importable, else ours."""
     if h.is_cuda:
-        liger_ce = _liger_fused_linear_ce()
+        liger_ce = _liger_fused_linear_ce(reduction)
         if liger_ce is not None:
             return liger_ce(weight, h.flatten(0, 1), targets.flatten())
-    return chunked_linear_cross_entropy(h, weight, targets, ignore_index=IGNORE_INDEX)
+    return chunked_linear_cross_entropy(h, weight, targets, ignore_index=IGNORE_INDEX, reduction=reduction)
 
 
-_LIGER: list = []
+_LIGER: dict = {}
 
 
-def _liger_fused_linear_ce():
+def _liger_fused_linear_ce(reduction: str):
     """Liger's fused linear-CE module, or None. Imported lazily: optional, GPU-only."""
-    if not _LIGER:
+    if reduction not in _LIGER:
         try:
             from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
 
-            _LIGER.append(LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX))
+            _LIGER[reduction] = LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX, reduction=reduction)
         except Exception:  # not installed, or no Triton driver
-            _LIGER.append(None)
-    return _LIGER[0]
+            _LIGER[reduction] = None
+    return _LIGER[reduction]
 
 
 def build_model(cfg: Any, device: torch.device | str = "cpu") -> Transformer:

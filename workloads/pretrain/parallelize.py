@@ -129,9 +129,9 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh) -> None:
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, {
             "attention_norm": SequenceParallel(),
-            # forward(x, cos, sin): gather x over the sequence; the RoPE tables are plain tensors
-            "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
-                                            desired_input_layouts=(Replicate(), None, None)),
+            # forward(x, cos, sin, mask): gather x over the sequence; RoPE tables and mask are plain tensors
+            "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None, None),
+                                            desired_input_layouts=(Replicate(), None, None, None)),
             "attention.wq": ColwiseParallel(),
             "attention.wk": ColwiseParallel(),
             "attention.wv": ColwiseParallel(),

@@ -30,6 +30,12 @@ def _load_config(argv: list[str] | None):
     return parse_args(parser, argv)[1]
 
 
+def _count(meta: dict) -> str:
+    if meta.get("format") == "sft":
+        return f"{meta['examples']:,} examples ({meta['target_tokens']:,} target tokens)"
+    return f"{meta['documents']:,} documents"
+
+
 def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     try:
@@ -40,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     meta = json.loads((corpus.path / "meta.json").read_text())
     n_files = len(meta.get("files") or []) or "builtin"
-    print(f"prepare | data {cfg.data.name}: {cfg.data.source} | {n_files} files, {meta['documents']:,} documents, "
+    print(f"prepare | data {cfg.data.name}: {cfg.data.source} | {n_files} files, {_count(meta)}, "
           f"{meta['tokens']:,} tokens, vocab {corpus.vocab_size} | {corpus.origin} in {time.perf_counter() - t0:.1f}s")
     print(corpus.path)
     return 0

@@ -36,6 +36,15 @@ class RopeLayout(str, enum.Enum):
     half = "half"
 
 
+class DataFormat(str, enum.Enum):
+    """``text``: documents run together, loss on every token (pretraining); ``sft``: jsonl of
+    ``messages`` chats or ``prompt``/``completion`` pairs, loss on the answers only, examples packed
+    without attention across them (fine-tuning)."""
+
+    text = "text"
+    sft = "sft"
+
+
 class ActivationCheckpointing(str, enum.Enum):
     none = "none"
     selective = "selective"
@@ -90,7 +99,8 @@ class DataCfg:
     name: str = "pydoc"
     # "builtin:pydoc" (text shipped with Python) or an fsspec URL / glob of .txt/.jsonl/.parquet files
     source: str = "builtin:pydoc"
-    text_field: str = "text"
+    text_field: str = "text"  # the text of a .jsonl record / .parquet row (format text)
+    format: DataFormat = DataFormat.text
     vocab_size: int = 4096
     val_fraction: float = 0.05
     # None: $LLMCTL_CACHE_DIR, else ~/.cache/llmctl

@@ -145,23 +145,46 @@ class LossFile:
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, batches: list, autocast, env: DistEnv) -> float:
-    """Mean loss over the fixed validation batches, averaged across data-parallel ranks."""
+    """Loss over every target of the fixed validation batches (all ranks): their exact mean."""
     model.eval()
     total = torch.zeros((), device=env.device)
     with loss_context(env.dims)():
-        for x, y in batches:
+        for b in batches:
             with autocast():
-                total += local_loss(model(x, y)).float()
+                total += local_loss(model(b.inputs, b.targets, **b.model_kwargs(), reduction="sum")).float()
     model.train()
-    return _mean_across(total / len(batches), env)  # tp ranks hold equal values: mean over dp
+    return _sum_over_dp(total, env) / sum(b.global_targets for b in batches)
 
 
-def _mean_across(value: torch.Tensor, env: DistEnv) -> float:
+def _sum_over_dp(value: torch.Tensor, env: DistEnv) -> float:
+    """Sum of ``value`` over the data-parallel ranks (tp ranks hold equal values)."""
     if env.world_size > 1:
         value = value.clone()
         dist.all_reduce(value, op=dist.ReduceOp.SUM)
-        value /= env.world_size
+        value /= env.dims.tp
     return value.item()
+
+
+def step_loss(model: torch.nn.Module, batch: Any, dp_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(what to backpropagate, this rank's share of the reported loss) for one batch.
+
+    The loss is the sum over this rank's targets divided by the global batch's count of targets,
+    so the shares of all ranks (and micro-batches) add up to the exact mean over the global batch,
+    masks and padding included. FSDP averages gradients over the data-parallel ranks, hence the
+    factor ``dp_size`` in what is backpropagated.
+    """
+    share = local_loss(model(batch.inputs, batch.targets, **batch.model_kwargs(), reduction="sum"))
+    share = share / batch.global_targets
+    return share * dp_size, share.detach()
+
+
+def _describe(train_seqs: Any, val_seqs: Any) -> str:
+    """What the trainer reads: windows of the token stream, or packed fine-tuning examples."""
+    if not hasattr(train_seqs, "bins"):
+        return f"{len(train_seqs.tokens):,} train / {len(val_seqs.tokens):,} val tokens"
+    cut = f", {train_seqs.truncated + val_seqs.truncated} truncated to seq_len" if train_seqs.truncated + val_seqs.truncated else ""
+    return (f"{len(train_seqs.starts):,} train / {len(val_seqs.starts):,} val examples packed into "
+            f"{len(train_seqs):,} / {len(val_seqs):,} sequences ({train_seqs.fill:.0%} filled{cut})")
 
 
 def load_pretrained(cfg: Any, env: DistEnv) -> torch.nn.Module:
@@ -189,9 +212,9 @@ def train(cfg: Any) -> dict:
     corpus = prepare_corpus(cfg.data)
     if corpus.vocab_size > mc.vocab_size:
         raise ValueError(f"tokenizer has {corpus.vocab_size} tokens but model.vocab_size={mc.vocab_size}")
-    train_tokens, val_tokens = corpus.split(float(cfg.data.val_fraction))
-    sampler = Sampler(train_tokens, tc.seq_len, tc.batch_size, tc.seed, env.dp_rank, env.dp_size)
-    val_set = val_batches(val_tokens, tc.seq_len, tc.batch_size, tc.val_batches, env.dp_rank, env.dp_size, env.device)
+    train_seqs, val_seqs = corpus.sequences(float(cfg.data.val_fraction), tc.seq_len)
+    sampler = Sampler(train_seqs, tc.seq_len, tc.batch_size, tc.seed, env.dp_rank, env.dp_size)
+    val_set = val_batches(val_seqs, tc.seq_len, tc.batch_size, tc.val_batches, env.dp_rank, env.dp_size, env.device)
 
     flops_per_token = shape.flops_per_token(mc, tc.seq_len)
     n_params = shape.num_params(mc)
@@ -224,7 +247,7 @@ def train(cfg: Any) -> dict:
     say(f"pretrain | model {mc.name}: {n_params / 1e6:.2f}M params (non-embedding), {mc.n_layers} layers, "
         f"dim {mc.dim}, {mc.n_heads}/{mc.n_kv_heads} heads, {_value(mc.kernels)} kernels, {dtype}"
         f"{', compiled' if mc.compile else ''}")
-    say(f"pretrain | data {cfg.data.name}: {len(train_tokens):,} train / {len(val_tokens):,} val tokens, "
+    say(f"pretrain | data {cfg.data.name}: {_describe(train_seqs, val_seqs)}, "
         f"vocab {corpus.vocab_size} ({'cached' if corpus.cache_hit else 'built'} {corpus.path}) | "
         f"{tc.batch_size} x {tc.seq_len} = {tokens_per_step:,} tokens/step | world {env.world_size} on "
         f"{env.device.type}" + (f" ({torch.get_num_threads()} threads/proc)" if env.device.type == "cpu" else ""))
@@ -262,23 +285,23 @@ def train(cfg: Any) -> dict:
         for group in optimizer.param_groups:
             group["lr"] = lr
 
-        x, y = sampler.next_batch(env.device)
+        batch = sampler.next_batch(env.device)
         with step_context():  # loss_parallel under TP; FSDP reduce-scatters grads inside backward
             with autocast():
-                loss = local_loss(model(x, y))
+                loss, share = step_loss(model, batch, env.dp_size)
             loss.backward()
         max_norm = float(tc.grad_clip) if tc.grad_clip and tc.grad_clip > 0 else math.inf
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        loss_sum += loss.detach().float()
+        loss_sum += share.float()
         loss_count += 1
         steps_in_interval += 1
         stop = guard.should_stop(env.device)  # every rank gets the same answer
         last = step == tc.steps or stop
 
         if step % log_every == 0 or last:
-            train_loss = _mean_across(loss_sum / loss_count, env)  # syncs the device too
+            train_loss = _sum_over_dp(loss_sum / loss_count, env)  # syncs the device too
             elapsed = time.perf_counter() - t_interval
             tok_s = steps_in_interval * tokens_per_step / elapsed
             tok_s_dev = tok_s / env.world_size

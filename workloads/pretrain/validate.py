@@ -47,6 +47,9 @@ def validate(cfg: dict[str, Any]) -> None:
     _require(bool(data["source"]), "data.source",
              "no text to train on. Fix: data.source=<fsspec URL or glob>, e.g. data.source='s3://bucket/corpus/*.jsonl'")
     _require(0 < data["val_fraction"] < 1, "data.val_fraction", f"must lie in (0, 1), got {data['val_fraction']}")
+    _require(getattr(data.get("format"), "value", data.get("format")) != "sft" or data["source"] != "builtin:pydoc", "data.format",
+             "sft reads your fine-tuning records, not the bundled corpus. Fix: data.source=<.jsonl of "
+             "{\"messages\": [...]} or {\"prompt\": ..., \"completion\": ...} records> (or data=sft)")
     if not data.get("tokenizer"):  # a BPE of data.vocab_size trained here (a given one is checked when loaded)
         _require(2 <= data["vocab_size"] <= model["vocab_size"], "data.vocab_size",
                  f"the tokenizer's {data['vocab_size']} tokens must fit model.vocab_size={model['vocab_size']}")

@@ -30,8 +30,10 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 
 from workloads.pretrain.data.sources import (
-    BUILTIN_SOURCE, CORPUS_VERSION, SourceFile, builtin_pydoc_texts, file_texts, list_source_files, source_files,
+    BUILTIN_SOURCE, CORPUS_VERSION, SourceFile, builtin_pydoc_texts, file_records, file_texts, list_source_files,
+    source_files,
 )
+from workloads.pretrain.data.chat import ChatTemplate, ExampleError, encode_example, load_chat_template
 from workloads.pretrain.data.tokenizer import EOT, load_pretrained, train_tokenizer
 
 _LOCK_STALE_S = 3600.0
@@ -39,7 +41,8 @@ _LOCK_STALE_S = 3600.0
 # source is still tokenized. Merges are settled long before this on any natural-language corpus.
 TOKENIZER_TRAIN_CHARS = 1_000_000_000
 _ENCODE_BATCH_DOCS = 1024
-CACHE_FILES = ("tokenizer.json", "tokens.npy", "meta.json")  # meta.json last: the commit marker
+# meta.json last: the commit marker. mask.npy / offsets.npy: fine-tuning data only.
+CACHE_FILES = ("tokenizer.json", "tokens.npy", "mask.npy", "offsets.npy", "meta.json")
 
 
 def cache_root(data_cfg: Any) -> Path:
@@ -57,15 +60,27 @@ def _remote_root(data_cfg: Any) -> str | None:
     return root.rstrip("/") if "://" in root and not root.startswith("file://") else None
 
 
-def cache_key(data_cfg: Any, files: list[SourceFile] | None = None, pretrained: str | None = None) -> str:
+def _format(data_cfg: Any) -> str:
+    fmt = getattr(data_cfg, "format", "text")
+    return getattr(fmt, "value", fmt)
+
+
+def cache_key(data_cfg: Any, files: list[SourceFile] | None = None, pretrained: str | None = None,
+              chat_template: str | None = None) -> str:
     """What the cached tokens depend on: the source and, for files, every file's URL, size and
-    ETag/mtime; vocab size (or the pretrained tokenizer's own text); text field; tokenizers version.
-    Builtin: fixed per Python version."""
+    ETag/mtime; vocab size (or the pretrained tokenizer's own text); text field; tokenizers version;
+    for fine-tuning data its format and the chat template. Builtin: fixed per Python version."""
     import tokenizers
 
     builtin = data_cfg.source == BUILTIN_SOURCE
     if not builtin and files is None:
         files = list_source_files(data_cfg.source)
+    if _format(data_cfg) == "sft":
+        ident = {"format": "sft", "pretrained": pretrained, "chat_template": chat_template,
+                 "vocab_size": None if pretrained else int(data_cfg.vocab_size), "corpus_version": CORPUS_VERSION,
+                 "tokenizers": tokenizers.__version__, "files": [[f.url, f.size, f.version] for f in files or []]}
+        digest = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+        return f"{data_cfg.name}-sft-{digest}"
     if pretrained is not None:
         digest = hashlib.sha256(pretrained.encode()).hexdigest()[:12]
         return f"{data_cfg.name}-tok{digest}-{_ident_digest(data_cfg, files, builtin, tokenizers.__version__, digest)}"
@@ -104,6 +119,10 @@ class Corpus:
     cache_hit: bool
     origin: str = "cache"
     eos_token: str = EOT  # what separates documents (and ends generation): the tokenizer's end-of-text
+    # fine-tuning data (data.format=sft): per token 1 where it is a target; example j is
+    # tokens[offsets[j]:offsets[j + 1]]
+    mask: np.ndarray | None = None
+    offsets: np.ndarray | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -116,6 +135,23 @@ class Corpus:
             raise ValueError(f"data.val_fraction={val_fraction} leaves no validation tokens")
         return self.tokens[:-n_val], self.tokens[-n_val:]
 
+    def sequences(self, val_fraction: float, seq_len: int):
+        """(train, val) training sequences: windows of the token stream (text), or the examples
+        packed into sequences (sft; val is the last ``val_fraction`` of the examples)."""
+        from workloads.pretrain.data.sampler import PackedExamples, Windows
+
+        if self.offsets is None:
+            return tuple(Windows(part, seq_len) for part in self.split(val_fraction))
+        n = len(self.offsets) - 1
+        n_val = int(n * val_fraction)
+        if n_val <= 0 or n_val >= n:
+            raise ValueError(f"data.val_fraction={val_fraction} of {n} examples leaves no validation or no "
+                             f"training examples")
+        pad = self.tokenizer.token_to_id(self.eos_token)
+        cut = n - n_val
+        return (PackedExamples(self.tokens, self.mask, self.offsets[: cut + 1], seq_len, pad),
+                PackedExamples(self.tokens, self.mask, self.offsets[cut:], seq_len, pad))
+
 
 def prepare_corpus(data_cfg: Any, *, timeout_s: float = 1800.0) -> Corpus:
     """Load the cached corpus for ``data_cfg``, building (or downloading) it first if needed."""
@@ -124,7 +160,12 @@ def prepare_corpus(data_cfg: Any, *, timeout_s: float = 1800.0) -> Corpus:
     files = source_files(data_cfg)
     spec = getattr(data_cfg, "tokenizer", None)
     pretrained = load_pretrained(spec) if spec else None
-    key = cache_key(data_cfg, files, pretrained[2] if pretrained else None)
+    sft = _format(data_cfg) == "sft"
+    if sft and files is None:
+        raise ValueError("data.format=sft needs data.source=<.jsonl files of 'messages' or 'prompt'/'completion' "
+                         "records>, not the bundled corpus")
+    template = load_chat_template(spec) if sft else None
+    key = cache_key(data_cfg, files, pretrained[2] if pretrained else None, template.source if template else None)
     final = cache_root(data_cfg) / key
     remote = _remote_root(data_cfg)
     origin = ["built"]
@@ -133,12 +174,18 @@ def prepare_corpus(data_cfg: Any, *, timeout_s: float = 1800.0) -> Corpus:
         if remote and _download(f"{remote}/{key}", tmp):
             origin[0] = "downloaded"
             return
-        _build(data_cfg, tmp, files, pretrained)
+        if sft:
+            _build_sft(data_cfg, tmp, files, pretrained, template)
+        else:
+            _build(data_cfg, tmp, files, pretrained)
         if remote:
             _upload(tmp, f"{remote}/{key}")
 
     built = _build_once(final, build, timeout_s)
     meta = json.loads((final / "meta.json").read_text())
+    extra = {}
+    if sft:
+        extra = {"mask": np.load(final / "mask.npy", mmap_mode="r"), "offsets": np.load(final / "offsets.npy")}
     return Corpus(
         path=final,
         tokens=np.load(final / "tokens.npy", mmap_mode="r"),
@@ -146,6 +193,7 @@ def prepare_corpus(data_cfg: Any, *, timeout_s: float = 1800.0) -> Corpus:
         cache_hit=not built,
         origin=origin[0] if built else "cache",
         eos_token=meta.get("eos_token", EOT),
+        **extra,
     )
 
 
@@ -157,7 +205,8 @@ def _download(remote_dir: str, out: Path) -> bool:
     if not fs.exists(f"{path}/meta.json"):
         return False
     for name in CACHE_FILES:
-        fs.get_file(f"{path}/{name}", str(out / name))
+        if fs.exists(f"{path}/{name}"):
+            fs.get_file(f"{path}/{name}", str(out / name))
     return True
 
 
@@ -167,7 +216,8 @@ def _upload(local_dir: Path, remote_dir: str) -> None:
 
     fs, path = url_to_fs(remote_dir)
     for name in CACHE_FILES:
-        fs.put_file(str(local_dir / name), f"{path}/{name}")
+        if (local_dir / name).exists():
+            fs.put_file(str(local_dir / name), f"{path}/{name}")
 
 
 def _counted(texts: Iterable[str], stats: dict, max_chars: int) -> Iterator[str]:
@@ -251,6 +301,52 @@ def _build(data_cfg: Any, out: Path, files: list[SourceFile] | None = None,
         "corpus_version": CORPUS_VERSION,
         "build_seconds": round(time.time() - t0, 2),
     }
+    (out / "meta.json").write_text(json.dumps(meta, indent=2))
+
+
+def _build_sft(data_cfg: Any, out: Path, files: list[SourceFile], pretrained: tuple[Any, str, str] | None,
+               template: ChatTemplate | None) -> None:
+    """Encode each fine-tuning record (``chat.encode_example``) into ``tokens.npy`` (the examples one
+    after another), ``mask.npy`` (1 where a token is a target) and ``offsets.npy`` (example bounds).
+
+    Without ``data.tokenizer`` a byte-level BPE is trained on the prompt/completion texts.
+    """
+    t0 = time.time()
+    if pretrained is None:
+        def texts():
+            for _, rec in file_records(files):
+                if isinstance(rec, dict) and "prompt" in rec:
+                    yield f"{rec.get('prompt', '')}{rec.get('completion', '')}"
+        tok, eos = train_tokenizer(texts(), int(data_cfg.vocab_size)), EOT
+    else:
+        tok, eos, _ = pretrained
+    eos_id = tok.token_to_id(eos)
+    ids_parts, mask_parts, offsets, targets = [], [], [0], 0
+    for where, record in file_records(files):
+        ids, mask = encode_example(record, tok, eos_id, template, where)
+        if mask[1:].sum() == 0:
+            raise ExampleError(f"{where}: nothing to learn: the example has no target tokens after its first token")
+        ids_parts.append(ids)
+        mask_parts.append(mask)
+        offsets.append(offsets[-1] + len(ids))
+        targets += int(mask[1:].sum())
+    if len(offsets) < 3:
+        raise ValueError(f"data.source={data_cfg.source!r}: {len(offsets) - 1} fine-tuning example(s); need at "
+                         f"least 2 (one for validation)")
+    dtype = np.uint16 if tok.get_vocab_size() <= np.iinfo(np.uint16).max + 1 else np.uint32
+    np.save(out / "tokens.npy", np.concatenate(ids_parts).astype(dtype))
+    np.save(out / "mask.npy", np.concatenate(mask_parts))
+    np.save(out / "offsets.npy", np.asarray(offsets, dtype=np.int64))
+    if pretrained is None:
+        tok.save(str(out / "tokenizer.json"))
+    else:
+        (out / "tokenizer.json").write_text(pretrained[2], encoding="utf-8")
+    meta = {"source": data_cfg.source, "format": "sft",
+            "files": [{"url": f.url, "size": f.size, "version": f.version} for f in files],
+            "vocab_size": tok.get_vocab_size(), "examples": len(offsets) - 1, "tokens": offsets[-1],
+            "target_tokens": targets, "tokenizer": getattr(data_cfg, "tokenizer", None), "eos_token": eos,
+            "chat_template": template is not None, "corpus_version": CORPUS_VERSION,
+            "build_seconds": round(time.time() - t0, 2)}
     (out / "meta.json").write_text(json.dumps(meta, indent=2))
 
 

@@ -1,38 +1,153 @@
-"""Batches from a tokenized corpus: random training windows resumable exactly, a fixed validation set."""
+"""Batches from a tokenized corpus: random training sequences resumable exactly, a fixed validation set.
+
+Two kinds of sequences (``data.format``):
+
+* ``Windows`` (text): consecutive ``seq_len + 1``-token windows of the token stream; documents run
+  together, separated by the end-of-text token, every position is a target (pretraining).
+* ``PackedExamples`` (sft): whole fine-tuning examples packed into sequences of ``seq_len``
+  positions, in order, as many as fit (next-fit). Each packed token carries its position within its
+  example (RoPE restarts at 0) and its example's index, and attention stays inside the example
+  (block-causal mask), so a packed sequence computes exactly what the examples would one at a time.
+  Targets outside the loss mask, across example boundaries and on padding are ``IGNORE_INDEX``.
+  An example longer than ``seq_len + 1`` tokens is truncated to its first ``seq_len + 1``.
+
+Every global batch carries its global count of targets (``Batch.global_targets``): the loss is
+the sum over the global batch divided by that count, whatever the number of ranks or micro-batches.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
 
 import numpy as np
 import torch
 
-
-def _window(tokens: np.ndarray, index: int, seq_len: int) -> np.ndarray:
-    start = index * seq_len
-    return tokens[start : start + seq_len + 1]
+from workloads.pretrain.losses import IGNORE_INDEX
 
 
-def _to_xy(windows: list[np.ndarray], device) -> tuple[torch.Tensor, torch.Tensor]:
-    batch = torch.from_numpy(np.stack(windows).astype(np.int64))
-    return batch[:, :-1].to(device), batch[:, 1:].to(device)
+@dataclass
+class Batch:
+    """This rank's slice of one global batch, each tensor [local_batch, seq_len]."""
+
+    inputs: torch.Tensor
+    targets: torch.Tensor  # IGNORE_INDEX where no loss is taken
+    global_targets: int  # targets (not ignored) in the whole global batch, over all ranks
+    positions: Optional[torch.Tensor] = None  # position of each token in its example (packed only)
+    doc_ids: Optional[torch.Tensor] = None  # example of each token; attention stays within it
+
+    def model_kwargs(self) -> dict:
+        """The packing arguments of ``Transformer.forward`` (none for plain windows)."""
+        return {} if self.positions is None else {"positions": self.positions, "doc_ids": self.doc_ids}
+
+
+class Windows:
+    """Non-overlapping ``seq_len + 1``-token windows of a token stream: every position a target."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int):
+        self.tokens, self.seq_len = tokens, seq_len
+        self.n = (len(tokens) - 1) // seq_len
+
+    def __len__(self) -> int:
+        return self.n
+
+    def targets_in(self, indices) -> int:
+        return len(indices) * self.seq_len
+
+    def batch(self, indices, global_targets: int, device) -> Batch:
+        rows = np.stack([self.tokens[i * self.seq_len : i * self.seq_len + self.seq_len + 1] for i in indices])
+        rows = torch.from_numpy(rows.astype(np.int64))
+        return Batch(rows[:, :-1].to(device), rows[:, 1:].to(device), global_targets)
+
+
+class PackedExamples:
+    """Fine-tuning examples (``offsets[j]:offsets[j+1]`` of ``tokens``, loss where ``mask``) packed
+    next-fit, in order, into sequences of ``seq_len`` positions."""
+
+    def __init__(self, tokens: np.ndarray, mask: np.ndarray, offsets: np.ndarray, seq_len: int, pad_id: int = 0):
+        self.tokens, self.mask, self.seq_len, self.pad_id = tokens, mask, seq_len, pad_id
+        starts = np.asarray(offsets[:-1], dtype=np.int64)
+        # an example of L tokens fills L - 1 positions (input t predicts token t + 1)
+        positions = np.minimum(np.diff(np.asarray(offsets, dtype=np.int64)) - 1, seq_len)
+        keep = positions > 0
+        self.truncated = int((np.diff(offsets) - 1 > seq_len).sum())
+        self.starts, self.lengths = starts[keep], positions[keep]
+        self.bins = _next_fit(self.lengths, seq_len)  # [n_bins + 1] example boundaries
+        self.n = len(self.bins) - 1
+        mask_cum = np.concatenate([[0], np.cumsum(mask, dtype=np.int64)])
+        per_example = mask_cum[self.starts + 1 + self.lengths] - mask_cum[self.starts + 1]
+        cum = np.concatenate([[0], np.cumsum(per_example)])
+        self._bin_targets = cum[self.bins[1:]] - cum[self.bins[:-1]]
+        self.fill = float(self.lengths.sum()) / max(1, self.n * seq_len)  # share of positions not padding
+
+    def __len__(self) -> int:
+        return self.n
+
+    def targets_in(self, indices) -> int:
+        return int(self._bin_targets[np.asarray(list(indices), dtype=np.int64)].sum())
+
+    def batch(self, indices, global_targets: int, device) -> Batch:
+        rows = [self._row(int(i)) for i in indices]
+        x, y, pos, doc = (torch.from_numpy(np.stack(col)).to(device) for col in zip(*rows))
+        return Batch(x, y, global_targets, pos, doc)
+
+    def _row(self, b: int):
+        n = self.seq_len
+        x = np.full(n, self.pad_id, np.int64)
+        y = np.full(n, IGNORE_INDEX, np.int64)
+        pos = np.arange(n, dtype=np.int64)
+        doc = np.full(n, self.bins[b + 1] - self.bins[b], np.int64)  # padding: its own block
+        at = 0
+        for d, j in enumerate(range(self.bins[b], self.bins[b + 1])):
+            s, length = self.starts[j], self.lengths[j]
+            x[at : at + length] = self.tokens[s : s + length]
+            nxt = self.tokens[s + 1 : s + 1 + length].astype(np.int64)
+            y[at : at + length] = np.where(self.mask[s + 1 : s + 1 + length] > 0, nxt, IGNORE_INDEX)
+            pos[at : at + length] = np.arange(length)
+            doc[at : at + length] = d
+            at += length
+        pos[at:] = np.arange(n - at)
+        return x, y, pos, doc
+
+
+def _next_fit(lengths: np.ndarray, capacity: int) -> np.ndarray:
+    """Boundaries of consecutive runs of ``lengths`` whose sums fit ``capacity`` (each <= capacity)."""
+    bounds, used = [0], 0
+    for j, n in enumerate(lengths.tolist()):
+        if used + n > capacity:
+            bounds.append(j)
+            used = 0
+        used += n
+    if len(lengths):
+        bounds.append(len(lengths))
+    return np.asarray(bounds, dtype=np.int64)
+
+
+Sequences = Union[Windows, PackedExamples]
+
+
+def _as_sequences(data: Union[np.ndarray, Sequences], seq_len: int) -> Sequences:
+    return Windows(data, seq_len) if isinstance(data, np.ndarray) else data
 
 
 class Sampler:
-    """Random windows of ``seq_len + 1`` tokens (targets never overlap), resumable exactly.
+    """Random training sequences (``Windows`` of a token array, or ``PackedExamples``), resumable exactly.
 
-    The k-th sequence of training is window ``perm_e[k mod n]`` with ``e = k // n`` and ``perm_e``
-    a permutation seeded by (seed, e). A global batch is ``global_batch_size`` consecutive k's, so
+    The k-th sequence of training is ``perm_e[k mod n]`` with ``e = k // n`` and ``perm_e`` a
+    permutation seeded by (seed, e). A global batch is ``global_batch_size`` consecutive k's, so
     it depends only on (seed, sequences consumed), never on the world size; data-parallel rank r
     takes the contiguous slice [r * local, (r + 1) * local). ``state_dict`` is that one counter.
     """
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, global_batch_size: int, seed: int,
+    def __init__(self, data: Union[np.ndarray, Sequences], seq_len: int, global_batch_size: int, seed: int,
                  dp_rank: int = 0, dp_size: int = 1):
         if global_batch_size % dp_size:
             raise ValueError(f"train.batch_size={global_batch_size} is not divisible by {dp_size} data-parallel ranks")
-        self.n_windows = (len(tokens) - 1) // seq_len
+        self.sequences = _as_sequences(data, seq_len)
+        self.n_windows = len(self.sequences)
         if self.n_windows < 1:
-            raise ValueError(f"{len(tokens)} training tokens is less than one window of seq_len={seq_len}")
-        self.tokens, self.seq_len, self.seed = tokens, seq_len, seed
+            raise ValueError(f"the training split holds less than one sequence of seq_len={seq_len}")
+        self.seq_len, self.seed = seq_len, seed
         self.global_batch_size = global_batch_size
         self.local_batch_size = global_batch_size // dp_size
         self.dp_rank = dp_rank
@@ -46,12 +161,12 @@ class Sampler:
             self._perms[epoch] = np.random.default_rng([self.seed, epoch]).permutation(self.n_windows)
         return int(self._perms[epoch][i])
 
-    def next_batch(self, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's (inputs, targets), each [local_batch, seq_len] int64; advances one step."""
-        first = self.consumed + self.dp_rank * self.local_batch_size
-        ks = range(first, first + self.local_batch_size)
+    def next_batch(self, device="cpu") -> Batch:
+        """This rank's slice of the next global batch; advances one step."""
+        every = [self._window_index(k) for k in range(self.consumed, self.consumed + self.global_batch_size)]
+        mine = every[self.dp_rank * self.local_batch_size : (self.dp_rank + 1) * self.local_batch_size]
         self.consumed += self.global_batch_size
-        return _to_xy([_window(self.tokens, self._window_index(k), self.seq_len) for k in ks], device)
+        return self.sequences.batch(mine, self.sequences.targets_in(every), device)
 
     @property
     def epoch(self) -> float:
@@ -66,22 +181,23 @@ class Sampler:
         self.consumed = int(state["consumed"])
 
 
-def val_batches(tokens: np.ndarray, seq_len: int, global_batch_size: int, n_batches: int,
-                dp_rank: int = 0, dp_size: int = 1, device="cpu") -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The fixed validation set: the first ``n_batches * global_batch_size`` windows, in order.
+def val_batches(data: Union[np.ndarray, Sequences], seq_len: int, global_batch_size: int, n_batches: int,
+                dp_rank: int = 0, dp_size: int = 1, device="cpu") -> list[Batch]:
+    """The fixed validation set: the first ``n_batches * global_batch_size`` sequences, in order.
 
     Returns this rank's slice of each batch. Fewer batches are used if the split is short.
     """
-    n_windows = (len(tokens) - 1) // seq_len
-    n = min(n_batches, n_windows // global_batch_size)
+    sequences = _as_sequences(data, seq_len)
+    n = min(n_batches, len(sequences) // global_batch_size)
     if n < 1:
         raise ValueError(
-            f"validation split has {n_windows} windows of seq_len={seq_len}: fewer than one batch of "
+            f"validation split has {len(sequences)} sequences of seq_len={seq_len}: fewer than one batch of "
             f"{global_batch_size}; raise data.val_fraction or lower train.batch_size"
         )
     local = global_batch_size // dp_size
     out = []
     for b in range(n):
-        first = b * global_batch_size + dp_rank * local
-        out.append(_to_xy([_window(tokens, k, seq_len) for k in range(first, first + local)], device))
+        every = range(b * global_batch_size, (b + 1) * global_batch_size)
+        mine = every[dp_rank * local : (dp_rank + 1) * local]
+        out.append(sequences.batch(mine, sequences.targets_in(every), device))
     return out

@@ -129,6 +129,34 @@ def file_texts(files: list[SourceFile], text_field: str) -> Iterator[str]:
                             yield str(text)
 
 
+def file_records(files: list[SourceFile]) -> Iterator[tuple[str, Any]]:
+    """(where, record) for each .jsonl line / .parquet row of ``files``, in order (fine-tuning data)."""
+    import fsspec
+
+    for f in files:
+        fmt = _format_of(f.url)
+        if fmt == ".txt":
+            raise ValueError(f"{f.url}: data.format=sft reads .jsonl (or .parquet) records of 'messages' or "
+                             f"'prompt'/'completion', not .txt files")
+        with fsspec.open(f.url, "rb", compression="infer") as fh:
+            if fmt == ".jsonl":
+                for lineno, line in enumerate(fh, 1):
+                    if line.strip():
+                        try:
+                            yield f"{f.url}:{lineno}", json.loads(line)
+                        except json.JSONDecodeError as e:
+                            raise ValueError(f"{f.url}:{lineno}: not JSON ({e.msg})") from None
+            else:
+                import pyarrow.parquet as pq
+
+                pf = pq.ParquetFile(fh)
+                row = 0
+                for i in range(pf.num_row_groups):
+                    for rec in pf.read_row_group(i).to_pylist():
+                        row += 1
+                        yield f"{f.url}: row {row}", rec
+
+
 def builtin_pydoc_texts() -> list[str]:
     """pydoc topics + stdlib docstrings, in a fixed shuffled order (so val is like train)."""
     from pydoc_data.topics import topics

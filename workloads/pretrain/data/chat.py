@@ -1,0 +1,157 @@
+"""Fine-tuning examples as (token ids, loss mask): chat ``messages`` or ``prompt``/``completion``.
+
+A chat example is rendered by the tokenizer's own chat template (Jinja, as transformers renders
+it: sandboxed, ``trim_blocks``/``lstrip_blocks``, ``raise_exception``), and the loss covers the
+assistant turns only. Which characters are an assistant turn is found by rendering prefixes:
+turn i spans from ``render(messages[:i], add_generation_prompt=True)`` to
+``render(messages[:i + 1])`` (so the template's end-of-turn token is learned, its role header is
+not). That works for any template whose renderings of a conversation's prefixes are prefixes of
+its rendering, which is what ``add_generation_prompt`` promises; a template that breaks it is
+refused by name. A token is a target when it holds a character of such a span.
+
+``prompt``/``completion``: the prompt is encoded with the tokenizer's special tokens (BOS), the
+completion without, then the end-of-text token; the loss covers the completion and that token.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+
+
+class ExampleError(ValueError):
+    """A fine-tuning record the user can fix; the message names the file and line."""
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    """A tokenizer's chat template and the special tokens it refers to."""
+
+    source: str
+    bos_token: str = ""
+    eos_token: str = ""
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        return _compiled(self.source).render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                             bos_token=self.bos_token, eos_token=self.eos_token)
+
+
+_TEMPLATES: dict[str, Any] = {}
+
+
+def _compiled(source: str):
+    if source not in _TEMPLATES:
+        from jinja2 import nodes
+        from jinja2.ext import Extension, loopcontrols
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        class Generation(Extension):
+            """``{% generation %}...{% endgeneration %}`` (transformers' assistant markers): the body."""
+
+            tags = {"generation"}
+
+            def parse(self, parser):
+                lineno = next(parser.stream).lineno
+                body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+                return nodes.Scope(body, lineno=lineno)
+
+        def raise_exception(message):
+            raise ExampleError(f"the chat template refused this conversation: {message}")
+
+        def strftime_now(fmt):
+            import datetime
+
+            return datetime.datetime.now().strftime(fmt)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=[Generation, loopcontrols])
+        env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, ensure_ascii=False, indent=indent)
+        env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now)
+        _TEMPLATES[source] = env.from_string(source)
+    return _TEMPLATES[source]
+
+
+def load_chat_template(tokenizer_dir: Optional[str]) -> Optional[ChatTemplate]:
+    """The chat template of a Hugging Face tokenizer directory (``chat_template.jinja`` or
+    ``tokenizer_config.json``'s ``chat_template``), with its BOS/EOS strings; None if it has none."""
+    if not tokenizer_dir or str(tokenizer_dir).endswith(".json"):
+        return None
+    import fsspec
+
+    base = str(tokenizer_dir).rstrip("/")
+    try:
+        with fsspec.open(f"{base}/tokenizer_config.json", "r", encoding="utf-8") as f:
+            config = json.load(f)
+    except FileNotFoundError:
+        config = {}
+    source = config.get("chat_template")
+    if isinstance(source, list):  # named templates: the default one
+        source = next((t["template"] for t in source if t.get("name") == "default"), None)
+    try:
+        with fsspec.open(f"{base}/chat_template.jinja", "r", encoding="utf-8") as f:
+            source = f.read()
+    except FileNotFoundError:
+        pass
+    if not source:
+        return None
+    return ChatTemplate(source, _token_text(config.get("bos_token")), _token_text(config.get("eos_token")))
+
+
+def _token_text(tok: Any) -> str:
+    return (tok.get("content") if isinstance(tok, dict) else tok) or ""
+
+
+def assistant_spans(template: ChatTemplate, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+    """(rendered text, [start, end) character spans of the assistant turns)."""
+    text = template.render(messages)
+    spans = []
+    for i, message in enumerate(messages):
+        if message.get("role") != "assistant":
+            continue
+        start = len(template.render(messages[:i], add_generation_prompt=True)) if i else 0
+        end = len(template.render(messages[: i + 1]))
+        prefix = template.render(messages[: i + 1])
+        if not text.startswith(prefix) or not prefix.startswith(text[:start]):
+            raise ExampleError("the tokenizer's chat template renders a conversation's first turns differently "
+                               "from the whole conversation, so its assistant turns cannot be located")
+        spans.append((start, end))
+    return text, spans
+
+
+def encode_example(record: Any, tokenizer: Any, eos_id: int, template: Optional[ChatTemplate],
+                   where: str) -> tuple[np.ndarray, np.ndarray]:
+    """(ids, mask): mask[i] is 1 where token i is a training target."""
+    if not isinstance(record, dict) or not ("messages" in record or "prompt" in record):
+        raise ExampleError(f"{where}: a fine-tuning record needs 'messages' (a chat) or 'prompt' and "
+                           f"'completion'; got {sorted(record) if isinstance(record, dict) else type(record).__name__}")
+    if "messages" in record:
+        messages = record["messages"]
+        if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
+            raise ExampleError(f"{where}: 'messages' must be a list of {{role, content}} objects")
+        if not any(m["role"] == "assistant" for m in messages):
+            raise ExampleError(f"{where}: no assistant message, so nothing to learn from this conversation")
+        if template is None:
+            raise ExampleError(f"{where}: chat 'messages' need a tokenizer with a chat template: set data.tokenizer="
+                               "<Hugging Face tokenizer directory whose tokenizer_config.json has chat_template> "
+                               "(model.init_from's checkpoint usually has one), or use prompt/completion records")
+        try:
+            text, spans = assistant_spans(template, messages)
+        except ExampleError as e:
+            raise ExampleError(f"{where}: {e}") from None
+        enc = tokenizer.encode(text, add_special_tokens=False)
+        ids = np.asarray(enc.ids, dtype=np.int64)
+        offsets = np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2)
+        mask = np.zeros(len(ids), dtype=np.uint8)
+        for a, b in spans:  # every token holding a character of the turn (as transformers marks them)
+            mask[(offsets[:, 0] < b) & (offsets[:, 1] > a)] = 1
+        return ids, mask
+    if "completion" not in record:
+        raise ExampleError(f"{where}: a 'prompt' record needs a 'completion'")
+    prompt = tokenizer.encode(str(record["prompt"]), add_special_tokens=True).ids
+    completion = tokenizer.encode(str(record["completion"]), add_special_tokens=False).ids + [eos_id]
+    ids = np.asarray(prompt + completion, dtype=np.int64)
+    mask = np.concatenate([np.zeros(len(prompt), np.uint8), np.ones(len(completion), np.uint8)])
+    return ids, mask
