@@ -125,7 +125,8 @@ def run_worker(spec: Path, pythonpath: str | None) -> dict[str, Any]:
 
 def _variants() -> dict[str, dict[str, Any]]:
     """ModelCfg fields of the tiny models exported: the existing tests' shape, tied embeddings with
-    Llama 3.1's RoPE scaling (rope_scaling in 4.x, rope_parameters in 5.x), and Qwen2 (q/k/v biases)."""
+    Llama 3.1's RoPE scaling (rope_scaling in 4.x, rope_parameters in 5.x), Qwen2 (q/k/v biases), and
+    the RoPE layout of a model fine-tuned from a Hugging Face checkpoint."""
     base = {"name": "t", "dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 300,
             "max_seq_len": 96, "rope_theta": 500000.0}
     # original_max_position_embeddings 16: wavelengths past 16 positions are scaled, so within a
@@ -134,7 +135,9 @@ def _variants() -> dict[str, dict[str, Any]]:
               "original_max_position_embeddings": 16}
     return {"llama": base,
             "llama-tied-llama3-rope": {**base, "tie_embeddings": True, "rope_theta": 10000.0, "rope_scaling": llama3},
-            "qwen2": {**base, "arch": "qwen2", "n_kv_heads": 1}}
+            "qwen2": {**base, "arch": "qwen2", "n_kv_heads": 1},
+            # a model loaded with model.init_from keeps Hugging Face's RoPE layout: exported unpermuted
+            "llama-init_from-layout": {**base, "rope_layout": "half"}}
 
 
 def _build(fields: dict[str, Any], seed: int = 0) -> tuple[torch.nn.Module, Any]:
