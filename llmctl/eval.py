@@ -49,7 +49,12 @@ class Target:
 
 
 def is_checkpoint_url(target: str) -> bool:
-    return "://" in target or "/" in target or os.sep in target or Path(target).exists()
+    if "://" in target or "/" in target or os.sep in target:
+        return True
+    try:
+        return Path(target).exists()
+    except OSError:  # a name no file can have (too long): a run id, or nothing
+        return False
 
 
 def _apply_overrides(cfg: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
