@@ -180,10 +180,11 @@ def _loss_env(path: Path) -> dict[str, str]:
 
 
 @pytest.mark.slow
-def test_sft_loss_falls_and_two_ranks_reproduce_one(tokenizer_dir, workload, tmp_path, cache_dir) -> None:
-    """Masked, packed fine-tuning: the loss falls, and FSDP over 2 ranks gives the single process's
-    losses (train and val, every step) within 1e-5: the loss is the mean over the global batch's
-    targets, not a mean of per-rank means (the ranks hold different numbers of targets)."""
+def test_sft_loss_falls_and_two_ranks_or_micro_batches_reproduce_one(tokenizer_dir, workload, tmp_path, cache_dir) -> None:
+    """Masked, packed fine-tuning: the loss falls, and FSDP over 2 ranks, or 2 micro-batches of 2,
+    give the single process's losses (train and val, every step) within 1e-5: the loss is the mean
+    over the global batch's targets, not a mean of per-rank or per-micro-batch means (they hold
+    different numbers of targets)."""
     from omegaconf import OmegaConf
 
     data = _chat_jsonl(tmp_path / "chats.jsonl")
@@ -199,12 +200,16 @@ def test_sft_loss_falls_and_two_ranks_reproduce_one(tokenizer_dir, workload, tmp
     two = workload.run(["--config", str(cfg), "parallel.dp_shard=2"], _loss_env(tmp_path / "two.jsonl"),
                        launcher=workload.torchrun(2))
     assert two.returncode == 0, two.stderr[-4000:]
-    ref, got = workload.loss_file(tmp_path / "one.jsonl"), workload.loss_file(tmp_path / "two.jsonl")
+    micro = workload.run(["--config", str(cfg), "train.micro_batch_size=2"], _loss_env(tmp_path / "micro.jsonl"))
+    assert micro.returncode == 0 and "(2 micro-batches of 2 per rank)" in micro.stdout, micro.stderr[-4000:]
+    ref = workload.loss_file(tmp_path / "one.jsonl")
     assert sorted(ref["train"]) == list(range(1, 9)) and sorted(ref["val"]) == [0, 4, 8]
-    for kind in ("train", "val"):
-        assert sorted(got[kind]) == sorted(ref[kind])
-        diffs = {step: abs(got[kind][step] - loss) for step, loss in ref[kind].items()}
-        assert max(diffs.values()) <= 1e-5, (kind, diffs)
+    for other in ("two", "micro"):
+        got = workload.loss_file(tmp_path / f"{other}.jsonl")
+        for kind in ("train", "val"):
+            assert sorted(got[kind]) == sorted(ref[kind])
+            diffs = {step: abs(got[kind][step] - loss) for step, loss in ref[kind].items()}
+            assert max(diffs.values()) <= 1e-5, (other, kind, diffs)
     assert ref["val"][8] < ref["val"][0] - 0.3, ref["val"]
     train = [ref["train"][s] for s in sorted(ref["train"])]
     assert np.mean(train[-3:]) < np.mean(train[:3]) - 0.3, train

@@ -201,6 +201,15 @@ def apply_fsdp(model: Transformer, dp_mesh: DeviceMesh, param_dtype: torch.dtype
     fully_shard(model, mesh=dp_mesh, mp_policy=mp)
 
 
+def set_gradient_sync(model: torch.nn.Module, enabled: bool) -> None:
+    """FSDP2: reduce-scatter gradients in this backward (the last micro-batch of a step) or keep
+    accumulating them unsharded (the others); one reduction per step instead of one per micro-batch."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(enabled)  # recurses into every block's unit
+
+
 def local_loss(loss: torch.Tensor) -> torch.Tensor:
     """A replicated DTensor loss (TP's loss_parallel) as a plain tensor; others unchanged."""
     from torch.distributed.tensor import DTensor

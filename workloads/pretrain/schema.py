@@ -105,9 +105,10 @@ class DataCfg:
     val_fraction: float = 0.05
     # None: $LLMCTL_CACHE_DIR, else ~/.cache/llmctl
     cache_dir: Optional[str] = None
-    # a tokenizer.json, or a Hugging Face model directory / fsspec URL holding one (its
-    # tokenizer_config.json names the end-of-text token); None: a byte-level BPE of data.vocab_size
-    # trained on data.source, or with model.init_from the checkpoint's own tokenizer
+    # a tokenizer.json, a Hugging Face model directory / fsspec URL holding one (its
+    # tokenizer_config.json names the end-of-text token and chat template), or a tiktoken BPE file;
+    # None: a byte-level BPE of data.vocab_size trained on data.source, or with model.init_from the
+    # checkpoint's own tokenizer
     tokenizer: Optional[str] = None
 
 
@@ -117,6 +118,9 @@ class TrainCfg:
 
     steps: int = 200
     batch_size: int = 16
+    # sequences per device per forward/backward; the step accumulates gradients over
+    # batch_size / (micro_batch_size x data-parallel ranks) of them. None: the whole local batch at once
+    micro_batch_size: Optional[int] = None
     seq_len: int = 128
     lr: float = 3e-3
     min_lr_ratio: float = 0.1

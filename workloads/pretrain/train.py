@@ -48,7 +48,7 @@ from workloads.pretrain.data import Sampler, prepare_corpus, val_batches
 from workloads.pretrain.metrics import MetricSink, format_train_line, peak_memory_gb, peak_tflops
 from workloads.pretrain.model import Transformer, build_model
 from workloads.pretrain.optim import build_optimizer, lr_factor
-from workloads.pretrain.parallelize import ParallelDims, local_loss, loss_context, parallelize
+from workloads.pretrain.parallelize import ParallelDims, local_loss, loss_context, parallelize, set_gradient_sync
 from workloads.pretrain import preempt, shape
 from workloads.pretrain.validate import ConfigError
 
@@ -144,12 +144,12 @@ class LossFile:
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, batches: list, autocast, env: DistEnv) -> float:
+def evaluate(model: torch.nn.Module, batches: list, autocast, env: DistEnv, micro_batch_size: int | None = None) -> float:
     """Loss over every target of the fixed validation batches (all ranks): their exact mean."""
     model.eval()
     total = torch.zeros((), device=env.device)
     with loss_context(env.dims)():
-        for b in batches:
+        for b in (micro for batch in batches for micro in batch.split(micro_batch_size)):
             with autocast():
                 total += local_loss(model(b.inputs, b.targets, **b.model_kwargs(), reduction="sum")).float()
     model.train()
@@ -176,6 +176,13 @@ def step_loss(model: torch.nn.Module, batch: Any, dp_size: int) -> tuple[torch.T
     share = local_loss(model(batch.inputs, batch.targets, **batch.model_kwargs(), reduction="sum"))
     share = share / batch.global_targets
     return share * dp_size, share.detach()
+
+
+def _accumulation(tc: Any, env: DistEnv) -> str:
+    local = tc.batch_size // env.dp_size
+    if not tc.micro_batch_size or tc.micro_batch_size >= local:
+        return ""
+    return f" ({local // tc.micro_batch_size} micro-batches of {tc.micro_batch_size} per rank)"
 
 
 def _describe(train_seqs: Any, val_seqs: Any) -> str:
@@ -249,7 +256,7 @@ def train(cfg: Any) -> dict:
         f"{', compiled' if mc.compile else ''}")
     say(f"pretrain | data {cfg.data.name}: {_describe(train_seqs, val_seqs)}, "
         f"vocab {corpus.vocab_size} ({'cached' if corpus.cache_hit else 'built'} {corpus.path}) | "
-        f"{tc.batch_size} x {tc.seq_len} = {tokens_per_step:,} tokens/step | world {env.world_size} on "
+        f"{tc.batch_size} x {tc.seq_len} = {tokens_per_step:,} tokens/step{_accumulation(tc, env)} | world {env.world_size} on "
         f"{env.device.type}" + (f" ({torch.get_num_threads()} threads/proc)" if env.device.type == "cpu" else ""))
     d = env.dims
     say(f"pretrain | mesh dp_replicate {d.dp_replicate} x dp_shard {d.dp_shard} x tp {d.tp} | "
@@ -261,7 +268,7 @@ def train(cfg: Any) -> dict:
 
     def run_val(step: int) -> float:
         t0 = time.perf_counter()
-        loss = evaluate(model, val_set, autocast, env)
+        loss = evaluate(model, val_set, autocast, env, tc.micro_batch_size)
         sink.log({"val/loss": loss, "time/val_s": time.perf_counter() - t0}, step)  # time: cost calibration
         loss_file.write(step, {"val/loss": loss})
         sink.flush()
@@ -285,16 +292,18 @@ def train(cfg: Any) -> dict:
         for group in optimizer.param_groups:
             group["lr"] = lr
 
-        batch = sampler.next_batch(env.device)
-        with step_context():  # loss_parallel under TP; FSDP reduce-scatters grads inside backward
-            with autocast():
-                loss, share = step_loss(model, batch, env.dp_size)
-            loss.backward()
+        micro_batches = sampler.next_batch(env.device).split(tc.micro_batch_size)
+        for i, micro in enumerate(micro_batches):
+            set_gradient_sync(model, i == len(micro_batches) - 1)  # FSDP reduces once, after the last
+            with step_context():  # loss_parallel under TP; FSDP reduce-scatters grads inside backward
+                with autocast():
+                    loss, share = step_loss(model, micro, env.dp_size)
+                loss.backward()
+            loss_sum += share.float()
         max_norm = float(tc.grad_clip) if tc.grad_clip and tc.grad_clip > 0 else math.inf
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        loss_sum += share.float()
         loss_count += 1
         steps_in_interval += 1
         stop = guard.should_stop(env.device)  # every rank gets the same answer

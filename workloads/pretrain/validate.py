@@ -75,6 +75,13 @@ def check_static_layout(cfg: dict[str, Any]) -> None:
     _require(train["batch_size"] % dp == 0, "train.batch_size",
              f"{train['batch_size']} sequences cannot be split over {dp} data-parallel ranks;"
              f" use a multiple of {dp}")
+    micro = train.get("micro_batch_size")
+    if micro is not None:
+        _require(micro > 0, "train.micro_batch_size", f"must be a positive integer or null, got {micro}")
+        local = train["batch_size"] // dp
+        _require(local % micro == 0, "train.micro_batch_size",
+                 f"{micro} does not divide the {local} sequences each of {dp} data-parallel rank(s) takes per "
+                 f"step (train.batch_size={train['batch_size']}); use a divisor of {local}")
 
 
 def resolve_layout(cfg: dict[str, Any], world_size: int) -> dict[str, int]:

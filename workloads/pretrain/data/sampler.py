@@ -36,6 +36,17 @@ class Batch:
     positions: Optional[torch.Tensor] = None  # position of each token in its example (packed only)
     doc_ids: Optional[torch.Tensor] = None  # example of each token; attention stays within it
 
+    def split(self, micro_batch_size: int | None) -> list["Batch"]:
+        """Micro-batches of ``micro_batch_size`` sequences (all of it for None); each keeps the
+        global count of targets, so their losses add up to the step's."""
+        if not micro_batch_size or micro_batch_size >= self.inputs.shape[0]:
+            return [self]
+        parts = [t.split(micro_batch_size) if t is not None else None
+                 for t in (self.inputs, self.targets, self.positions, self.doc_ids)]
+        return [Batch(parts[0][i], parts[1][i], self.global_targets,
+                      parts[2][i] if parts[2] else None, parts[3][i] if parts[3] else None)
+                for i in range(len(parts[0]))]
+
     def model_kwargs(self) -> dict:
         """The packing arguments of ``Transformer.forward`` (none for plain windows)."""
         return {} if self.positions is None else {"positions": self.positions, "doc_ids": self.doc_ids}
