@@ -248,29 +248,21 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
 
     @torch.no_grad()
-    def init_weights(self, buffer_device: torch.device | None = None):
-        """N(0, 0.02) everywhere; residual-branch outputs (wo, w2) scaled by 1/sqrt(2 L) (GPT-2).
+    def init_weights(self, buffer_device: torch.device | None = None, seed: int | None = None):
+        """Initial weights (``init.init_rule``): N(0, 0.02), residual outputs scaled by 1/sqrt(2 L),
+        norms 1, biases 0, each parameter from its own (seed, name) generator, so plain and sharded
+        (DTensor) parameters get the same values (``init.init_parameters``).
 
-        Deterministic given ``torch.manual_seed``; call after ``to_empty`` on a meta-built model.
+        ``seed`` None: drawn from torch's RNG (deterministic given ``torch.manual_seed``). Call
+        after ``to_empty`` on a meta-built (and possibly parallelised) model.
         """
+        from workloads.pretrain.init import init_parameters
+
         self.tie_weights()
         self.init_rope(buffer_device)
-        std, out_std = 0.02, 0.02 / math.sqrt(2 * self.n_layers)
-        nn.init.normal_(self.tok_embeddings.weight, std=std)
-        for block in self.layers.values():
-            attn, ffn = block.attention, block.feed_forward
-            for lin in (attn.wq, attn.wk, attn.wv, ffn.w1, ffn.w3):
-                nn.init.normal_(lin.weight, std=std)
-            for lin in (attn.wo, ffn.w2):
-                nn.init.normal_(lin.weight, std=out_std)
-            for lin in (attn.wq, attn.wk, attn.wv):
-                if lin.bias is not None:
-                    nn.init.zeros_(lin.bias)
-            block.attention_norm.reset_parameters()
-            block.ffn_norm.reset_parameters()
-        self.norm.reset_parameters()
-        if not self.tie_embeddings:
-            nn.init.normal_(self.output.weight, std=std)
+        if seed is None:
+            seed = int(torch.randint(0, 2**31 - 1, (1,)).item())
+        init_parameters(self, seed, self.n_layers)
 
     @torch.no_grad()
     def init_rope(self, device: torch.device | None = None):

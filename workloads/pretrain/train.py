@@ -46,7 +46,7 @@ from workloads.pretrain.config import parse_args
 from workloads.pretrain.contract import EXIT_CONFIG, EXIT_PREEMPTED
 from workloads.pretrain.data import Sampler, prepare_corpus, val_batches
 from workloads.pretrain.metrics import MetricSink, format_train_line, peak_memory_gb, peak_tflops
-from workloads.pretrain.model import Transformer, build_model
+from workloads.pretrain.model import Transformer
 from workloads.pretrain.optim import build_optimizer, lr_factor
 from workloads.pretrain.parallelize import ParallelDims, local_loss, loss_context, parallelize, set_gradient_sync
 from workloads.pretrain import preempt, shape
@@ -194,6 +194,18 @@ def _describe(train_seqs: Any, val_seqs: Any) -> str:
             f"{len(train_seqs):,} / {len(val_seqs):,} sequences ({train_seqs.fill:.0%} filled{cut})")
 
 
+def init_sharded(cfg: Any, env: DistEnv) -> torch.nn.Module:
+    """meta → parallelize → materialise empty → initial weights (``init``): the same values as one
+    process would draw, for any layout, with no rank ever holding more than its shards and one
+    parameter. Deterministic given ``torch.manual_seed``."""
+    with torch.device("meta"):
+        model = Transformer(cfg.model)
+    model = parallelize(model, env.dims, env.mesh, cfg)
+    model.to_empty(device=env.device)
+    model.init_weights(buffer_device=env.device)
+    return model
+
+
 def load_pretrained(cfg: Any, env: DistEnv) -> torch.nn.Module:
     """``model.init_from``: meta → parallelize → materialise empty → RoPE tables → the checkpoint's
     weights (``hf_checkpoint``): no rank ever holds more than its shards."""
@@ -227,12 +239,9 @@ def train(cfg: Any) -> dict:
     n_params = shape.num_params(mc)
     if mc.init_from:  # built on meta, sharded, then each rank reads only its slices of the checkpoint
         model = load_pretrained(cfg, env)
-    else:
-        # Every rank builds the same full model from the seed, then keeps its shards: the init is
-        # identical to a single process for any layout. (Past one device's memory, init on meta and
-        # shard first, as torchtitan does; per-shard random init then depends on the layout.)
+    else:  # built on meta, sharded, materialised empty, then each rank initialises only its shards
         torch.manual_seed(tc.seed)
-        model = parallelize(build_model(mc, env.device), env.dims, env.mesh, cfg)
+        model = init_sharded(cfg, env)
     optimizer = build_optimizer(model, tc)
     checkpointer = Checkpointer(cfg, env, model, optimizer, sampler)
     start_step = checkpointer.load()
