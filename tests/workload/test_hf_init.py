@@ -155,7 +155,8 @@ def test_launch_fine_tunes_exports_and_transformers_agrees(checkpoints: dict[str
                                                             tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Through llmctl: the plan and MLflow show the checkpoint's shape; FSDP over 2 trains from it
     (first-step loss = transformers' loss on the sampler's first batch, the tied head stays tied);
-    the export loads in transformers and computes what the checkpoint computes."""
+    the export loads in transformers (the newest and the oldest allowed, 4.45) and computes what
+    the checkpoint computes."""
     import transformers
     from mlflow.tracking import MlflowClient
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -214,7 +215,23 @@ def test_launch_fine_tunes_exports_and_transformers_agrees(checkpoints: dict[str
     assert exported.generation_config.eos_token_id == hf_tok.eos_token_id
     native = load_model(cfg.model, str(step_dir))
     with torch.no_grad():
-        torch.testing.assert_close(exported.eval()(input_ids=x).logits, native(x), atol=2e-5, rtol=1e-4)
+        want = native(x)
+        torch.testing.assert_close(exported.eval()(input_ids=x).logits, want, atol=2e-5, rtol=1e-4)
+
+    # the same export in the oldest transformers the package allows (4.45)
+    from test_export_oldest_transformers import oldest_transformers, run_worker
+
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"exports": {"launch": str(tmp_path / "export")}, "tokens": x.tolist(),
+                                "prompt": hf_tok("The")["input_ids"], "text": doc[:300], "eos_token": "<|end|>"}))
+    old = run_worker(spec, str(oldest_transformers()))
+    assert old["transformers"].startswith("4.45."), old["transformers"]
+    got = old["exports"]["launch"]
+    assert got["loading_info"]["missing_keys"] == [] and got["loading_info"]["unexpected_keys"] == [], got
+    assert got["ids"] == hf_tok(doc[:300])["input_ids"] and got["decoded"] == doc[:300]
+    assert got["config_eos"] == got["generation_eos"] == got["eos_id"] == hf_tok.eos_token_id
+    assert got["generated"][-1] == hf_tok.eos_token_id  # generate stopped at end-of-text
+    torch.testing.assert_close(torch.tensor(got["logits"]), want, atol=2e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("preset, published", [("llama3.2-1b", 1_235_814_400), ("llama3.1-8b", 8_030_261_248),
