@@ -89,8 +89,9 @@ MaxParallelOpt = typer.Option(None, "--max-parallel", help="Sweep: trials at onc
 @app.command()
 def plan(overrides: Optional[List[str]] = OverridesArg, config_dir: Optional[str] = ConfigDirOpt,
          multirun: bool = MultirunOpt, max_parallel: Optional[int] = MaxParallelOpt,
-         max_cost: Optional[float] = typer.Option(None, "--max-cost", help="Show whether the estimate (USD) is within this.")) -> None:
-    """Show the resolved config and how it would run; changes nothing."""
+         max_cost: Optional[float] = typer.Option(None, "--max-cost", help="Show whether the estimate (USD) is within this."),
+         dry_run: bool = typer.Option(False, "--dry-run", help="Also build the real model on meta at the target world size (fake process group) and report each rank's parameters: seconds, no GPU.")) -> None:
+    """Show the config, how it runs, memory and cost; changes nothing."""
     if multirun:
         from llmctl.sweep import planning
 
@@ -103,6 +104,10 @@ def plan(overrides: Optional[List[str]] = OverridesArg, config_dir: Optional[str
     if max_cost is not None and the_plan.estimate is not None:
         the_plan.estimate.max_cost = max_cost
     typer.echo(the_plan.describe())
+    if dry_run:
+        from llmctl import memory
+
+        typer.echo("\n" + memory.dry_run(the_plan))
 
 
 @app.command()

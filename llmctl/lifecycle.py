@@ -29,7 +29,7 @@ from llmctl.backends import backend_for
 from llmctl.backends.base import Backend
 from llmctl.config import to_yaml
 from llmctl.cost import hooks, ledger
-from llmctl.errors import LaunchError
+from llmctl.errors import ConfigError, LaunchError
 from llmctl.plan import Plan
 from llmctl.procs import Interrupted, clear_stop_requests, raise_interrupted, stop_requested
 from llmctl.tracking import RunHandle
@@ -83,9 +83,19 @@ class Attempt:
 # ----------------------------------------------------------------------------- entry points
 
 
+def check_memory(plan: Plan) -> None:
+    """Refuse (ConfigError, before anything exists) a job whose memory plan exceeds its devices."""
+    fit = plan.memory
+    if fit is not None and fit.fits is False:
+        fix = f" Fix: add {' '.join(fit.fix)} to the command." if fit.fix else ""
+        raise ConfigError(f"the job would run out of memory: {fit.verdict()}.{fix} (`llmctl plan` shows the "
+                          f"memory by part)")
+
+
 def launch(plan: Plan, *, max_cost: Optional[float], say: Say) -> int:
     """``llmctl launch``: preflight and budget (ConfigError, before anything exists), then a new run."""
     backend = backend_for(plan.backend)
+    check_memory(plan)
     backend.preflight(plan)
     hooks.check_budget(plan.estimate, max_cost)
     handle = tracking.create_run(plan.cfg, plan.choices)
@@ -110,6 +120,7 @@ def resume(plan: Plan, uri: str, run: Any, *, from_step: Optional[int], remainin
     estimate of the steps left; ``max_cost`` (else the run's stored budget) covers the whole run,
     earlier attempts included."""
     backend = backend_for(plan.backend)
+    check_memory(plan)
     backend.preflight(plan)
     rid = run.info.run_id
     mc = tracking.client(uri)

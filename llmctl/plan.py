@@ -32,6 +32,7 @@ class Plan:
     offers: dict[bool, list[Any]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     estimate: Any = None  # llmctl.cost.estimate.Estimate, filled by planner.make_plan
+    memory: Any = None  # llmctl.memory.MemoryFit, filled by planner.make_plan
 
     @property
     def world_size(self) -> int:
@@ -56,6 +57,8 @@ class Plan:
             f"checkpoints: {redact(checkpoint)}",
         ]
         lines += [f"note:        {n}" for n in self.notes]
+        if self.memory is not None:
+            lines += ["", self.memory.describe()]
         if self.estimate is not None:
             lines += ["", self.estimate.describe()]
         return "\n".join(lines)

@@ -14,11 +14,18 @@ from llmctl.tracking import resolve_uri
 
 
 def make_plan(composed: Composed) -> Plan:
-    """The backend's plan for ``composed`` plus its cost estimate (earlier runs in MLflow, read-only)."""
+    """The backend's plan for ``composed`` plus its memory plan per device (``memory``) and its cost
+    estimate (earlier runs in MLflow, read-only)."""
     from llmctl.backends import backend_for
 
     plan = backend_for(composed.cfg["infra"]["kind"]).plan(composed)
     plan.tracking_uri = resolve_uri(composed.cfg["tracking"]["uri"])
+    try:
+        from llmctl import memory
+
+        plan.memory = memory.check(plan)
+    except Exception as exc:  # noqa: BLE001 - the plan stands without it; launch then cannot refuse on memory
+        plan.notes.append(f"no memory plan: {type(exc).__name__}: {exc}")
     try:
         plan.estimate = estimate_for(plan)
     except Exception as exc:  # noqa: BLE001 - the plan stands without it; --max-cost then refuses
