@@ -25,7 +25,7 @@ import pytest
 from sky_helpers import run_cli
 from slurm_harness import CLUSTER, PARTITION, USER, Cluster, free_port, missing_prerequisites, slurm_cluster
 
-pytestmark = [pytest.mark.slurm, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slurm, pytest.mark.timeout(900)]
 
 
 @pytest.fixture(scope="module")
@@ -181,7 +181,7 @@ def test_managed_job_recovers_from_scancel_as_one_run(mlflow_server: str, cluste
         (job,) = cluster.squeue().split("\n")[:1]
         slurm_job = job.split()[0]
         subprocess.run(["scancel", slurm_job], env=cluster.env, check=True, timeout=30)
-        assert proc.wait(timeout=540) == 0, _tail(log)
+        assert proc.wait(timeout=840) == 0, _tail(log)
 
         from mlflow.tracking import MlflowClient
 
