@@ -71,3 +71,15 @@ def controller_codes(tmp: Path, sweep_id: str) -> dict[int, int]:
     """Each trial controller's exit code, as the supervisor logged it ("trial 2 FINISHED (controller exit 4)")."""
     log = (tmp / "llmctl-runs" / "sweeps" / sweep_id / "supervisor.log").read_text()
     return {int(i): int(c) for i, c in re.findall(r"trial (\d+) \w+ \(controller exit (-?\d+)\)", log)}
+
+
+def read_loss_file(path: Path) -> dict[str, dict[int, float]]:
+    """{'train': {step: loss}, 'val': {step: loss}} at full precision from ``$LLMCTL_LOSS_FILE``."""
+    import json
+
+    out: dict[str, dict[int, float]] = {"train": {}, "val": {}}
+    for line in path.read_text().splitlines():
+        rec = json.loads(line)
+        kind = "train" if "train/loss" in rec else "val"
+        out[kind][rec["step"]] = rec[f"{kind}/loss"]
+    return out

@@ -16,6 +16,7 @@ import pytest
 from llmctl.backends import sky_task
 from llmctl.config import compose, to_yaml
 
+from helpers import read_loss_file
 from sky_helpers import REMOTE_URI
 
 pytestmark = pytest.mark.slow
@@ -28,17 +29,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _losses(path: Path) -> dict[str, dict[int, float]]:
-    import json
-
-    out: dict[str, dict[int, float]] = {"train": {}, "val": {}}
-    for line in path.read_text().splitlines():
-        rec = json.loads(line)
-        kind = "train" if "train/loss" in rec else "val"
-        out[kind][rec["step"]] = rec[f"{kind}/loss"]
-    return out
 
 
 def test_two_torchrun_agents_on_one_host_reproduce_one_process(tmp_path: Path, cache_dir: Path) -> None:
@@ -71,7 +61,7 @@ def test_two_torchrun_agents_on_one_host_reproduce_one_process(tmp_path: Path, c
                           "parallel.dp_replicate=1", "parallel.dp_shard=1"], cwd=repo, text=True, capture_output=True,
                          env={**base, "LLMCTL_LOSS_FILE": str(tmp_path / "single.jsonl")}, timeout=600)
     assert ref.returncode == 0, ref.stderr[-3000:]
-    want, got = _losses(tmp_path / "single.jsonl"), _losses(tmp_path / "node0.jsonl")
+    want, got = read_loss_file(tmp_path / "single.jsonl"), read_loss_file(tmp_path / "node0.jsonl")
     assert not (tmp_path / "node1.jsonl").exists()  # only the global rank 0 writes
     assert sorted(want["train"]) == list(range(1, 7)) and sorted(want["val"]) == [0, 3, 6]
     for kind in ("train", "val"):

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers import read_loss_file
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -84,18 +86,6 @@ def workload():
 def torchrun(nproc: int) -> list[str]:
     """Launcher prefix for ``run_workload``: ``nproc`` gloo ranks on this machine."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-
-
-def read_loss_file(path: Path) -> dict[str, dict[int, float]]:
-    """{'train': {step: loss}, 'val': {step: loss}} at full precision from ``$LLMCTL_LOSS_FILE``."""
-    import json
-
-    out: dict[str, dict[int, float]] = {"train": {}, "val": {}}
-    for line in path.read_text().splitlines():
-        rec = json.loads(line)
-        kind = "train" if "train/loss" in rec else "val"
-        out[kind][rec["step"]] = rec[f"{kind}/loss"]
-    return out
 
 
 @pytest.fixture(scope="session")
