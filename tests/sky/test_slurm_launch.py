@@ -196,8 +196,14 @@ def test_managed_job_recovers_from_scancel_as_one_run(mlflow_server: str, cluste
         assert "llmctl.attempt.1.end" in tags and "llmctl.attempt.2.end" in tags, "both attempts billed and closed"
         assert int(tags["llmctl.attempt.2.from_step"]) >= first_ckpt > 0, "the rerun resumed from a checkpoint"
         assert float(tags["llmctl.attempt.1.end"]) <= float(tags["llmctl.attempt.2.start"])
-        preempted = json.loads(tags["llmctl.preempted"])  # scancel's SIGTERM: emergency save, then exit
-        assert preempted["signal"] == "SIGTERM" and preempted["checkpoint"] == int(tags["llmctl.attempt.2.from_step"])
+        # scancel sends SIGTERM, then SIGKILL after Slurm's KillWait. When the workload's handler wins
+        # (the usual case) it saves and tags the run, and the rerun starts from that emergency save; on a
+        # loaded machine the step's processes can be killed first (seen once in CI), and the rerun then
+        # starts from the last periodic checkpoint, asserted above. Either way nothing is logged twice.
+        if "llmctl.preempted" in tags:
+            preempted = json.loads(tags["llmctl.preempted"])
+            assert preempted["signal"] == "SIGTERM"
+            assert preempted["checkpoint"] == int(tags["llmctl.attempt.2.from_step"]), (preempted, tags)
         losses = mc.get_metric_history(run.info.run_id, "train/loss")
         logged = [m.step for m in losses]
         assert len(logged) == len(set(logged)), "no step logged twice across the recovery"
