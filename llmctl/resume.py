@@ -13,6 +13,7 @@ import tempfile
 from typing import Any, Callable, Optional
 
 from llmctl.errors import ConfigError
+from workloads.pretrain import schedule
 from workloads.pretrain.checkpoint_layout import latest_complete
 
 # groups whose sections are re-derived when changed; experiment/model cannot change under a checkpoint
@@ -103,18 +104,22 @@ def resume(run_id: str, overrides: list[str], config_dir: Optional[str], trackin
 
     uri = runs.tracking_uri(tracking_uri)
     run = runs.get_run(run_id, uri)
+    run_id = run.info.run_id  # the full id, when a prefix was given
     _check_not_running(run, uri)
     stored = _stored_config(tracking.client(uri), run)
     choices = {k[len("llmctl.choice."):]: v for k, v in run.data.tags.items() if k.startswith("llmctl.choice.")}
     composed = compose_resume(stored, choices, overrides, config_dir)
-    plan = make_plan(Composed(cfg=composed.cfg, choices=choices, overrides=overrides))
-    root = plan.cfg["checkpoint"]["dir"]
+    root = composed.cfg["checkpoint"]["dir"]
     if not root:
         raise ConfigError(f"run {run_id} has no checkpoint.dir: there is nothing to resume from; launch it again")
     try:
         step = latest_complete(str(root))
     except Exception as exc:  # noqa: BLE001 - unreachable bucket, bad credentials ...
         raise ConfigError(f"cannot list checkpoints in {tracking.redact(str(root))}: {type(exc).__name__}: {exc}") from None
+    pin, said = schedule.extension(stored.get("train", {}), composed.cfg["train"], step or 0)
+    if pin is not None:
+        composed.cfg["train"]["schedule_steps"] = pin
+    plan = make_plan(Composed(cfg=composed.cfg, choices=choices, overrides=overrides))
     total = int(plan.cfg["train"]["steps"])
     if step is not None and step >= total and run.info.status != "FINISHED":
         # the work is done (e.g. killed after its last checkpoint): close the run, nothing to rerun
@@ -127,6 +132,8 @@ def resume(run_id: str, overrides: list[str], config_dir: Optional[str], trackin
                           f" nothing to resume. To train further, raise it: llmctl resume {run_id} train.steps=<N>")
     left = {**plan.cfg, "train": {**plan.cfg["train"], "steps": total - (step or 0)}}
     remaining = estimate_for(plan, cfg=left) if plan.estimate is not None else None
+    if said:
+        echo(f"llmctl: {said}")
     where = (f"from step {step} ({tracking.redact(str(root))})" if step is not None else
              f"from step 0: no complete checkpoint in {tracking.redact(str(root))}, so the run restarts"
              " within the same MLflow run")

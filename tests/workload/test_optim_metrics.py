@@ -81,3 +81,45 @@ def test_sink_batches_into_a_real_mlflow_run(tmp_path, monkeypatch):
     history = client.get_metric_history(run.info.run_id, "train/loss")
     assert len(history) == 1200 and sorted(m.step for m in history)[-1] == 1200
     assert client.get_metric_history(run.info.run_id, "perf/mfu") == []
+
+
+def test_wsd_holds_the_peak_then_decays_linearly_to_the_floor():
+    tc = TrainCfg(steps=110, warmup_steps=10, min_lr_ratio=0.1, schedule="wsd", decay_fraction=0.2)
+    assert lr_factor(5, tc) == pytest.approx(0.5)
+    assert [lr_factor(s, tc) for s in (10, 50, 90)] == [1.0, 1.0, 1.0]  # decay starts at 10 + 0.8 * 100
+    assert lr_factor(100, tc) == pytest.approx(0.55)
+    assert lr_factor(110, tc) == pytest.approx(0.1)
+
+
+def test_schedule_steps_is_the_horizon_and_the_floor_holds_after_it():
+    tc = TrainCfg(steps=60, warmup_steps=5, min_lr_ratio=0.1, schedule_steps=20)
+    assert lr_factor(20, tc) == pytest.approx(0.1)
+    assert [lr_factor(s, tc) for s in (21, 40, 60)] == pytest.approx([0.1, 0.1, 0.1])
+    assert lr_factor(12, tc) == lr_factor(12, TrainCfg(steps=20, warmup_steps=5, min_lr_ratio=0.1))
+
+
+def _train(**kw):
+    from dataclasses import asdict
+
+    d = asdict(TrainCfg(warmup_steps=5, min_lr_ratio=0.1, lr=3e-4, **kw))
+    d["schedule"] = getattr(d["schedule"], "value", d["schedule"])
+    return d
+
+
+def test_extension_pins_a_decayed_cosine_and_lets_a_stable_wsd_extend():
+    from workloads.pretrain.schedule import extension, lr_factor as f
+
+    pin, said = extension(_train(steps=20), _train(steps=60), 20)  # the case: no jump to 7.5e-4
+    assert pin == 20 and "keeps its horizon of 20" in said and "train.schedule_steps=60" in said
+    old, new = _train(steps=20), _train(steps=60, schedule_steps=pin)
+    assert f(21, new) == pytest.approx(f(20, old)) == pytest.approx(0.1)
+
+    pin, said = extension(_train(steps=100, schedule="wsd"), _train(steps=200, schedule="wsd"), 50)
+    assert pin is None and "without a jump" in said  # still stable in both: the longer horizon is taken
+    pin, _ = extension(_train(steps=100, schedule="wsd"), _train(steps=200, schedule="wsd"), 90)
+    assert pin == 100  # already decaying: re-stretching would raise the learning rate
+
+    pin, said = extension(_train(steps=20), _train(steps=60, schedule_steps=60), 20)  # asked for by name
+    jump = 3e-4 * f(21, _train(steps=60))
+    assert jump > 2e-4 and pin is None and f"jumps from 3.00e-05 (step 20) to {jump:.2e} (step 21)" in said
+    assert extension(_train(steps=20), _train(steps=20), 10) == (None, "")

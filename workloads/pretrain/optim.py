@@ -1,11 +1,12 @@
-"""AdamW with decoupled weight decay on matrices only, and the warmup + decay LR schedule."""
+"""AdamW with decoupled weight decay on matrices only; the LR schedule lives in ``schedule.py``."""
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
+
+from workloads.pretrain.schedule import lr_factor  # noqa: F401 - the trainer's import
 
 
 def build_optimizer(model: torch.nn.Module, train_cfg: Any) -> torch.optim.AdamW:
@@ -23,23 +24,3 @@ def build_optimizer(model: torch.nn.Module, train_cfg: Any) -> torch.optim.AdamW
         return torch.optim.AdamW(groups, fused=True, **kwargs)
     except (RuntimeError, ValueError, TypeError):
         return torch.optim.AdamW(groups, foreach=True, **kwargs)
-
-
-def lr_factor(step: int, train_cfg: Any) -> float:
-    """Multiplier of ``train.lr`` for optimizer step ``step`` (1-based).
-
-    Linear warmup to 1 over ``warmup_steps``, then cosine / linear decay to ``min_lr_ratio`` at the
-    last step, or constant. A pure function of the step, so resuming needs no scheduler state.
-    """
-    warmup, total, floor = int(train_cfg.warmup_steps), int(train_cfg.steps), float(train_cfg.min_lr_ratio)
-    schedule = getattr(train_cfg.schedule, "value", train_cfg.schedule)
-    if step <= warmup:
-        return step / max(1, warmup)
-    if schedule == "constant":
-        return 1.0
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    if schedule == "linear":
-        return 1.0 - (1.0 - floor) * progress
-    if schedule == "cosine":
-        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
-    raise ValueError(f"unknown train.schedule {schedule!r}")

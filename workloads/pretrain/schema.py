@@ -59,6 +59,7 @@ class DType(str, enum.Enum):
 class Schedule(str, enum.Enum):
     cosine = "cosine"
     linear = "linear"
+    wsd = "wsd"
     constant = "constant"
 
 
@@ -126,6 +127,10 @@ class TrainCfg:
     min_lr_ratio: float = 0.1
     warmup_steps: int = 10
     schedule: Schedule = Schedule.cosine
+    # the step the decay ends at (None: train.steps); a resume that changes train.steps pins the
+    # run's horizon here so the learning rate never jumps (schedule.py, docs/resume.md)
+    schedule_steps: Optional[int] = None
+    decay_fraction: float = 0.2  # wsd: the decay takes this fraction of the post-warmup steps
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
