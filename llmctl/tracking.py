@@ -12,9 +12,10 @@ import re
 import socket
 import subprocess
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional, TypeVar
+from typing import Any, Callable, Iterator, Optional, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 from llmctl import __version__
@@ -116,17 +117,45 @@ class _RetryingClient:
         return lambda *args, **kwargs: retry(attr, *args, **kwargs)
 
 
+@contextmanager
+def _directory_lock(directory: Path) -> Iterator[None]:
+    """An exclusive lock on a directory (flock on its descriptor): no lock file left behind."""
+    import fcntl
+
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
+
+
 def client(uri: str) -> Any:
+    """A retrying ``MlflowClient``. A sqlite store is opened under a lock on its directory: MLflow
+    creates a new store's schema on first open, and two processes doing that at once collide
+    (``table alembic_version already exists``), so several launches in a fresh directory would die."""
     from mlflow.tracking import MlflowClient
 
-    return _RetryingClient(MlflowClient(tracking_uri=uri))
+    if not uri.startswith("sqlite:///"):
+        return _RetryingClient(MlflowClient(tracking_uri=uri))
+    path = Path(uri[len("sqlite:///"):])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with _directory_lock(path.parent):  # the constructor opens the store (creating it if new): once per process
+        return _RetryingClient(retry(MlflowClient, tracking_uri=uri))
 
 
 def experiment_id(mlflow_client: Any, name: str, uri: str) -> str:
+    """The experiment's id, created if missing; a concurrent creator of the same name wins the race."""
     exp = mlflow_client.get_experiment_by_name(name)
     if exp is not None:
         return exp.experiment_id
-    return mlflow_client.create_experiment(name, artifact_location=_artifact_location(uri))
+    try:
+        return mlflow_client.create_experiment(name, artifact_location=_artifact_location(uri))
+    except Exception:  # noqa: BLE001 - MlflowException RESOURCE_ALREADY_EXISTS, or a unique-constraint error
+        exp = mlflow_client.get_experiment_by_name(name)
+        if exp is None:
+            raise
+        return exp.experiment_id
 
 
 def create_run(cfg: dict[str, Any], choices: dict[str, Optional[str]],
