@@ -201,8 +201,10 @@ def compose(overrides: Optional[list[str]] = None, config_dir: Optional[str] = N
     finally:
         GlobalHydra.instance().clear()
     choices = {k: v for k, v in choices.items() if not k.startswith("hydra") and k != SCHEMA_NAME}
+    from llmctl import locations
     from llmctl.validate import pretrained, validate
 
+    locations.check(resolved)  # before pretrained() reads init_from's config.json
     resolved = pretrained(resolved)
     validate(resolved)
     return Composed(cfg=resolved, choices=choices, overrides=overrides)

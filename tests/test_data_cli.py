@@ -25,6 +25,6 @@ def test_prepare_then_cache_hit(cli_env: dict[str, str], tmp_path: Path) -> None
 
 def test_prepare_reports_bad_source_and_bad_keys(cli_env: dict[str, str], tmp_path: Path) -> None:
     missing = run_cli(["data", "prepare", "data=files", f"data.source={tmp_path}/none/*.txt"], tmp_path, cli_env)
-    assert missing.returncode == 1 and "data.source" in missing.stderr and "Traceback" not in missing.stderr
+    assert missing.returncode == 3 and "data.source" in missing.stderr and "Traceback" not in missing.stderr
     typo = run_cli(["data", "prepare", "data.sourse=x"], tmp_path, cli_env)
     assert typo.returncode == 3 and "Did you mean 'data.source'" in typo.stderr
