@@ -136,6 +136,7 @@ def client(uri: str) -> Any:
     (``table alembic_version already exists``), so several launches in a fresh directory would die."""
     from mlflow.tracking import MlflowClient
 
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # resume/eval/export print our lines only
     if not uri.startswith("sqlite:///"):
         return _RetryingClient(MlflowClient(tracking_uri=uri))
     path = Path(uri[len("sqlite:///"):])

@@ -312,6 +312,8 @@ def test_sweep_trial_outcomes_finished_failed_budget(cli_env: dict[str, str], tm
                    f"infra.price_per_gpu_hour=0,{PRICE}", "data.val_fraction=0.05,0.000001"], tmp_path, cli_env)
     assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]  # a trial failed
     sid = next(w.rstrip(":") for w in out.stdout.split() if w.startswith("sweep-"))
+    last = out.stdout.splitlines()[-1]  # not piped: the final table once, then the verdict on its own line
+    assert last.startswith(f"llmctl: sweep {sid} "), out.stdout[-3000:]
     parent, children = _sweep(tmp_path)
     codes = controller_codes(tmp_path, sid)
     want = [Outcome.FINISHED, Outcome.FAILED, Outcome.BUDGET_STOP, Outcome.FAILED]

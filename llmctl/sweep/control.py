@@ -131,7 +131,13 @@ def wait(sweep_id: str, poll_s: float = 2.0) -> SweepStatus:
 
     console = Console()
     st = get_status(sweep_id)
-    with Live(render(st), console=console, refresh_per_second=1, auto_refresh=console.is_terminal) as live:
+    if not console.is_terminal:  # a pipe or CI log: no live redraws, the final table once, on its own lines
+        while not st.done:
+            time.sleep(poll_s)
+            st = get_status(sweep_id)
+        console.print(render(st))
+        return st
+    with Live(render(st), console=console, refresh_per_second=1) as live:
         while not st.done:
             time.sleep(poll_s)
             st = get_status(sweep_id)
