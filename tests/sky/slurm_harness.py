@@ -116,11 +116,12 @@ def slurm_cluster(cache: Path) -> Iterator[Cluster]:
     root = Path(tempfile.mkdtemp(prefix="llmctl-slurm-"))
     root.chmod(0o755)
     procs: list[subprocess.Popen[bytes]] = []
-    root_mode = stat.S_IMODE(os.stat("/root").st_mode)
     host = socket.gethostname().split(".")[0]
+    # the cluster user runs the checkout's venv python and pyenv's interpreters: it must be able to
+    # pass through their directories, even when the clone sits in a private (0700) directory
+    opened = _grant_search([Path(sys.executable).parent, Path(sys.executable).resolve().parent,
+                            Path(__file__).resolve().parents[2], PY310.parent])
     try:
-        # the cluster user must reach pyenv's interpreters (and a shared-filesystem venv built on them)
-        os.chmod("/root", root_mode | stat.S_IXOTH)
         home = root / "home"
         _ensure_user(home)
         for d in ("munge", "state", "spool", "log", "run", "bin", "ssh"):
@@ -223,7 +224,23 @@ Subsystem sftp /usr/lib/openssh/sftp-server
         yield cluster
     finally:
         _teardown(root, locals().get("procs_pidfiles", []), procs)
-        os.chmod("/root", root_mode)
+        for directory, mode in reversed(opened):
+            os.chmod(directory, mode)
+
+
+def _grant_search(paths: list[Path]) -> list[tuple[Path, int]]:
+    """Add others' search (x) permission, only, to every ancestor directory of ``paths`` that lacks
+    it; returns (directory, old mode) to restore. Nothing becomes listable or readable that was not."""
+    opened: list[tuple[Path, int]] = []
+    for path in paths:
+        for directory in [path, *path.parents]:
+            if not directory.is_dir():
+                continue
+            mode = stat.S_IMODE(directory.stat().st_mode)
+            if not mode & stat.S_IXOTH and all(d != directory for d, _ in opened):
+                os.chmod(directory, mode | stat.S_IXOTH)
+                opened.append((directory, mode))
+    return opened
 
 
 def _kill_pidfile(pidfile: Path) -> None:
