@@ -114,7 +114,7 @@ def plan(overrides: Optional[List[str]] = OverridesArg, config_dir: Optional[str
 def launch(overrides: Optional[List[str]] = OverridesArg, config_dir: Optional[str] = ConfigDirOpt,
            multirun: bool = MultirunOpt, max_parallel: Optional[int] = MaxParallelOpt,
            wait: bool = typer.Option(False, "--wait", help="Sweep: block with a live table until every trial ends."),
-           max_cost: Optional[float] = typer.Option(None, "--max-cost", help="Refuse if the estimated total (USD) is above this; a running job stops after a checkpoint before passing it. With -m: the sweep's total."),
+           max_cost: Optional[float] = typer.Option(None, "--max-cost", help="Refuse if the estimated total (USD) is above this, or if the infra is unpriced; a running job stops after a checkpoint before passing it. With -m: the sweep's total, each trial stopping at its share."),
            metric: str = typer.Option("val/loss", "--metric", help="Sweep: metric that picks the best trial."),
            mode: str = typer.Option("min", "--mode", help="Sweep: min or max of --metric.")) -> None:
     """Train where the config says (default: here), tracked in MLflow. With -m, a sweep."""
@@ -139,7 +139,7 @@ def launch(overrides: Optional[List[str]] = OverridesArg, config_dir: Optional[s
 
 
 @app.command()
-def resume(run_id: str = typer.Argument(..., help="MLflow run id of a stopped (preempted, failed, killed) run."),
+def resume(run_id: str = typer.Argument(..., help="MLflow run id (or a unique prefix) of a stopped (preempted, failed, killed) run."),
            overrides: Optional[List[str]] = OverridesArg, config_dir: Optional[str] = ConfigDirOpt,
            tracking_uri: Optional[str] = typer.Option(None, "--tracking-uri", help="MLflow store of the run (default: $MLFLOW_TRACKING_URI, else ./mlflow.db)."),
            max_cost: Optional[float] = typer.Option(None, "--max-cost", help="Budget (USD) for the whole run, earlier attempts included (default: the run's own); refuses if what is left would pass it.")) -> None:
@@ -176,7 +176,7 @@ def _run_and_backend(run_id: str, tracking_uri: Optional[str]) -> Any:
 
 
 @app.command()
-def status(run_id: Optional[str] = typer.Argument(None, help="MLflow run id or sweep id; omit to list recent runs."),
+def status(run_id: Optional[str] = typer.Argument(None, help="MLflow run id (or a unique prefix) or sweep id; omit to list recent runs."),
            tracking_uri: Optional[str] = TrackingUriOpt) -> None:
     """Show a run's status: MLflow state, processes, cluster or job.
 
@@ -196,6 +196,7 @@ def status(run_id: Optional[str] = typer.Argument(None, help="MLflow run id or s
             raise _fail(str(exc), EXIT_CONFIG) from None
         return
     uri, run, backend = _run_and_backend(run_id, tracking_uri)
+    run_id = run.info.run_id  # the full id, when a prefix was given
     job = backend.status(run, uri)
     lines = job.lines
     if run.info.status == "RUNNING" and job.ended:  # the job ended while nobody was watching
@@ -211,7 +212,7 @@ def status(run_id: Optional[str] = typer.Argument(None, help="MLflow run id or s
 
 
 @app.command()
-def logs(run_id: str = typer.Argument(..., help="MLflow run id."),
+def logs(run_id: str = typer.Argument(..., help="MLflow run id (or a unique prefix)."),
          follow: bool = typer.Option(False, "--follow", "-f", help="Keep streaming until the run ends."),
          tracking_uri: Optional[str] = TrackingUriOpt) -> None:
     """Print a run's output (local log, cluster or managed job)."""
@@ -223,7 +224,7 @@ def logs(run_id: str = typer.Argument(..., help="MLflow run id."),
 
 
 @app.command()
-def down(run_id: str = typer.Argument(..., help="MLflow run id or sweep id."),
+def down(run_id: str = typer.Argument(..., help="MLflow run id (or a unique prefix) or sweep id."),
          tracking_uri: Optional[str] = TrackingUriOpt) -> None:
     """Stop a run and release its processes, cluster or managed job. A sweep id cancels every trial."""
     if run_id.startswith("sweep-"):
@@ -235,10 +236,17 @@ def down(run_id: str = typer.Argument(..., help="MLflow run id or sweep id."),
             raise _fail(str(exc), EXIT_CONFIG) from None
         return
     uri, run, backend = _run_and_backend(run_id, tracking_uri)
+    run_id = run.info.run_id  # the full id, when a prefix was given
+    from llmctl.backends.base import ENDED
+
     try:
-        what = backend.down(run, uri)
+        what = backend.down(run, uri)  # an ended run: no process is signalled (a kept cluster is released)
     except ConfigError as exc:
         raise _fail(str(exc), EXIT_CONFIG) from None
+    if run.info.status in ENDED:  # its pid may be another process's by now; its status stays as it ended
+        detail = run.data.tags.get("llmctl.status")
+        typer.echo(f"llmctl: run {run_id} has already ended: {run.info.status}{f' ({detail})' if detail else ''}; {what}")
+        return
     from llmctl import lifecycle
 
     # its controller closes the run when it outlives the stop; if the run is still open, nobody will
@@ -286,7 +294,7 @@ def cost_cmd(since: Optional[str] = SinceOpt,
 
 
 @app.command("eval")
-def eval_cmd(target: str = typer.Argument(..., help="MLflow run id, or a checkpoint URL (root or step-N directory)."),
+def eval_cmd(target: str = typer.Argument(..., help="MLflow run id (or a unique prefix), or a checkpoint URL (root or step-N directory)."),
              overrides: Optional[List[str]] = OverridesArg,
              nproc: int = typer.Option(1, "--nproc", help="Eval processes (torchrun); any number loads any checkpoint."),
              hf: Optional[str] = typer.Option(None, "--hf", help="Score this Hugging Face export (transformers + accelerate) instead."),
@@ -323,7 +331,7 @@ def eval_cmd(target: str = typer.Argument(..., help="MLflow run id, or a checkpo
 
 
 @app.command("export")
-def export_cmd(target: str = typer.Argument(..., help="MLflow run id, or a checkpoint URL."),
+def export_cmd(target: str = typer.Argument(..., help="MLflow run id (or a unique prefix), or a checkpoint URL."),
                fmt: str = typer.Option("hf", "--format", help="Output format: hf (transformers Llama: safetensors + config + tokenizer)."),
                out: Optional[str] = typer.Option(None, "--out", help="Directory (default: llmctl-runs/<run>/export-hf)."),
                step: Optional[int] = typer.Option(None, "--step", help="Checkpoint step (default: newest complete)."),

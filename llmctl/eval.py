@@ -106,15 +106,16 @@ def resolve_target(target: str, overrides: list[str], tracking_uri: Optional[str
     uri = runs.tracking_uri(tracking_uri)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     if not is_checkpoint_url(target):
-        run = runs.get_run(target, uri)
+        run = runs.get_run(target, uri)  # a full id or a unique prefix
+        rid = run.info.run_id
         from llmctl.tracking import client
 
-        tmp = run_dir(target) / f"eval-{stamp}"
+        tmp = run_dir(rid) / f"eval-{stamp}"
         tmp.mkdir(parents=True, exist_ok=True)
         try:
-            local = client(uri).download_artifacts(target, "config.yaml", str(tmp))
+            local = client(uri).download_artifacts(rid, "config.yaml", str(tmp))
         except Exception as exc:  # noqa: BLE001 - MlflowException / OSError: say what is missing
-            raise ConfigError(f"run {target} has no config.yaml artifact ({type(exc).__name__}); "
+            raise ConfigError(f"run {rid} has no config.yaml artifact ({type(exc).__name__}); "
                               "was it started by llmctl launch?") from None
         cfg = OmegaConf.to_container(OmegaConf.load(local), resolve=True)
         return Target(_apply_overrides(cfg, overrides), run.info.run_id, uri, None, tmp)
@@ -144,9 +145,49 @@ def _env(nproc: int) -> dict[str, str]:
     return env
 
 
+def check_checkpoint(t: Target) -> int:
+    """The step to load is there and complete, before any worker starts: else exit 3 naming the
+    steps that are (a step ``checkpoint.keep`` deleted, or one never saved, used to fail in the worker)."""
+    from llmctl.tracking import redact
+    from workloads.pretrain.checkpoint_layout import list_checkpoints
+
+    root = str(t.checkpoint or (t.cfg.get("checkpoint") or {}).get("dir") or "").rstrip("/")
+    if not root:
+        raise ConfigError("the run has no checkpoint.dir: there is no checkpoint to load")
+    want = (t.cfg.get("eval") or {}).get("step")
+    last = root.rsplit("/", 1)[-1]
+    if last.startswith("step-") and last[5:].isdigit():
+        root, want = root.rsplit("/", 1)[0], int(last[5:])
+    try:
+        found = list_checkpoints(root)
+    except Exception as exc:  # noqa: BLE001 - unreachable bucket, bad credentials ...
+        raise ConfigError(f"cannot list checkpoints in {redact(root)}: {type(exc).__name__}: {exc}") from None
+    complete = sorted(s for s, ok in found.items() if ok)
+    if not complete:
+        raise ConfigError(f"no complete checkpoint under {redact(root)}")
+    if want is None:
+        return complete[-1]
+    if int(want) in complete:
+        return int(want)
+    ck = t.cfg.get("checkpoint") or {}
+    every, keep = int(ck.get("every") or 0), int(ck.get("keep") or 0)
+    if int(want) < complete[0] and (not every or int(want) % every == 0) and len(complete) >= keep > 0:
+        why = f"it was deleted: checkpoint.keep={keep} keeps only the newest {keep}"
+    elif found.get(int(want)) is False:
+        why = "its write never completed (no .complete marker)"
+    else:
+        why = f"it was never saved (checkpoint.every={every}, and the last step)"
+    listed = ", ".join(map(str, complete))
+    raise ConfigError(f"no checkpoint at step {want} under {redact(root)}: {why}. Complete: {listed}."
+                      f" Fix: eval.step=<one of {listed}> (export: --step), or leave it out for the newest")
+
+
 def run_workload(t: Target, nproc: int, extra: list[str], echo: Callable[[str], None]) -> dict[str, Any]:
     """``torchrun -m workloads.pretrain.evaluate`` with ``t``'s config; returns its JSON result."""
     from llmctl.config import to_yaml
+
+    if "--hf" not in extra:  # scoring an export reads no checkpoint
+        check_checkpoint(t)
 
     config_path, out_path = t.workdir / "config.yaml", t.workdir / "result.json"
     config_path.write_text(to_yaml(t.cfg))

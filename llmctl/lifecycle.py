@@ -96,8 +96,8 @@ def launch(plan: Plan, *, max_cost: Optional[float], say: Say) -> int:
     """``llmctl launch``: preflight and budget (ConfigError, before anything exists), then a new run."""
     backend = backend_for(plan.backend)
     check_memory(plan)
+    hooks.check_budget(plan.estimate, max_cost)  # before preflight: the plan alone decides it
     backend.preflight(plan)
-    hooks.check_budget(plan.estimate, max_cost)
     handle = tracking.create_run(plan.cfg, plan.choices)
     attempt = _open_attempt(handle, plan, max_cost, spent=0.0, from_step=0, first=True)
     return _run(plan, backend, handle, attempt, new_run=True, say=say,
@@ -170,15 +170,15 @@ def _open_attempt(handle: RunHandle, plan: Plan, max_cost: Optional[float], spen
     est = plan.estimate
     if first:
         hooks.record_estimate(mc, handle.run_id, plan, max_cost, start)
-    price = est.price.usd_per_hour if est else 0.0
+    price = (est.price.usd_per_hour if est.priced else None) if est else 0.0  # None: unpriced, not $0
     hw = plan.hardware
     n = ledger.open_attempt(mc, handle.run_id, usd_per_hour=price, nodes=hw.nodes, devices=hw.devices, start=start,
                             extra={"infra": plan.cfg["infra"]["name"], "world_size": plan.world_size,
-                                   "from_step": from_step})
+                                   "from_step": from_step, "train_steps": plan.cfg["train"]["steps"]})
     mc.log_batch(handle.run_id, tags=[_tag(k, v) for k, v in {
         "llmctl.infra": plan.cfg["infra"]["name"], TAG_BACKEND: plan.backend,
         "llmctl.status": f"running: attempt {n}" + (f" from step {from_step}" if from_step else "")}.items()])
-    handle.attempt_env = {ENV_ATTEMPT: str(n), ENV_BILLING_START: f"{start:.3f}", ENV_PRICE: f"{price:.6f}",
+    handle.attempt_env = {ENV_ATTEMPT: str(n), ENV_BILLING_START: f"{start:.3f}", ENV_PRICE: f"{price or 0.0:.6f}",
                           ENV_SPENT: f"{spent:.6f}"}
     if max_cost is not None:
         handle.attempt_env[ENV_MAX_COST] = f"{max_cost:.6f}"

@@ -31,6 +31,8 @@ class Plan:
     # catalog offers by mode (False: on-demand, True: spot), cheapest first; empty off the catalog
     offers: dict[bool, list[Any]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    # what `launch` would refuse and why (the backend's preflight raises it): shown, not hidden
+    refusals: list[str] = field(default_factory=list)
     estimate: Any = None  # llmctl.cost.estimate.Estimate, filled by planner.make_plan
     memory: Any = None  # llmctl.memory.MemoryFit, filled by planner.make_plan
 
@@ -57,6 +59,7 @@ class Plan:
             f"checkpoints: {redact(checkpoint)}",
         ]
         lines += [f"note:        {n}" for n in self.notes]
+        lines += [f"refused:     `llmctl launch` will refuse: {r}" for r in self.refusals]
         if self.memory is not None:
             lines += ["", self.memory.describe()]
         if self.estimate is not None:

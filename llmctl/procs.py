@@ -69,6 +69,25 @@ def pid_alive(pid: Optional[int]) -> bool:
         return True
 
 
+def start_time(pid: Optional[int]) -> Optional[int]:
+    """When ``pid`` started (clock ticks since boot, /proc/<pid>/stat field 22), or None (no such
+    process, no /proc). A pid is reused; a pid and its start time name one process."""
+    if not pid:
+        return None
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def same_process(pid: Optional[int], started: Optional[int]) -> bool:
+    """``pid`` is alive and is still the process that started at ``started`` (see ``start_time``);
+    without a recorded start time (an older record, no /proc) only ``pid_alive`` can be checked."""
+    if not pid_alive(pid):
+        return False
+    return started is None or start_time(pid) == started
+
+
 def descendants(pid: int) -> list[int]:
     """Every process below ``pid`` (children, grandchildren ...), from /proc's parent links."""
     children: dict[int, list[int]] = {}

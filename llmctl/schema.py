@@ -38,7 +38,9 @@ class InfraCfg:
     down: bool = True
     managed: bool = False
     bucket: Optional[str] = None
-    price_per_gpu_hour: float = 0.0
+    # $ per GPU-hour (per node-hour on CPU) where no catalog prices the job; None: unpriced, except
+    # this machine's own CPU, which costs nothing
+    price_per_gpu_hour: Optional[float] = None
     # kind=sky only (llmctl/backends/sky.py). Provider defaults live here as data, set per conf/infra file.
     provider: Optional[str] = None  # SkyPilot cloud: aws | lambda | runpod | slurm
     zone: Optional[str] = None  # a zone of ``region``; Slurm: the partition (region = cluster)

@@ -122,7 +122,7 @@ def test_slurm_priced_per_gpu_hour(catalog_home: Path) -> None:
     assert est.price.usd_per_hour == pytest.approx(2.5 * 16)
     assert est.total_usd == pytest.approx(wall_h * 2.5 * 16)
     free = _sky_plan(["infra=slurm", "infra.accelerators=H100:8"]).estimate
-    assert free.total_usd == 0 and "set infra.price_per_gpu_hour" in free.price.source
+    assert not free.priced and free.total_text == "unpriced" and "set infra.price_per_gpu_hour" in free.price.source
 
 
 def test_local_cpu_prior(tmp_path: Path) -> None:

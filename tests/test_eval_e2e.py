@@ -13,7 +13,7 @@ from helpers import mlflow_runs, run_cli
 pytestmark = pytest.mark.slow
 
 TRAIN = ["experiment=smoke", "train.steps=10", "train.val_every=5", "train.log_every=5", "train.val_batches=2",
-         "checkpoint.every=5"]
+         "checkpoint.every=3"]  # saved at 3, 6, 9, 10; checkpoint.keep=2 leaves 9 and 10
 FEW_TOKENS = ["eval.max_new_tokens=6", "eval.prompts=[The,'def ']"]
 
 
@@ -61,10 +61,10 @@ def test_eval_equals_training_val_loss_and_logs_into_the_run(trained) -> None:
     # an older checkpoint, and another data set tokenized with the run's tokenizer
     text = cwd / "other.txt"
     text.write_text("A short document about nothing in particular. " * 400)
-    out = run_cli(["eval", run_id, "eval.step=5", "eval.max_new_tokens=0", f"data.source={text}"], cwd, env)
+    out = run_cli(["eval", run_id, "eval.step=9", "eval.max_new_tokens=0", f"data.source={text}"], cwd, env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     src = _history(uri, run_id, "eval/source/val_loss")
-    assert list(src) == [5] and src[5] > 0
+    assert list(src) == [9] and src[9] > 0
 
 
 def test_export_loads_in_transformers_and_accelerate_eval_matches(trained) -> None:
@@ -123,4 +123,10 @@ def test_eval_usage_errors(trained) -> None:
     out = run_cli(["eval", "no-such-run"], cwd, env)
     assert out.returncode == 3 and "no run 'no-such-run'" in out.stderr
     out = run_cli(["eval", run_id, "eval.step=7"], cwd, env)
-    assert out.returncode == 1 and "not a complete checkpoint" in out.stdout + out.stderr
+    assert out.returncode == 3 and "never saved (checkpoint.every=3" in out.stderr and "Traceback" not in out.stderr
+    assert "Complete: 9, 10." in out.stderr, out.stderr
+    pruned = run_cli(["eval", run_id[:12], "eval.step=3"], cwd, env)  # saved, then deleted by checkpoint.keep
+    assert pruned.returncode == 3 and "deleted: checkpoint.keep=2" in pruned.stderr, pruned.stdout + pruned.stderr
+    assert "Traceback" not in pruned.stdout + pruned.stderr
+    out = run_cli(["export", run_id, "--step", "6"], cwd, env)
+    assert out.returncode == 3 and "deleted: checkpoint.keep=2" in out.stderr, out.stderr

@@ -53,3 +53,20 @@ def test_down_stops_a_running_local_run(cli_env: dict[str, str], tmp_path: Path)
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_runs_shows_the_steps_of_a_resumed_run(cli_env: dict[str, str], tmp_path: Path) -> None:
+    """Resumed from step 2 to 4, the table says 4/4: the steps done and ``train.steps`` of the newest
+    attempt, not the first attempt's (MLflow keeps the launch's params)."""
+    args = ["experiment=smoke", "train.steps=2", "train.log_every=1", "train.val_every=1000", "checkpoint.every=2",
+            "train.val_batches=1"]
+    assert run_cli(["launch", *args], tmp_path, cli_env).returncode == 0
+    (run,) = mlflow_runs(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    rid = run.info.run_id
+    out = run_cli(["resume", rid, "train.steps=4"], tmp_path, cli_env)
+    assert out.returncode == 0 and "from step 2" in out.stdout, out.stdout[-2000:] + out.stderr[-2000:]
+    listed = run_cli(["runs", "--json"], tmp_path, cli_env)
+    (row,) = json.loads(listed.stdout)
+    assert (row["run_id"], row["steps"], row["steps_target"], row["attempts"]) == (rid, 4, 4, 2), row
+    table = run_cli(["runs"], tmp_path, cli_env).stdout
+    assert " 4/4 " in next(line for line in table.splitlines() if rid[:12] in line), table

@@ -112,7 +112,8 @@ def test_max_cost_seam(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(planning, "estimate_cost", lambda plan: None)  # an estimator that cannot price it
     sp = planning.make_sweep_plan(["train.lr=1e-3,3e-4"], max_parallel=1)
     assert sp.total_cost is None
-    assert "unknown" in planning.check_budget(sp, 10.0)  # no estimator: accepted, said so
+    with pytest.raises(ConfigError, match=r"no cost estimate for trial\(s\) 0, 1 .* without a budget guard"):
+        planning.check_budget(sp, 10.0)  # no estimate: no share for a trial's in-run guard, so refused
     assert planning.check_budget(sp, None) == ""
     monkeypatch.setattr(planning, "estimate_cost", lambda plan: 4.0)
     sp = planning.make_sweep_plan(["train.lr=1e-3,3e-4"], max_parallel=1)

@@ -15,6 +15,9 @@ if TYPE_CHECKING:  # annotations only: a backend module needs neither at import 
     from llmctl.tracking import RunHandle
 
 
+ENDED = ("FINISHED", "FAILED", "KILLED")  # MLflow statuses of a run whose job has ended: nothing of it runs
+
+
 @dataclass
 class JobStatus:
     """What a backend knows about a run's job: lines for ``llmctl status``, and whether it ended.
@@ -57,4 +60,7 @@ class Backend(Protocol):
         """Print the job's output; with ``follow``, until it ends. An exit code."""
 
     def down(self, run: Any, uri: str, force: bool = False) -> str:
-        """Stop the job and release what it holds; ``force`` skips the graceful stop. One line of report."""
+        """Stop the job and release what it holds; ``force`` skips the graceful stop. One line of report.
+
+        A run whose status is ``ENDED`` has no job: signal nothing (its recorded pids may be other
+        processes' by now); only release what it still holds (a cluster kept up by ``infra.down=false``)."""

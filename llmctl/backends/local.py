@@ -20,19 +20,19 @@ from pathlib import Path
 from typing import Any, Optional, TextIO
 
 from llmctl import progress
-from llmctl.backends.base import JobStatus
+from llmctl.backends.base import ENDED, JobStatus
 from llmctl.config import Composed, to_yaml
 from llmctl.errors import LaunchError
 from llmctl.hardware import local_gpu_count, this_machine
 from llmctl.plan import Plan
-from llmctl.procs import Interrupted, note_stop_request, pid_alive, signal_tree
+from llmctl.procs import Interrupted, note_stop_request, same_process, signal_tree, start_time
 from llmctl.tracking import RunHandle
 from llmctl.validate import resolve_layout
 from llmctl.workdir import run_dir
 
 CONFIG_PLACEHOLDER = "<run-dir>/config.yaml"
 STOP_GRACE_S = 15.0
-PIDS_FILE = "pids.json"  # controller pid and workers' process group, for status/down
+PIDS_FILE = "pids.json"  # controller pid and workers' process group (and their start times), for status/down
 
 
 def _process_count(cfg: dict[str, Any], gpus: int) -> int:
@@ -111,8 +111,14 @@ def _pids(run_id: str) -> dict[str, int]:
         return {}
 
 
+def _ours(pids: dict[str, int], key: str) -> bool:
+    """The recorded ``controller`` or ``workers`` pid is alive and still this run's process (same
+    start time as at launch), not another process that was given the pid since."""
+    return same_process(pids.get(key), pids.get(f"{key}_start"))
+
+
 def _alive(pids: dict[str, int]) -> bool:
-    return pid_alive(pids.get("controller")) or pid_alive(pids.get("workers"))
+    return _ours(pids, "controller") or _ours(pids, "workers")
 
 
 class LocalBackend:
@@ -160,7 +166,9 @@ class LocalBackend:
             # own process group: Ctrl-C reaches the controller, which stops the group in order
             proc = subprocess.Popen(cmd, env=_worker_env(plan, handle, rdir), stdout=subprocess.PIPE,
                                     stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True)
-            (rdir / PIDS_FILE).write_text(json.dumps({"controller": os.getpid(), "workers": proc.pid}))
+            pids = {"controller": os.getpid(), "workers": proc.pid}
+            pids.update({f"{k}_start": t for k, t in ((k, start_time(p)) for k, p in pids.items()) if t is not None})
+            (rdir / PIDS_FILE).write_text(json.dumps(pids))
             grace = float(plan.cfg["checkpoint"].get("preempt_grace_s") or 0)
             previous = signal.signal(signal.SIGTERM, _forward_sigterm(proc, grace))
             try:
@@ -213,22 +221,30 @@ class LocalBackend:
 
     def down(self, run: Any, uri: str, force: bool = False) -> str:
         """SIGTERM to the controller (it passes it on: workers checkpoint, exit 75, and it closes the
-        run), then stop whatever is left of the workers. ``force``: SIGKILL both at once."""
-        pids = _pids(run.info.run_id)
-        controller, workers = pids.get("controller"), pids.get("workers")
+        run), then stop whatever is left of the workers. ``force``: SIGKILL both at once. Only
+        processes that are still this run's are signalled: none for an ended run, and a pid now held
+        by another process (same pid, other start time) is left alone."""
+        rid = run.info.run_id
+        if run.info.status in ENDED:
+            return "nothing to stop"
+        pids = _pids(rid)
+        controller = pids.get("controller") if _ours(pids, "controller") else None
+        workers = pids.get("workers") if _ours(pids, "workers") else None
         if force:
-            if pid_alive(workers):
+            if workers:
                 signal_tree(workers, signal.SIGKILL)
-            if pid_alive(controller):
+            if controller:
                 os.kill(controller, signal.SIGKILL)
-        elif pid_alive(controller):
+        elif controller:
             os.kill(controller, signal.SIGTERM)
             grace = float(run.data.params.get("checkpoint.preempt_grace_s") or 0)
             deadline = time.monotonic() + STOP_GRACE_S + 15 + grace
-            while pid_alive(controller) and time.monotonic() < deadline:
+            while _ours(pids, "controller") and time.monotonic() < deadline:
                 time.sleep(0.2)
-        if pid_alive(workers):  # controller gone (or stuck): stop the workers' group ourselves
+        if workers and _ours(pids, "workers"):  # controller gone (or stuck): stop the workers' group ourselves
             for sig in (signal.SIGTERM, signal.SIGKILL):
                 signal_tree(workers, sig)
                 time.sleep(2)
-        return f"run {run.info.run_id} stopped" if (controller or workers) else f"run {run.info.run_id}: nothing to stop"
+        if controller or workers:
+            return f"run {rid} stopped"
+        return f"run {rid}: nothing to stop (none of its processes is alive)"

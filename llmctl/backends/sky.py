@@ -194,7 +194,7 @@ class SkyBackend:
         cfg = composed.cfg
         infra = cfg["infra"]
         uri = resolve_uri(cfg["tracking"]["uri"])
-        sky_rules.check(cfg, uri)
+        sky_rules.check(cfg)
         nproc = sky_task.nproc_per_node(cfg)
         layout = resolve_layout(cfg, infra["nodes"] * nproc)
         resolved = {**cfg, "parallel": {**cfg["parallel"], **layout},
@@ -228,10 +228,15 @@ class SkyBackend:
                        nproc_per_node=nproc, layout=layout, device=device,
                        command=["bash", "-c", "<run script below>"], tracking_uri=uri, hardware=hardware,
                        offers=offers, notes=notes, task_yaml=task_yaml(config),
+                       refusals=[r for r in [sky_rules.tracking_refusal(infra["name"], uri)] if r],
                        offers_text=sky_rules.format_offers(found))
 
     def preflight(self, plan: Plan) -> None:
-        """Credentials as ``sky check`` sees them, before an MLflow run or a cluster is created."""
+        """A store the nodes can reach, and credentials as ``sky check`` sees them, before an MLflow
+        run or a cluster is created."""
+        refusal = sky_rules.tracking_refusal(plan.cfg["infra"]["name"], plan.tracking_uri)
+        if refusal:
+            raise ConfigError(refusal)
         sky_rules.check_credentials(plan.cfg["infra"]["provider"])
 
     def finalize(self, plan: Plan, handle: RunHandle) -> dict[str, Any]:

@@ -90,21 +90,25 @@ def known_providers() -> list[str]:
     return sorted(registry.CLOUD_REGISTRY.keys())
 
 
-def check(cfg: Mapping[str, Any], tracking_uri: str) -> None:
+def tracking_refusal(infra_name: str, tracking_uri: str) -> Optional[str]:
+    """Why ``launch`` refuses this store for remote nodes (None: they can reach it). ``plan`` shows it
+    and still shows the whole plan; ``preflight`` raises it."""
+    if tracking_uri.startswith(REMOTE_SCHEMES):
+        return None
+    return (f"infra '{infra_name}' runs on remote nodes, which cannot reach the local MLflow store {tracking_uri}."
+            " Fix: run a tracking server the nodes can reach (e.g. `mlflow server --host 0.0.0.0 --port 5000`)"
+            " and set tracking.uri=http://<that-host>:5000 (or MLFLOW_TRACKING_URI)")
+
+
+def check(cfg: Mapping[str, Any]) -> None:
     """Every rule a provider states in its infra config, plus the catalog's accelerator list."""
     infra = cfg["infra"]
     provider = infra.get("provider")
-    name = infra["name"]
     if not provider or provider not in known_providers():
         raise ConfigError(f"Bad value for 'infra.provider': '{provider}' is not a SkyPilot provider."
                           f"{_did_you_mean(str(provider), known_providers())}"
                           f" Fix: infra.provider=<one of: aws, lambda, runpod, slurm, ...>"
                           f" (all: {', '.join(known_providers())})")
-    if not tracking_uri.startswith(REMOTE_SCHEMES):
-        raise ConfigError(
-            f"infra '{name}' runs on remote nodes, which cannot reach the local MLflow store {tracking_uri}."
-            " Fix: run a tracking server the nodes can reach (e.g. `mlflow server --host 0.0.0.0 --port 5000`)"
-            " and set tracking.uri=http://<that-host>:5000 (or MLFLOW_TRACKING_URI)")
     can = capabilities(provider)
     if infra["nodes"] > 1 and not can.supports("MULTI_NODE"):
         raise ConfigError(f"Bad value for 'infra.nodes': {provider} runs at most 1 node per job"

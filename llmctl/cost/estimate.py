@@ -135,6 +135,7 @@ class Price:
     usd_per_hour: float
     spot: bool
     source: str
+    priced: bool = True  # False: nobody said what this infra costs (usd_per_hour is then 0, not a price)
 
 
 def catalog_prices(offers_by_mode: Mapping[bool, list[Any]]) -> list[Price]:
@@ -150,14 +151,25 @@ def catalog_prices(offers_by_mode: Mapping[bool, list[Any]]) -> list[Price]:
     return sorted(out, key=lambda p: (p.spot, p.usd_per_hour))
 
 
+UNPRICED_FIX = "set infra.price_per_gpu_hour=<$ per GPU-hour> to price it"
+
+
 def configured_price(infra: Mapping[str, Any], hw: Hardware) -> Price:
-    """``infra.price_per_gpu_hour`` x GPUs (a CPU node counts as one device): Slurm, local, no catalog row."""
-    rate = float(infra.get("price_per_gpu_hour") or 0.0)
+    """``infra.price_per_gpu_hour`` x GPUs (a CPU node counts as one device): Slurm, local, no catalog row.
+
+    Not set: this machine's own CPU costs nothing ($0); anything else (Slurm, local GPUs) is unpriced,
+    not $0, so that a budget is never silently unenforceable."""
     unit = "GPU" if hw.gpus_per_node else "node"
-    note = "" if rate else " (0: set infra.price_per_gpu_hour to price this infra)"
-    return Price(label=f"{infra['name']} at ${rate:g}/{unit}-h", usd_per_hour=rate * hw.devices,
-                 spot=bool(infra.get("use_spot")),
-                 source=f"infra.price_per_gpu_hour ${rate:g} x {hw.devices} {unit}(s){note}")
+    spot = bool(infra.get("use_spot"))
+    if infra.get("price_per_gpu_hour") is None:
+        if infra.get("kind") == "local" and not hw.gpus_per_node:
+            return Price(label=f"{infra['name']} (this machine's CPU)", usd_per_hour=0.0, spot=spot,
+                         source="your own CPU: $0 (infra.price_per_gpu_hour=<$ per hour> to charge for it)")
+        return Price(label=str(infra["name"]), usd_per_hour=0.0, spot=spot, priced=False,
+                     source=f"no catalog price; {UNPRICED_FIX}")
+    rate = float(infra["price_per_gpu_hour"])
+    return Price(label=f"{infra['name']} at ${rate:g}/{unit}-h", usd_per_hour=rate * hw.devices, spot=spot,
+                 source=f"infra.price_per_gpu_hour ${rate:g} x {hw.devices} {unit}(s)")
 
 
 def choose_price(infra: Mapping[str, Any], hw: Hardware, catalog: list[Price]) -> Price:
@@ -210,8 +222,26 @@ class Estimate:
         return self.cost_at(self.price)
 
     @property
+    def priced(self) -> bool:
+        return self.price.priced
+
+    @property
+    def total_text(self) -> str:
+        """The total as every line shows it: dollars, or ``unpriced``."""
+        return f"${self.total_usd:,.2f}" if self.priced else "unpriced"
+
+    @property
     def over_budget(self) -> bool:
         return self.max_cost is not None and self.total_usd > self.max_cost
+
+    def budget_refusal(self) -> Optional[str]:
+        """Why ``--max-cost`` cannot be honoured here (None when it can): an unpriced infra has no spend
+        to stop at, and a $0 price would turn the in-run guard off without a word."""
+        if self.max_cost is None or self.priced:
+            return None
+        return (f"--max-cost ${self.max_cost:,.2f} cannot be enforced: infra '{self.price.label}' is unpriced (no"
+                " catalog price, no infra.price_per_gpu_hour), so its spend cannot be tracked."
+                " Fix: infra.price_per_gpu_hour=<$ per GPU-hour>")
 
     def describe(self) -> str:
         lines = [
@@ -224,10 +254,13 @@ class Estimate:
             f"wall time:   {_dur(self.wall_s)} = overhead {self.throughput.overhead_s:.0f} s + train {_dur(self.train_s)}"
             f" + {self.val_passes} val pass(es) x {self.throughput.val_pass_s:.2f} s;"
             f" {self.device_hours:,.3f} device-hours",
-            f"price:       ${self.price.usd_per_hour:,.2f}/h ({self.price.label}; {self.price.source})",
-            f"total:       ${self.total_usd:,.2f} estimated",
+            (f"price:       ${self.price.usd_per_hour:,.2f}/h ({self.price.label}; {self.price.source})" if self.priced
+             else f"price:       unpriced ({self.price.label}: {self.price.source})"),
+            f"total:       {self.total_text} estimated",
         ]
-        if self.max_cost is not None:
+        if self.budget_refusal():
+            lines.append(f"max cost:    ${self.max_cost:,.2f} (REFUSED: launch will refuse: {self.budget_refusal()})")
+        elif self.max_cost is not None:
             verdict = "OVER: launch will refuse" if self.over_budget else "within"
             lines.append(f"max cost:    ${self.max_cost:,.2f} ({verdict}); a running job stops after a checkpoint"
                          " when its spend would pass it")
@@ -243,7 +276,8 @@ class Estimate:
             "tokens": self.tokens, "flops": self.flops, "val_passes": self.val_passes,
             "hardware": {**asdict(self.hw), "devices": self.hw.devices},
             "throughput": asdict(self.throughput), "train_s": self.train_s, "wall_s": self.wall_s,
-            "device_hours": self.device_hours, "price": asdict(self.price), "total_usd": self.total_usd,
+            "device_hours": self.device_hours, "price": asdict(self.price),
+            "total_usd": self.total_usd if self.priced else None,
             "offers": [{**asdict(p), "total_usd": self.cost_at(p)} for p in self.offers],
             "max_cost": self.max_cost,
         }

@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import statistics
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Optional
 
@@ -59,40 +60,171 @@ def find(uri: str, shape: str, accelerator: str, cfg: Mapping[str, Any]) -> Opti
     if not store_exists(uri):
         return None
     try:
-        with _quick_http():
-            runs = _candidates(uri, shape, accelerator)
+        runs = candidates(uri, shape, accelerator)
     except Exception:  # noqa: BLE001 - history is evidence, not a requirement: fall back to the prior
         return None
-    runs = [r for r in runs if STEADY in r.data.metrics and OVERHEAD in r.data.metrics]
+    runs = [r for r in runs if STEADY in r.metrics and OVERHEAD in r.metrics]
     if not runs:
         return None
     want = (str(cfg["infra"]["nodes"]), str(cfg["train"]["batch_size"]))
 
-    def rank(r: Any) -> tuple[int, int]:
-        p = r.data.params
-        same = (p.get("infra.nodes") == want[0]) + (p.get("train.batch_size") == want[1])
-        return same, r.info.start_time or 0
+    def rank(r: Candidate) -> tuple[int, int]:
+        same = (r.params.get("infra.nodes") == want[0]) + (r.params.get("train.batch_size") == want[1])
+        return same, r.start_time or 0
 
     best = max(runs, key=rank)
-    p, m = best.data.params, best.data.metrics
-    return Measured(run_id=best.info.run_id, tokens_per_s=m[STEADY], overhead_s=max(0.0, m[OVERHEAD]),
+    p, m = best.params, best.metrics
+    return Measured(run_id=best.run_id, tokens_per_s=m[STEADY], overhead_s=max(0.0, m[OVERHEAD]),
                     val_pass_s=m.get(VAL_PASS, 0.0), nodes=int(p.get("infra.nodes", 1)),
                     batch_size=int(p.get("train.batch_size", cfg["train"]["batch_size"])),
                     val_batches=int(p.get("train.val_batches", cfg["train"]["val_batches"])),
                     steps=int(m.get("train/steps_done", p.get("train.steps", 0))))
 
 
-def _candidates(uri: str, shape: str, accelerator: str) -> list[Any]:
+# ----------------------------------------------------------------------------- reading the history
+# ``plan`` reads this on every call, and importing mlflow costs 1.5-3 s: a sqlite store is read
+# with sqlite3 (read-only), a tracking server through its REST API, anything else through
+# MlflowClient. All three answer what ``MlflowClient.search_runs`` answers (tests/test_history_reader.py).
+
+
+@dataclass
+class Candidate:
+    """One FINISHED run of the shape, as search_runs returns it (params, latest metrics)."""
+
+    run_id: str
+    start_time: Optional[int]
+    status: str
+    params: dict[str, str]
+    metrics: dict[str, float]
+
+
+def candidates(uri: str, shape: str, accelerator: str) -> list[Candidate]:
+    """Newest first, at most ``MAX_CANDIDATES``: FINISHED, active runs of active experiments tagged
+    with this shape and accelerator, in search_runs' order (start time descending, then run id)."""
+    shape, accelerator = _quote(shape), _quote(accelerator)
+    if uri.startswith("sqlite:///") and "?" not in uri:
+        return _sqlite_candidates(uri[len("sqlite:///"):], shape, accelerator)
+    if uri.startswith(("http://", "https://")) and not any(os.environ.get(k) for k in _REST_UNSUPPORTED):
+        return _rest_candidates(uri, shape, accelerator)
+    return _client_candidates(uri, shape, accelerator)
+
+
+def _filter(shape: str, accelerator: str) -> str:
+    return (f"tags.`{TAG_SHAPE}` = '{shape}' and tags.`{TAG_ACCELERATOR}` = '{accelerator}'"
+            " and attributes.status = 'FINISHED'")
+
+
+def _client_candidates(uri: str, shape: str, accelerator: str) -> list[Candidate]:
     from llmctl.tracking import client
 
-    mc = client(uri)
-    exps = mc.search_experiments()
-    if not exps:
+    with _quick_http():
+        mc = client(uri)
+        exps = mc.search_experiments()
+        if not exps:
+            return []
+        runs = mc.search_runs([e.experiment_id for e in exps], _filter(shape, accelerator),
+                              max_results=MAX_CANDIDATES, order_by=["attributes.start_time DESC"])
+    return [Candidate(r.info.run_id, r.info.start_time, r.info.status, dict(r.data.params), dict(r.data.metrics))
+            for r in runs]
+
+
+# MLflow's own store queries (mlflow/store/tracking/sqlalchemy_store.py): search_experiments
+# (ACTIVE_ONLY, 1000, creation_time DESC, experiment_id), then search_runs' tag and status filters.
+_SQL_RUNS = """
+SELECT r.run_uuid, r.start_time, r.status FROM runs r
+WHERE r.lifecycle_stage = 'active' AND r.status = 'FINISHED'
+  AND r.experiment_id IN (SELECT experiment_id FROM experiments WHERE lifecycle_stage = 'active'
+                          ORDER BY creation_time DESC, experiment_id ASC LIMIT 1000)
+  AND EXISTS (SELECT 1 FROM tags t WHERE t.run_uuid = r.run_uuid AND t.key = ? AND t.value = ?)
+  AND EXISTS (SELECT 1 FROM tags t WHERE t.run_uuid = r.run_uuid AND t.key = ? AND t.value = ?)
+ORDER BY r.start_time DESC, r.run_uuid ASC LIMIT ?
+"""
+
+
+def _sqlite_candidates(path: str, shape: str, accelerator: str) -> list[Candidate]:
+    import sqlite3
+    from urllib.parse import quote
+
+    con = sqlite3.connect(f"file:{quote(path)}?mode=ro", uri=True, timeout=5)
+    try:
+        rows = con.execute(_SQL_RUNS, (TAG_SHAPE, shape, TAG_ACCELERATOR, accelerator, MAX_CANDIDATES)).fetchall()
+        runs = {rid: Candidate(rid, start, status, {}, {}) for rid, start, status in rows}
+        if runs:
+            marks = ",".join("?" * len(runs))
+            for rid, key, value in con.execute(f"SELECT run_uuid, key, value FROM params WHERE run_uuid IN ({marks})",
+                                               list(runs)):
+                runs[rid].params[key] = value
+            for rid, key, value, is_nan in con.execute(
+                    f"SELECT run_uuid, key, value, is_nan FROM latest_metrics WHERE run_uuid IN ({marks})", list(runs)):
+                runs[rid].metrics[key] = float("nan") if is_nan else float(value)
+    finally:
+        con.close()
+    return [runs[rid] for rid, _, _ in rows]
+
+
+# what only MlflowClient knows how to do (plugins, signing, client certificates, workspaces)
+_REST_UNSUPPORTED = ("MLFLOW_TRACKING_AUTH", "MLFLOW_TRACKING_AWS_SIGV4", "MLFLOW_TRACKING_CLIENT_CERT_PATH",
+                     "MLFLOW_WORKSPACE")
+
+
+def _rest_candidates(uri: str, shape: str, accelerator: str) -> list[Candidate]:
+    exps = _post(uri, "/api/2.0/mlflow/experiments/search", {"max_results": 1000, "view_type": "ACTIVE_ONLY"})
+    ids = [e["experiment_id"] for e in exps.get("experiments", [])]
+    if not ids:
         return []
-    query = (f"tags.`{TAG_SHAPE}` = '{_quote(shape)}' and tags.`{TAG_ACCELERATOR}` = '{_quote(accelerator)}'"
-             " and attributes.status = 'FINISHED'")
-    return mc.search_runs([e.experiment_id for e in exps], query, max_results=MAX_CANDIDATES,
-                          order_by=["attributes.start_time DESC"])
+    found = _post(uri, "/api/2.0/mlflow/runs/search", {
+        "experiment_ids": ids, "filter": _filter(shape, accelerator), "run_view_type": "ACTIVE_ONLY",
+        "max_results": MAX_CANDIDATES, "order_by": ["attributes.start_time DESC"]})
+    out = []
+    for r in found.get("runs", []):
+        info, data = r["info"], r.get("data", {})
+        start = info.get("start_time")
+        out.append(Candidate(info["run_id"], int(start) if start is not None else None, info.get("status", ""),
+                             {p["key"]: p.get("value", "") for p in data.get("params", [])},
+                             {m["key"]: float(m["value"]) for m in data.get("metrics", [])}))
+    return out
+
+
+def _credentials() -> tuple[Optional[str], Optional[str]]:
+    """MLflow's order (mlflow/utils/credentials.py): each of the environment, else the credentials file."""
+    import configparser
+
+    saved = configparser.ConfigParser()
+    saved.read(os.path.expanduser("~/.mlflow/credentials"))
+    section = saved["mlflow"] if "mlflow" in saved else {}
+    return (os.environ.get("MLFLOW_TRACKING_USERNAME") or section.get("mlflow_tracking_username"),
+            os.environ.get("MLFLOW_TRACKING_PASSWORD") or section.get("mlflow_tracking_password"))
+
+
+def _post(uri: str, endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
+    """One try, a short timeout (``plan`` must not hang on an unreachable server); MLflow's auth:
+    credentials in the URL, else MLFLOW_TRACKING_USERNAME/PASSWORD (or ~/.mlflow/credentials), else
+    MLFLOW_TRACKING_TOKEN."""
+    import base64
+    import json
+    import ssl
+    import urllib.request
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(uri)
+    user, password = parts.username, parts.password
+    host = parts.netloc.rsplit("@", 1)[-1]
+    url = urlunsplit((parts.scheme, host, parts.path.rstrip("/") + endpoint, "", ""))
+    headers = {"Content-Type": "application/json"}
+    if not (user or password):
+        user, password = _credentials()
+    if user and password:
+        headers["Authorization"] = "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
+    elif os.environ.get("MLFLOW_TRACKING_TOKEN"):
+        headers["Authorization"] = f"Bearer {os.environ['MLFLOW_TRACKING_TOKEN']}"
+    context = None
+    if parts.scheme == "https":
+        context = ssl.create_default_context(cafile=os.environ.get("MLFLOW_TRACKING_SERVER_CERT_PATH") or None)
+        if os.environ.get("MLFLOW_TRACKING_INSECURE_TLS", "").lower() in ("true", "1"):
+            context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers, method="POST")
+    with urllib.request.urlopen(req, timeout=5, context=context) as resp:
+        return json.loads(resp.read().decode() or "{}")
 
 
 def _quote(value: str) -> str:

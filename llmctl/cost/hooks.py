@@ -17,9 +17,11 @@ import sys
 import time
 from typing import Any, Optional
 
+from llmctl.cost.ledger import UNPRICED
 from llmctl.errors import ConfigError
 
 TAG_MAX_COST = "llmctl.max_cost_usd"
+TAG_PRICE = "llmctl.price.usd_per_hour"  # UNPRICED where nobody said what the infra costs
 
 
 def check_budget(est: Any, max_cost: Optional[float], spent: float = 0.0, run_id: str = "") -> None:
@@ -33,6 +35,9 @@ def check_budget(est: Any, max_cost: Optional[float], spent: float = 0.0, run_id
         raise ConfigError(f"--max-cost ${max_cost:,.2f} cannot be checked: no cost estimate for this plan"
                           " (see the notes of `llmctl plan`)")
     est.max_cost = max_cost - spent
+    refusal = est.budget_refusal()
+    if refusal:
+        raise ConfigError(f"{refusal}; nothing was launched")
     if est.over_budget:
         so_far = f" + ${spent:,.2f} already spent" if spent else ""
         raise ConfigError(f"estimated cost ${est.total_usd:,.2f}{so_far} ({est.price.label}, wall {est.wall_h:.2f} h,"
@@ -58,11 +63,12 @@ def record_estimate(mc: Any, run_id: str, plan: Any, max_cost: Optional[float], 
         tags = {TAG_ACCELERATOR: plan.hardware.accelerator, TAG_SHAPE: shape_key(plan.cfg)}
         metrics = {}
         if est:
-            tags.update({"llmctl.price.usd_per_hour": f"{est.price.usd_per_hour:.4f}",
+            tags.update({TAG_PRICE: f"{est.price.usd_per_hour:.4f}" if est.priced else UNPRICED,
                          "llmctl.price.source": f"{est.price.label}; {est.price.source}",
                          "llmctl.estimate.source": est.throughput.source})
-            metrics = {"cost/estimate_usd": est.total_usd, "time/estimate_h": est.wall_h,
-                       "cost/estimate_device_hours": est.device_hours}
+            metrics = {"time/estimate_h": est.wall_h, "cost/estimate_device_hours": est.device_hours}
+            if est.priced:  # unpriced: no $0 that reads like a price
+                metrics["cost/estimate_usd"] = est.total_usd
             mc.log_dict(run_id, {**est.to_json(), "priced_at": at}, "estimate.json")
         if max_cost is not None:
             tags[TAG_MAX_COST] = f"{max_cost:.2f}"
@@ -84,16 +90,18 @@ def close(mc: Any, run_id: str, cfg: Optional[dict[str, Any]], est: Any, status:
         done = ledger.attempts(mc.get_run(run_id).data.tags)
         if not done:  # never started (a pending trial, a sweep's parent run): nothing to bill
             return ""
-        if len(done) == 1 and cfg is not None:  # one clean attempt: a calibration point for the next estimate
-            from mlflow.entities import Metric
+        from mlflow.entities import Metric
 
+        # every attempt: the steps done so far (a resumed run has trained past its first attempt's)
+        cal = {"train/steps_done": float(history.steps_done(mc, run_id))}
+        if len(done) == 1 and cfg is not None:  # one clean attempt: a calibration point for the next estimate
             cal = history.calibration(mc, run_id, cfg, end - done[0].start)
-            mc.log_batch(run_id, metrics=[Metric(k, v, int(end * 1000), 0) for k, v in cal.items()])
+        mc.log_batch(run_id, metrics=[Metric(k, v, int(end * 1000), 0) for k, v in cal.items()])
         led = ledger.update(mc, run_id, end)
     except Exception as exc:  # noqa: BLE001
         _warn("recording the run's cost", exc)
         return ""
-    return "llmctl: " + led.describe().split(":", 1)[1].strip() + (f" (estimated ${est.total_usd:,.2f})" if est else "")
+    return "llmctl: " + led.describe().split(":", 1)[1].strip() + (f" (estimated {est.total_text})" if est else "")
 
 
 def budget_reason(stop: str) -> str:
@@ -113,8 +121,9 @@ def status_lines(uri: str, run: Any) -> list[str]:
 
     lines = []
     est = run.data.metrics.get("cost/estimate_usd")
-    if est is not None:
-        lines.append(f"estimate:    ${est:,.2f}, {run.data.metrics.get('time/estimate_h', 0) * 3600:,.0f} s"
+    text = UNPRICED if run.data.tags.get(TAG_PRICE) == UNPRICED else (None if est is None else f"${est:,.2f}")
+    if text is not None:
+        lines.append(f"estimate:    {text}, {run.data.metrics.get('time/estimate_h', 0) * 3600:,.0f} s"
                      f" ({run.data.tags.get('llmctl.estimate.source', '?')[:120]})")
     if not ledger.attempts(run.data.tags):
         return lines

@@ -6,11 +6,12 @@ reading or rewriting the others::
 
     llmctl.attempt.<n>.start          epoch seconds, when billing starts (provisioning / process start)
     llmctl.attempt.<n>.end            epoch seconds, when billing stops (teardown / exit); absent while open
-    llmctl.attempt.<n>.usd_per_hour   $/h of the whole attempt (all nodes) — the price snapshot
+    llmctl.attempt.<n>.usd_per_hour   $/h of the whole attempt (all nodes) — the price snapshot, or
+                                      "unpriced" (Slurm, local GPUs with no infra.price_per_gpu_hour)
     llmctl.attempt.<n>.nodes          nodes billed
     llmctl.attempt.<n>.devices        priced devices (GPUs; a CPU node counts one)
 
-plus what the attempt was (``infra``, ``world_size``, ``from_step``, ``status``: its outcome, as
+plus what the attempt was (``infra``, ``world_size``, ``from_step``, ``train_steps``, ``status``: its outcome, as
 ``llmctl.status`` says it). The workload never writes these: it records facts (each start,
 ``llmctl.workload_start.<k>``), and ``reconcile`` turns a second start under one launcher attempt (a
 managed job that SkyPilot recovered on new nodes) into the attempt it was.
@@ -31,6 +32,7 @@ from typing import Any, Mapping, Optional
 from workloads.pretrain.contract import TAG_START_PREFIX
 
 PREFIX = "llmctl.attempt."
+UNPRICED = "unpriced"  # an attempt's usd_per_hour when nobody priced its infra: not counted as $0
 TAG_CURRENT = "llmctl.attempt"  # the newest attempt's number
 _TAG = re.compile(r"^llmctl\.attempt\.(\d+)\.(start|end|usd_per_hour|nodes|devices)$")
 
@@ -40,7 +42,7 @@ class Attempt:
     n: int
     start: float
     end: Optional[float]
-    usd_per_hour: float
+    usd_per_hour: Optional[float]  # None: unpriced
     nodes: int
     devices: int
 
@@ -58,12 +60,24 @@ class Ledger:
     tokens: Optional[int] = None
 
     @property
+    def unpriced(self) -> int:
+        """Attempts on infra nobody priced: their hours count, their dollars are unknown (not $0)."""
+        return sum(1 for a in self.attempts if a.usd_per_hour is None)
+
+    @property
+    def priced(self) -> bool:
+        """Some attempt has a price (all unpriced: there is no dollar figure at all)."""
+        return self.unpriced < len(self.attempts) or not self.attempts
+
+    @property
     def usd_per_1m_tokens(self) -> Optional[float]:
-        return self.actual_usd / (self.tokens / 1e6) if self.tokens else None
+        return self.actual_usd / (self.tokens / 1e6) if self.tokens and self.priced else None
 
     def metrics(self) -> dict[str, float]:
-        out = {"cost/actual_usd": self.actual_usd, "cost/device_hours": self.device_hours,
+        out = {"cost/device_hours": self.device_hours,
                "cost/billed_hours": self.billed_hours, "cost/attempts": float(len(self.attempts))}
+        if self.priced:
+            out["cost/actual_usd"] = self.actual_usd
         if self.tokens:
             out["cost/tokens"] = float(self.tokens)
         if self.usd_per_1m_tokens is not None:
@@ -73,7 +87,10 @@ class Ledger:
     def describe(self) -> str:
         state = " (attempt open: counted to now)" if self.open else ""
         per = f", ${self.usd_per_1m_tokens:,.4f} per 1M tokens" if self.usd_per_1m_tokens is not None else ""
-        return (f"cost:        ${self.actual_usd:,.2f} over {len(self.attempts)} attempt(s){state};"
+        money = f"${self.actual_usd:,.2f}" if self.priced else UNPRICED
+        if self.priced and self.unpriced:
+            money += f" (+ {self.unpriced} unpriced attempt(s), not counted)"
+        return (f"cost:        {money} over {len(self.attempts)} attempt(s){state};"
                 f" {self.device_hours:,.3f} device-hours{per}")
 
 
@@ -88,8 +105,10 @@ def attempts(tags: Mapping[str, str]) -> list[Attempt]:
     for n in sorted(found):
         a = found[n]
         try:
+            price = a.get("usd_per_hour", 0) or 0
             out.append(Attempt(n=n, start=float(a["start"]), end=float(a["end"]) if a.get("end") else None,
-                               usd_per_hour=float(a.get("usd_per_hour", 0) or 0), nodes=int(a.get("nodes", 1) or 1),
+                               usd_per_hour=None if price == UNPRICED else float(price),
+                               nodes=int(a.get("nodes", 1) or 1),
                                devices=int(a.get("devices", 1) or 1)))
         except (KeyError, ValueError):
             continue
@@ -100,7 +119,7 @@ def compute(tags: Mapping[str, str], now: Optional[float] = None, tokens: Option
     now = time.time() if now is None else now
     found = attempts(tags)
     return Ledger(attempts=found,
-                  actual_usd=sum(a.hours(now) * a.usd_per_hour for a in found),
+                  actual_usd=sum(a.hours(now) * a.usd_per_hour for a in found if a.usd_per_hour is not None),
                   device_hours=sum(a.hours(now) * a.devices for a in found),
                   billed_hours=sum(a.hours(now) for a in found),
                   open=any(a.end is None for a in found), tokens=tokens)
@@ -111,13 +130,17 @@ def next_number(tags: Mapping[str, str]) -> int:
     return max([a.n for a in attempts(tags)] + [int(tags.get(TAG_CURRENT, "0") or 0)]) + 1
 
 
-def open_attempt(mc: Any, run_id: str, *, usd_per_hour: float, nodes: int, devices: int,
+def _price(usd_per_hour: Optional[float]) -> str:
+    return UNPRICED if usd_per_hour is None else f"{usd_per_hour:.6f}"
+
+
+def open_attempt(mc: Any, run_id: str, *, usd_per_hour: Optional[float], nodes: int, devices: int,
                  start: Optional[float] = None, extra: Optional[Mapping[str, Any]] = None) -> int:
     """Append the next attempt (``extra``: infra, world_size, from_step, ...) and return its number."""
     from mlflow.entities import RunTag
 
     n = next_number(mc.get_run(run_id).data.tags)
-    fields = {"start": f"{time.time() if start is None else start:.3f}", "usd_per_hour": f"{usd_per_hour:.6f}",
+    fields = {"start": f"{time.time() if start is None else start:.3f}", "usd_per_hour": _price(usd_per_hour),
               "nodes": str(nodes), "devices": str(devices), **{k: str(v) for k, v in (extra or {}).items()}}
     mc.log_batch(run_id, tags=[RunTag(f"{PREFIX}{n}.{k}", v[:5000]) for k, v in fields.items()]
                  + [RunTag(TAG_CURRENT, str(n))])
@@ -178,7 +201,7 @@ def reconcile(mc: Any, run_id: str) -> Optional[int]:
                 continue  # no billed attempt to continue (a run llmctl did not launch)
             t, n = float(start["time"]), next_number(tags)
             new = {f"{PREFIX}{n}.{key}": value for key, value in {
-                "start": f"{t:.3f}", "usd_per_hour": f"{prev.usd_per_hour:.6f}", "nodes": str(prev.nodes),
+                "start": f"{t:.3f}", "usd_per_hour": _price(prev.usd_per_hour), "nodes": str(prev.nodes),
                 "devices": str(prev.devices), "infra": tags.get(f"{PREFIX}{prev.n}.infra") or tags.get("llmctl.infra", "?"),
                 "world_size": str(start.get("world_size", "")), "from_step": str(start.get("from_step", 0)),
                 "start_seq": str(k)}.items()}

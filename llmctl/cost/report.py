@@ -17,6 +17,7 @@ from llmctl.errors import ConfigError
 GROUPS = ("experiment", "infra", "accelerator")
 _SPAN = re.compile(r"^(\d+(?:\.\d+)?)([mhdw])$")
 _UNIT_S = {"m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+_ATTEMPT_STEPS = re.compile(rf"^{re.escape(ledger.PREFIX)}(\d+)\.train_steps$")
 
 
 def since_epoch(since: Optional[str], now: Optional[float] = None) -> Optional[float]:
@@ -72,15 +73,23 @@ def run_row(run: Any, experiment: str, now: Optional[float] = None) -> dict[str,
         "accelerator": tags.get("llmctl.accelerator", "?"),
         "nodes": int(params.get("infra.nodes", 1) or 1),
         "start": (run.info.start_time or 0) / 1000.0,
-        "steps": int(steps) if steps is not None else None, "steps_target": _int(params.get("train.steps")),
+        "steps": int(steps) if steps is not None else None, "steps_target": _steps_target(tags, params),
         "train_loss": m.get("train/loss"), "val_loss": m.get("val/loss"),
         "tokens_per_s": m.get("perf/tokens_per_s_steady", m.get("perf/tokens_per_s")), "mfu": m.get("perf/mfu"),
         "estimate_usd": m.get("cost/estimate_usd"), "estimate_h": m.get("time/estimate_h"),
-        "actual_usd": led.actual_usd if led.attempts else None,
+        "actual_usd": led.actual_usd if led.attempts and led.priced else None,
+        "unpriced": bool(led.attempts and not led.priced) or tags.get("llmctl.price.usd_per_hour") == ledger.UNPRICED,
         "wall_h": led.billed_hours if led.attempts else None,
         "device_hours": led.device_hours if led.attempts else None,
         "usd_per_1m_tokens": led.usd_per_1m_tokens, "tokens": led.tokens, "attempts": len(led.attempts),
     }
+
+
+def _steps_target(tags: Any, params: Any) -> Optional[int]:
+    """``train.steps`` of the newest attempt that recorded it: a resume may train further than the
+    launch did, and MLflow keeps the first attempt's params."""
+    found = {int(m.group(1)): tags[k] for k in tags if (m := _ATTEMPT_STEPS.match(k))}
+    return _int(found[max(found)]) if found else _int(params.get("train.steps"))
 
 
 def _int(v: Any) -> Optional[int]:
@@ -120,8 +129,8 @@ def cost_rows(uri: str, since: Optional[str] = None, by: str = "experiment") -> 
 # ----------------------------------------------------------------------------- rendering
 
 
-def _money(v: Optional[float]) -> str:
-    return "-" if v is None else f"${v:,.2f}"
+def _money(v: Optional[float], unpriced: bool = False) -> str:
+    return ledger.UNPRICED if v is None and unpriced else "-" if v is None else f"${v:,.2f}"
 
 
 def _num(v: Optional[float], fmt: str = "{:.4f}") -> str:
@@ -155,7 +164,7 @@ def runs_table(rows: list[dict[str, Any]]) -> str:
         body.append([r["run_id"][:12], (r["name"] or "")[:24], status, r["infra"], r["accelerator"], steps,
                      _num(r["train_loss"]), _num(r["val_loss"]), _num(r["tokens_per_s"], "{:,.0f}"),
                      _num(None if r["mfu"] is None else 100 * r["mfu"], "{:.1f}%"),
-                     _money(r["estimate_usd"]), _money(r["actual_usd"]),
+                     _money(r["estimate_usd"], r["unpriced"]), _money(r["actual_usd"], r["unpriced"]),
                      _num(r["estimate_h"], "{:.3f}"), _num(r["wall_h"], "{:.3f}")])
     return render(f"{len(rows)} run(s)", header, body, right=set(range(5, 14)))
 

@@ -37,10 +37,10 @@ def estimate_cost(plan: Any) -> Optional[float]:
     """Estimated USD for one trial's plan (``planner.make_plan`` fills the estimate); None if unknown.
 
     ``plan -m`` shows it per trial and in total; ``--max-cost`` refuses sweeps whose total is above
-    the limit, and says the cost is unknown when any trial has no estimate.
+    the limit, and refuses it when a trial has no estimate or runs on unpriced infra (None here).
     """
     est = getattr(plan, "estimate", None)
-    return None if est is None else float(est.total_usd)
+    return None if est is None or not est.priced else float(est.total_usd)
 
 
 @dataclass
@@ -50,6 +50,11 @@ class Trial:
     plan: Any  # llmctl.plan.Plan
     composed: dict[str, Any]  # the composed config, before the backend's planning
     cost: Optional[float] = None
+
+    @property
+    def unpriced(self) -> bool:
+        """Its infra has no price (Slurm, local GPUs without infra.price_per_gpu_hour): not $0."""
+        return self.plan.estimate is not None and not self.plan.estimate.priced
 
 
 @dataclass
@@ -92,9 +97,11 @@ class SweepPlan:
         header = ["#", *keys, "procs", "device", "tokens", "est. cost"]
         lines.append(table.render(header, [[str(t.index), *r] for t, r in zip(self.trials, rows)]))
         tokens = sum(_tokens(t.plan.cfg) for t in self.trials)
+        unpriced = any(t.unpriced for t in self.trials)
         lines += ["", f"total:       {len(self.trials)} trials, {tokens:,} tokens,"
-                      f" estimated cost {table.fmt_cost(self.total_cost)}"
-                      + ("" if self.total_cost is not None else " (no cost estimator yet)")]
+                      f" estimated cost {table.fmt_cost(self.total_cost, unpriced)}"
+                      + ("" if self.total_cost is not None or unpriced else " (no cost estimator yet)")]
+        lines += [f"refused:     `llmctl launch -m` will refuse: {r}" for r in first.refusals]
         lines += [f"note:        {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -108,7 +115,7 @@ def trial_row(t: Trial, keys: Optional[list[str]] = None) -> list[str]:
     keys = keys if keys is not None else []
     p = t.plan
     return [*table.values(t.overrides, keys), str(p.world_size), p.device, f"{_tokens(p.cfg):,}",
-            table.fmt_cost(t.cost)]
+            table.fmt_cost(t.cost, t.unpriced)]
 
 
 def make_sweep_plan(overrides: list[str], config_dir: Optional[str] = None,
@@ -197,12 +204,23 @@ class _visible_gpus:
 
 
 def check_budget(sp: SweepPlan, max_cost: Optional[float]) -> str:
-    """Refuse a sweep whose estimated total exceeds ``max_cost``; say so when the total is unknown."""
+    """Refuse a sweep whose estimated total exceeds ``max_cost``, or whose trials could not each get
+    their share of it as an in-run guard (a trial with no estimate, or on unpriced infra)."""
     total = sp.total_cost
     if max_cost is None:
         return ""
+    unpriced = [t for t in sp.trials if t.unpriced]
+    if unpriced:
+        names = sorted({t.plan.cfg["infra"]["name"] for t in unpriced})
+        raise ConfigError(f"--max-cost ${max_cost:,.2f} cannot be enforced: trial(s)"
+                          f" {', '.join(str(t.index) for t in unpriced)} run on unpriced infra ({', '.join(names)}:"
+                          " no catalog price, no infra.price_per_gpu_hour), so their spend cannot be tracked;"
+                          " nothing was launched. Fix: infra.price_per_gpu_hour=<$ per GPU-hour>")
     if total is None:
-        return f"estimated cost unknown (no cost estimator); --max-cost ${max_cost:,.2f} cannot be checked"
+        missing = [str(t.index) for t in sp.trials if t.cost is None]
+        raise ConfigError(f"--max-cost ${max_cost:,.2f} cannot be enforced: no cost estimate for trial(s)"
+                          f" {', '.join(missing)} (see `llmctl plan -m`), so they would run without a budget"
+                          " guard; nothing was launched")
     if total > max_cost:
         raise ConfigError(f"the sweep's estimated cost {table.fmt_cost(total)} exceeds --max-cost ${max_cost:,.2f};"
                           " fewer trials, fewer steps or a cheaper infra would fit")

@@ -71,6 +71,7 @@ class TrialStatus:
     metrics: dict[str, float]
     reason: str = ""
     cost: Optional[float] = None
+    unpriced: bool = False
 
 
 @dataclass
@@ -105,19 +106,20 @@ class SweepStatus:
             m = t.metrics
             rows.append([str(t.index), (t.run_id or "-")[:12], t.status, *table.values(t.overrides, keys),
                          table.num(m.get("train/loss")), table.num(m.get("val/loss")),
-                         table.num(m.get("perf/tokens_per_s"), "{:,.0f}"), table.fmt_cost(t.cost)])
+                         table.num(m.get("perf/tokens_per_s"), "{:,.0f}"), table.fmt_cost(t.cost, t.unpriced)])
         return header, rows
 
     def describe(self) -> str:
         spec = self.spec
         counts = ", ".join(f"{n} {s}" for s, n in sorted(self.counts().items()))
         header, rows = self.rows()
+        total = table.fmt_cost(table.total_cost([t.cost for t in self.trials]), any(t.unpriced for t in self.trials))
         lines = [f"sweep:       {spec['sweep_id']} (parent run {spec['parent_run_id']})",
                  f"state:       {self.parent_status}; supervisor {'running' if self.supervisor_alive else 'exited'};"
                  f" {len(self.trials)} trials: {counts}",
                  f"overrides:   {' '.join(spec['overrides'])}",
                  "", table.render(header, rows), "",
-                 f"total cost:  {table.fmt_cost(table.total_cost([t.cost for t in self.trials]))}",
+                 f"total cost:  {total}",
                  f"best:        {self.best_line()}"]
         return "\n".join(lines)
 
@@ -185,7 +187,8 @@ def get_status(sweep_id: str, uri: Optional[str] = None) -> SweepStatus:
         status = "PENDING" if run.info.status == "SCHEDULED" else run.info.status
         trials.append(TrialStatus(t["index"], t["overrides"], run.info.run_id, status,
                                   {k: v for k, v in run.data.metrics.items() if k in KEY_METRICS},
-                                  run.data.tags.get("llmctl.status", ""), run.data.metrics.get("cost/actual_usd")))
+                                  run.data.tags.get("llmctl.status", ""), run.data.metrics.get("cost/actual_usd"),
+                                  run.data.tags.get("llmctl.price.usd_per_hour") == "unpriced"))
     return SweepStatus(spec=spec, parent_status=parent.info.status,
                        supervisor_alive=pid_alive(supervisor_pid(sweep_id)), trials=trials)
 

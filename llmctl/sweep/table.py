@@ -28,8 +28,9 @@ def total_cost(costs: list[Optional[float]]) -> Optional[float]:
     return float(sum(c for c in costs if c is not None))
 
 
-def fmt_cost(cost: Optional[float]) -> str:
-    return "n/a" if cost is None else f"${cost:,.2f}"
+def fmt_cost(cost: Optional[float], unpriced: bool = False) -> str:
+    """Dollars; ``unpriced`` where the infra has no price (Slurm, local GPUs: not $0); else n/a."""
+    return "unpriced" if unpriced else "n/a" if cost is None else f"${cost:,.2f}"
 
 
 def num(v: Optional[float], fmt: str = "{:.4f}") -> str:

@@ -33,7 +33,7 @@ def _expected(cloud: str, acc: str, count: int, spot: bool = False) -> dict[tupl
 
 def _offers(overrides: list[str]) -> list[sky_rules.Offer]:
     cfg = compose(overrides + [f"tracking.uri={REMOTE_URI}"]).cfg
-    sky_rules.check(cfg, REMOTE_URI)
+    sky_rules.check(cfg)
     return sky_rules.offers(cfg["infra"])
 
 
@@ -70,8 +70,7 @@ def test_plan_prints_task_yaml_and_offers(sky_env: dict[str, str], tmp_path: Pat
 
 def _refused(overrides: list[str], *needles: str) -> None:
     with pytest.raises(ConfigError) as err:
-        cfg = compose(overrides).cfg
-        sky_rules.check(cfg, cfg["tracking"]["uri"] or "sqlite:///x.db")
+        sky_rules.check(compose(overrides).cfg)
     for needle in needles:
         assert needle in str(err.value), str(err.value)
 
@@ -96,13 +95,34 @@ def test_runpod_names_its_gpus_differently(sky_home: Path) -> None:
     cfg = compose(["infra=runpod", "infra.accelerators=H100:8"]).cfg
     cfg["infra"]["accelerator_aliases"] = {}
     with pytest.raises(ConfigError) as err:
-        sky_rules.check(cfg, REMOTE_URI)
+        sky_rules.check(cfg)
     for needle in ("runpod has no 'H100'", "Did you mean 'H100-SXM'", "H100-SXM:8", "A100-80GB"):
         assert needle in str(err.value), str(err.value)
 
 
-def test_local_tracking_store_is_refused_for_remote_nodes(sky_home: Path) -> None:
-    _refused(["infra=aws"], "cannot reach the local MLflow store", "mlflow server", "tracking.uri=http://")
+def test_local_store_plan_shows_everything_and_launch_refuses(sky_env: dict[str, str], tmp_path: Path) -> None:
+    """Remote nodes cannot reach a local sqlite store: ``plan`` still shows the whole plan (task, offers,
+    price) and says that and why ``launch`` refuses; ``launch`` refuses before anything exists."""
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    shown = run_cli(["plan", "infra=lambda", f"tracking.uri={store}"], tmp_path, sky_env)
+    assert shown.returncode == 0, shown.stderr
+    assert "gpu_8x_h100_sxm5" in shown.stdout and "31.92" in shown.stdout  # offers from lambda/vms.csv
+    assert "# SkyPilot task" in shown.stdout and "# cost estimate" in shown.stdout
+    [refused] = [line for line in shown.stdout.splitlines() if line.startswith("refused:")]
+    for needle in ("`llmctl launch` will refuse", "cannot reach the local MLflow store", str(tmp_path / "mlflow.db"),
+                   "mlflow server", "tracking.uri=http://"):
+        assert needle in refused, refused
+    out = run_cli(["launch", "infra=lambda", f"tracking.uri={store}"], tmp_path, sky_env)
+    assert out.returncode == 3, out.stdout + out.stderr
+    assert "cannot reach the local MLflow store" in out.stderr and "Fix" in out.stderr and "Traceback" not in out.stderr
+    sweep = ["-m", "infra=lambda", "train.lr=1e-3,2e-3", f"tracking.uri={store}"]
+    shown = run_cli(["plan", *sweep], tmp_path, sky_env)
+    assert shown.returncode == 0 and "`llmctl launch -m` will refuse: infra 'lambda'" in shown.stdout, shown.stderr
+    out = run_cli(["launch", *sweep], tmp_path, sky_env)
+    assert out.returncode == 3 and "cannot reach the local MLflow store" in out.stderr, out.stdout + out.stderr
+    _nothing_created(tmp_path, sky_env)
+    with_remote = run_cli(["plan", "infra=lambda", f"tracking.uri={REMOTE_URI}"], tmp_path, sky_env)
+    assert with_remote.returncode == 0 and "refused:" not in with_remote.stdout, with_remote.stdout[-2000:]
 
 
 def _nothing_created(tmp_path: Path, env: dict[str, str]) -> None:
