@@ -179,3 +179,28 @@ def test_metric_sink_retries_locked_batches(monkeypatch: pytest.MonkeyPatch) -> 
     sink.log({"train/loss": 1.0, "val/loss": 2.0}, step=1)
     sink.flush()
     assert sorted(m.key for m in logged) == ["train/loss", "val/loss"]
+
+
+def test_a_supervisor_pid_taken_by_another_process_is_not_the_supervisor(tmp_path, monkeypatch) -> None:
+    """``down``/``status`` of a sweep read supervisor.pid: once the supervisor is gone its pid may be
+    another process's; the recorded start time tells them apart, so nobody else is signalled."""
+    import subprocess
+    import sys
+
+    from llmctl.sweep import state
+
+    monkeypatch.chdir(tmp_path)
+    d = state.sweep_dir("sweep-x")
+    d.mkdir(parents=True)
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        state.write_pid(d, other.pid)
+        assert state.supervisor_pid("sweep-x") == other.pid  # the process it recorded
+        started = (d / state.PID_FILE).read_text().split()[1]
+        (d / state.PID_FILE).write_text(f"{other.pid} {int(started) - 1}")  # same pid, another process
+        assert state.supervisor_pid("sweep-x") is None
+    finally:
+        other.kill()
+        other.wait()
+    (d / state.PID_FILE).write_text(f"{other.pid} {started}")
+    assert state.supervisor_pid("sweep-x") is None  # gone

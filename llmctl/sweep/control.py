@@ -20,8 +20,8 @@ from llmctl.errors import ConfigError
 from llmctl.procs import pid_alive
 from llmctl.sweep.planning import SweepPlan, check_budget, gpu_slots, make_sweep_plan
 from llmctl.sweep.state import (
-    DOWN_GRACE_S, LOG_FILE, PID_FILE, SPEC_FILE, TAG_KIND, TAG_SWEEP_ID, TERMINAL, SweepStatus, exit_code,
-    get_status, load_spec, new_sweep_id, supervisor_pid, sweep_dir, write_json,
+    DOWN_GRACE_S, LOG_FILE, SPEC_FILE, TAG_KIND, TAG_SWEEP_ID, TERMINAL, SweepStatus, exit_code,
+    get_status, load_spec, new_sweep_id, supervisor_pid, sweep_dir, write_json, write_pid,
 )
 from llmctl.tracking import redact
 
@@ -67,7 +67,7 @@ def start(sp: SweepPlan, metric: str = "val/loss", mode: str = "min", max_cost: 
         proc = subprocess.Popen([sys.executable, "-m", "llmctl.sweep.supervisor", str(d)], cwd=str(Path.cwd()),
                                 env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
-    (d / PID_FILE).write_text(str(proc.pid))
+    write_pid(d, proc.pid)
     return spec
 
 
@@ -78,9 +78,8 @@ def down(sweep_id: str, uri: Optional[str] = None) -> str:
     trial through its backend and close every open run as KILLED.
     """
     spec = load_spec(sweep_id, uri)
-    pid = supervisor_pid(sweep_id)
-    if pid_alive(pid):
-        assert pid is not None
+    pid = supervisor_pid(sweep_id)  # None when its pid now names another process
+    if pid is not None:
         os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + DOWN_GRACE_S
         while pid_alive(pid) and time.monotonic() < deadline:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from llmctl.errors import ConfigError
-from llmctl.procs import pid_alive
+from llmctl.procs import same_process, start_time
 from llmctl.sweep import table
 from llmctl.tracking import redact
 from llmctl.workdir import sweeps_root
@@ -164,9 +164,16 @@ def _children(mc: Any, experiment_id: str, sweep_id: str) -> list[Any]:
     return sorted(runs, key=lambda r: int(r.data.tags.get(TAG_TRIAL, 0)))
 
 
+def write_pid(directory: Path, pid: int) -> None:
+    """The supervisor's pid and its start time: a pid alone may name another process later."""
+    (directory / PID_FILE).write_text(f"{pid} {start_time(pid) or ''}".strip())
+
+
 def supervisor_pid(sweep_id: str) -> Optional[int]:
+    """The live supervisor's pid, or None (gone, or its pid now belongs to another process)."""
     try:
-        return int((sweep_dir(sweep_id) / PID_FILE).read_text().strip())
+        pid, *started = (sweep_dir(sweep_id) / PID_FILE).read_text().split()
+        return int(pid) if same_process(int(pid), int(started[0]) if started else None) else None
     except (OSError, ValueError):
         return None
 
@@ -190,7 +197,7 @@ def get_status(sweep_id: str, uri: Optional[str] = None) -> SweepStatus:
                                   run.data.tags.get("llmctl.status", ""), run.data.metrics.get("cost/actual_usd"),
                                   run.data.tags.get("llmctl.price.usd_per_hour") == "unpriced"))
     return SweepStatus(spec=spec, parent_status=parent.info.status,
-                       supervisor_alive=pid_alive(supervisor_pid(sweep_id)), trials=trials)
+                       supervisor_alive=supervisor_pid(sweep_id) is not None, trials=trials)
 
 
 def status_text(sweep_id: str, uri: Optional[str] = None) -> str:

@@ -219,7 +219,7 @@ class Supervisor:
 
 def supervise(d: Path) -> int:
     sup = Supervisor(d)
-    (d / state.PID_FILE).write_text(str(os.getpid()))
+    state.write_pid(d, os.getpid())
     signal.signal(signal.SIGTERM, sup._cancel)
     signal.signal(signal.SIGINT, sup._cancel)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
