@@ -72,12 +72,16 @@ def test_reports_from_mlflow(cli_env: dict[str, str], tmp_path: Path) -> None:
          attempts=[(now - 3 * H, now - 2.5 * H, 24.0, 1, 8), (now - 2 * H, now - 1.5 * H, 24.0, 1, 8)])
     _run(mc, exp, infra="aws", accelerator="A100:8", steps=100, estimate=5.0, start_ms=old_ms,
          attempts=[(now - 30 * 86400, now - 30 * 86400 + H, 20.0, 1, 8)])
+    _run(mc, exp, infra="slurm", accelerator="H100:8", steps=100, estimate=0.0,  # unpriced: not a $0 run
+         attempts=[(now - H, now - 0.5 * H, None, 1, 8)])
     env = {**cli_env, "MLFLOW_TRACKING_URI": uri}
 
     out = run_cli(["cost", "--by", "infra", "--since", "7d", "--json"], tmp_path, env)
     assert out.returncode == 0, out.stderr
     rows = {r["infra"]: r for r in json.loads(out.stdout)}
     assert rows["aws"]["actual_usd"] == pytest.approx(32.0) and rows["aws"]["runs"] == 1  # the old run is out
+    assert rows["slurm"]["unpriced_runs"] == 1 == rows["TOTAL"]["unpriced_runs"] and rows["aws"]["unpriced_runs"] == 0
+    assert "1 (1 unpriced)" in run_cli(["cost", "--by", "infra"], tmp_path, env).stdout
     assert rows["lambda"]["actual_usd"] == pytest.approx(24.0) and rows["lambda"]["estimate_usd"] == 10.0
     assert rows["TOTAL"]["actual_usd"] == pytest.approx(56.0)
     out = run_cli(["cost", "--by", "accelerator"], tmp_path, env)
@@ -85,9 +89,9 @@ def test_reports_from_mlflow(cli_env: dict[str, str], tmp_path: Path) -> None:
     assert "$56.00" in out.stdout and "$76.00" in out.stdout  # all time: H100 32 + 24, total + A100 20
     out = run_cli(["runs", "--json"], tmp_path, env)
     runs = json.loads(out.stdout)
-    assert len(runs) == 3 and {r["attempts"] for r in runs} == {1, 2}
+    assert len(runs) == 4 and {r["attempts"] for r in runs} == {1, 2}
     table = run_cli(["runs", "--since", "1d"], tmp_path, env).stdout
-    assert "2 run(s)" in table and "lambda" in table and "$24.00" in table and "$10.00" in table
+    assert "3 run(s)" in table and "lambda" in table and "$24.00" in table and "$10.00" in table
     bad = run_cli(["cost", "--since", "yesterday"], tmp_path, env)
     assert bad.returncode == 3 and "--since" in bad.stderr
 

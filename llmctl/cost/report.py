@@ -110,12 +110,14 @@ def cost_rows(uri: str, since: Optional[str] = None, by: str = "experiment") -> 
     if by not in GROUPS:
         raise ConfigError(f"--by '{by}': one of {', '.join(GROUPS)}")
     groups: dict[str, dict[str, Any]] = {}
-    total = {by: "TOTAL", "runs": 0, "actual_usd": 0.0, "estimate_usd": 0.0, "device_hours": 0.0, "tokens": 0}
+    total = {by: "TOTAL", "runs": 0, "unpriced_runs": 0, "actual_usd": 0.0, "estimate_usd": 0.0, "device_hours": 0.0,
+             "tokens": 0}
     for row in runs_rows(uri, since, limit=100000):
-        g = groups.setdefault(str(row[by]), {by: str(row[by]), "runs": 0, "actual_usd": 0.0, "estimate_usd": 0.0,
-                                             "device_hours": 0.0, "tokens": 0})
+        g = groups.setdefault(str(row[by]), {by: str(row[by]), "runs": 0, "unpriced_runs": 0, "actual_usd": 0.0,
+                                             "estimate_usd": 0.0, "device_hours": 0.0, "tokens": 0})
         for acc in (g, total):
             acc["runs"] += 1
+            acc["unpriced_runs"] += bool(row["unpriced"])  # counted apart: an unpriced run is not a $0 run
             acc["actual_usd"] += row["actual_usd"] or 0.0
             acc["estimate_usd"] += row["estimate_usd"] or 0.0
             acc["device_hours"] += row["device_hours"] or 0.0
@@ -171,7 +173,8 @@ def runs_table(rows: list[dict[str, Any]]) -> str:
 
 def cost_table(rows: list[dict[str, Any]], by: str, since: Optional[str]) -> str:
     header = [by, "runs", "actual $", "estimated $", "device-hours", "tokens", "$ per 1M tokens"]
-    body = [[str(g[by]), str(g["runs"]), _money(g["actual_usd"]), _money(g["estimate_usd"]),
+    body = [[str(g[by]), str(g["runs"]) + (f" ({g['unpriced_runs']} unpriced)" if g["unpriced_runs"] else ""),
+             _money(g["actual_usd"]), _money(g["estimate_usd"]),
              f"{g['device_hours']:,.3f}", f"{g['tokens']:,}", _money(g["usd_per_1m_tokens"])] for g in rows]
     return render(f"spend by {by}" + (f" since {since}" if since else " (all time)"), header, body,
                   right=set(range(1, 7)))
