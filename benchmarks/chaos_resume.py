@@ -8,6 +8,11 @@ losses (``LLMCTL_LOSS_FILE``) with one uninterrupted reference run. A trial surv
 resume exits 0, the MLflow run is FINISHED with ``llmctl.attempt`` = 2 and one run in the store,
 and every step's loss is within 1e-6 of the reference.
 
+The machine is kept loaded on purpose: one CPU-burning process per core runs beside the trials and
+is stopped and restarted at random moments (``Burners``), so kills land while the job is slowed,
+sped up, mid-checkpoint or mid-start, as on a busy node. Timing that only works on a quiet machine
+loses here.
+
 Usage: ``python benchmarks/chaos_resume.py`` (no arguments). Last line: ``chaos_resume: S/N``.
 """
 
@@ -20,11 +25,12 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-TRIALS = 5
+TRIALS = 20
 STEPS = 20
 RUN = ["experiment=smoke", f"train.steps={STEPS}", "train.log_every=1", "train.val_every=10",
        "checkpoint.every=5", "parallel.dp_shard=2"]
@@ -94,6 +100,39 @@ def trial(n: int, rng: random.Random, ref: dict[int, float], base: Path, cache: 
     return ok, f"{what}; max |dloss| {worst:.2e}, attempts {runs[0].data.tags.get('llmctl.attempt') if runs else '-'}"
 
 
+class Burners:
+    """One busy-looping process per core, stopped and restarted at random intervals (1-8 s)."""
+
+    def __init__(self, rng: random.Random) -> None:
+        self.rng, self.procs, self.stop = rng, [], threading.Event()
+        self.thread = threading.Thread(target=self._toggle, daemon=True)
+        self.switches = 0
+
+    def _start(self) -> None:
+        self.procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 2)]
+
+    def _kill(self) -> None:
+        for p in self.procs:
+            p.kill()
+            p.wait()
+        self.procs = []
+
+    def _toggle(self) -> None:
+        while not self.stop.wait(self.rng.uniform(1.0, 8.0)):
+            self._kill() if self.procs else self._start()
+            self.switches += 1
+
+    def __enter__(self) -> "Burners":
+        self._start()
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join()
+        self._kill()
+
+
 def main() -> int:
     rng = random.Random(int(os.environ.get("CHAOS_SEED", "2026")))
     with tempfile.TemporaryDirectory(prefix="chaos-resume-") as tmp:
@@ -109,11 +148,14 @@ def main() -> int:
         ref = losses(ref_dir / "losses.jsonl")
         print(f"reference: {STEPS} steps, 2 processes, {time.monotonic() - t0:.0f} s", flush=True)
         survived = 0
-        for n in range(1, TRIALS + 1):
-            t = time.monotonic()
-            ok, detail = trial(n, rng, ref, base, cache)
-            survived += ok
-            print(f"trial {n}: {'survived' if ok else 'LOST'} - {detail} ({time.monotonic() - t:.0f} s)", flush=True)
+        with Burners(random.Random(rng.random())) as burners:
+            for n in range(1, TRIALS + 1):
+                t = time.monotonic()
+                ok, detail = trial(n, rng, ref, base, cache)
+                survived += ok
+                print(f"trial {n}: {'survived' if ok else 'LOST'} - {detail} ({time.monotonic() - t:.0f} s,"
+                      f" load avg {os.getloadavg()[0]:.1f})", flush=True)
+            print(f"CPU burners ({os.cpu_count()} processes) switched on/off {burners.switches} times", flush=True)
     print(f"chaos_resume: {survived}/{TRIALS}")
     return 0 if survived == TRIALS else 1
 
