@@ -1,14 +1,17 @@
-"""How close is llmctl's wall-time estimate? Calibrate on one run here, predict another, run it.
+"""How close is llmctl's wall-time estimate? Calibrate on one run here, predict two others, run them.
 
     python benchmarks/estimate_accuracy.py
 
-1. prime the tokenizer/corpus cache (so neither run pays for building it);
+1. prime the tokenizer/corpus cache (so no run pays for building it);
 2. calibration run: ``llmctl launch`` of the smoke model for CALIB_STEPS steps (local, CPU);
-3. ``llmctl plan`` of a run of a different length (PREDICT_STEPS): the estimate now cites run 1;
-4. launch it; compare the estimate it logged (``time/estimate_h``) with its billed wall time
-   (``time/wall_s``, the ledger's attempt).
-Last line: ``estimate_accuracy: <predicted / actual>`` (1.0 is perfect; goal within 0.85-1.15).
-Everything lives in a temp dir; takes a few minutes on a 2-core machine.
+3. (a) a 4x longer run of the same shape: its estimate cites the calibration run;
+   (b) a different shape with at least 4x the FLOPs per token (``BIGGER``): no run of that shape
+   exists, so this checks the estimator's fallback for a new shape;
+4. each is launched; the estimate it logged (``time/estimate_h``) is compared with its billed wall
+   time (``time/wall_s``, the ledger's attempt).
+Prints both ratios (predicted / actual; goals 0.90-1.10 for (a), 0.75-1.25 for (b) on a quiet
+machine). Last line: ``estimate_accuracy: <a> (4x length), <b> (4x FLOPs/token)``.
+Everything lives in a temp dir; takes several minutes on a 2-core machine.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-CALIB_STEPS, PREDICT_STEPS = 30, 75
+CALIB_STEPS, LONGER_STEPS, BIGGER_STEPS = 30, 120, 30
+BIGGER = ["model.dim=256", "model.n_layers=6"]  # 4.3x the smoke shape's training FLOPs per token at seq 128
 COMMON = ["model=smoke", "train.batch_size=16", "train.seq_len=128", "train.log_every=5", "train.val_every=25",
           "checkpoint.every=0", "infra.price_per_gpu_hour=1.0"]
 
@@ -50,20 +54,26 @@ def main() -> None:
         prime_cache(work, env)
 
         llmctl(["launch", *COMMON, f"train.steps={CALIB_STEPS}", "tracking.run_name=calibration"], work, env)
-        plan = llmctl(["plan", *COMMON, f"train.steps={PREDICT_STEPS}"], work, env)
-        print(plan[plan.index("# cost estimate"):].rstrip())
-        llmctl(["launch", *COMMON, f"train.steps={PREDICT_STEPS}", "tracking.run_name=predicted"], work, env)
+        cases = {"longer": [f"train.steps={LONGER_STEPS}"], "bigger": [*BIGGER, f"train.steps={BIGGER_STEPS}"]}
+        for name, extra in cases.items():
+            plan = llmctl(["plan", *COMMON, *extra], work, env)
+            print(f"--- {name}: llmctl plan {' '.join(extra)}")
+            print(plan[plan.index("# cost estimate"):].rstrip())
+            llmctl(["launch", *COMMON, *extra, f"tracking.run_name={name}"], work, env)
 
         mc = MlflowClient(uri)
         runs = {r.info.run_name: r for r in mc.search_runs([e.experiment_id for e in mc.search_experiments()])}
-        calib, run = runs["calibration"].data.metrics, runs["predicted"].data.metrics
-        predicted, actual = run["time/estimate_h"] * 3600, run["time/wall_s"]
+        calib = runs["calibration"].data.metrics
         print(f"calibration run: {CALIB_STEPS} steps in {calib['time/wall_s']:.1f} s"
               f" (steady {calib['perf/tokens_per_s_steady']:,.0f} tok/s, overhead {calib['time/overhead_s']:.1f} s)")
-        print(f"predicted run:   {PREDICT_STEPS} steps, estimate {predicted:.1f} s, actual {actual:.1f} s"
-              f" (its own steady {run['perf/tokens_per_s_steady']:,.0f} tok/s); estimated ${run['cost/estimate_usd']:.4f},"
-              f" billed ${run['cost/actual_usd']:.4f} at $1/h")
-        print(f"estimate_accuracy: {predicted / actual:.3f}")
+        ratios = {}
+        for name in cases:
+            m = runs[name].data.metrics
+            predicted, actual = m["time/estimate_h"] * 3600, m["time/wall_s"]
+            ratios[name] = predicted / actual
+            print(f"{name}: estimate {predicted:.1f} s, actual {actual:.1f} s (its own steady"
+                  f" {m['perf/tokens_per_s_steady']:,.0f} tok/s): predicted/actual {ratios[name]:.3f}")
+        print(f"estimate_accuracy: {ratios['longer']:.3f} (4x length), {ratios['bigger']:.3f} (4x FLOPs/token)")
 
 
 if __name__ == "__main__":
