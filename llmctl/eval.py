@@ -149,15 +149,13 @@ def check_checkpoint(t: Target) -> int:
     """The step to load is there and complete, before any worker starts: else exit 3 naming the
     steps that are (a step ``checkpoint.keep`` deleted, or one never saved, used to fail in the worker)."""
     from llmctl.tracking import redact
-    from workloads.pretrain.checkpoint_layout import list_checkpoints
+    from workloads.pretrain.checkpoint_layout import list_checkpoints, split_step_dir
 
-    root = str(t.checkpoint or (t.cfg.get("checkpoint") or {}).get("dir") or "").rstrip("/")
-    if not root:
+    url = str(t.checkpoint or (t.cfg.get("checkpoint") or {}).get("dir") or "")
+    if not url:
         raise ConfigError("the run has no checkpoint.dir: there is no checkpoint to load")
-    want = (t.cfg.get("eval") or {}).get("step")
-    last = root.rsplit("/", 1)[-1]
-    if last.startswith("step-") and last[5:].isdigit():
-        root, want = root.rsplit("/", 1)[0], int(last[5:])
+    root, named = split_step_dir(url)
+    want = named if named is not None else (t.cfg.get("eval") or {}).get("step")
     try:
         found = list_checkpoints(root)
     except Exception as exc:  # noqa: BLE001 - unreachable bucket, bad credentials ...

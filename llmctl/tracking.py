@@ -51,8 +51,13 @@ def resolve_uri(configured: Optional[str]) -> str:
         return f"sqlite:///{Path.cwd() / SQLITE_DEFAULT}"
     if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
         # make a relative sqlite path absolute, so workers started elsewhere hit the same file
-        return f"sqlite:///{Path(uri[len('sqlite:///'):]).resolve()}"
+        return f"sqlite:///{sqlite_path(uri).resolve()}"  # type: ignore[union-attr]
     return uri
+
+
+def sqlite_path(uri: str) -> Optional[Path]:
+    """The file of a ``sqlite:///`` store, or None for any other store."""
+    return Path(uri[len("sqlite:///"):]) if uri.startswith("sqlite:///") else None
 
 
 def redact(value: str) -> str:
@@ -71,9 +76,8 @@ def redact(value: str) -> str:
 
 def _artifact_location(uri: str) -> Optional[str]:
     """Artifacts beside a local sqlite store, not in whatever directory a worker happens to run."""
-    if uri.startswith("sqlite:///"):
-        return (Path(uri[len("sqlite:///"):]).parent / "mlruns").as_uri()
-    return None
+    path = sqlite_path(uri)
+    return (path.parent / "mlruns").as_uri() if path else None
 
 
 def git_state(path: Optional[Path] = None) -> dict[str, str]:
@@ -137,9 +141,9 @@ def client(uri: str) -> Any:
     from mlflow.tracking import MlflowClient
 
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # resume/eval/export print our lines only
-    if not uri.startswith("sqlite:///"):
+    path = sqlite_path(uri)
+    if path is None:
         return _RetryingClient(MlflowClient(tracking_uri=uri))
-    path = Path(uri[len("sqlite:///"):])
     path.parent.mkdir(parents=True, exist_ok=True)
     with _directory_lock(path.parent):  # the constructor opens the store (creating it if new): once per process
         return _RetryingClient(retry(MlflowClient, tracking_uri=uri))

@@ -19,10 +19,10 @@ import os
 import statistics
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Iterator, Mapping, Optional
 
 from llmctl.cost.estimate import Measured
+from llmctl.tracking import sqlite_path
 
 TAG_SHAPE = "llmctl.shape"
 TAG_ACCELERATOR = "llmctl.accelerator"
@@ -35,9 +35,8 @@ MAX_CANDIDATES = 50
 
 def store_exists(uri: str) -> bool:
     """A sqlite store that does not exist yet has no history (and ``plan`` must not create it)."""
-    if uri.startswith("sqlite:///"):
-        return Path(uri[len("sqlite:///"):]).is_file()
-    return True
+    path = sqlite_path(uri)
+    return path.is_file() if path else True
 
 
 @contextmanager
@@ -103,7 +102,7 @@ def candidates(uri: str, shape: str, accelerator: str) -> list[Candidate]:
     with this shape and accelerator, in search_runs' order (start time descending, then run id)."""
     shape, accelerator = _quote(shape), _quote(accelerator)
     if uri.startswith("sqlite:///") and "?" not in uri:
-        return _sqlite_candidates(uri[len("sqlite:///"):], shape, accelerator)
+        return _sqlite_candidates(str(sqlite_path(uri)), shape, accelerator)
     if uri.startswith(("http://", "https://")) and not any(os.environ.get(k) for k in _REST_UNSUPPORTED):
         return _rest_candidates(uri, shape, accelerator)
     return _client_candidates(uri, shape, accelerator)

@@ -32,6 +32,14 @@ def step_dir(root: str, step: int) -> str:
     return join(root, f"step-{step}")
 
 
+def split_step_dir(url: str) -> tuple[str, int | None]:
+    """(root, N) for a ``.../step-N`` directory; (url, None) for anything else."""
+    url = str(url).rstrip("/")
+    root, _, last = url.rpartition("/")
+    m = _STEP_DIR.match(last)
+    return (root or ".", int(m.group(1))) if m else (url, None)
+
+
 def list_checkpoints(root: str) -> dict[int, bool]:
     """{step: complete} for every ``step-<N>`` directory under ``root`` (empty if none)."""
     fs, path = fs_and_path(root)

@@ -46,7 +46,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 
-from workloads.pretrain.checkpoint_layout import MARKER, fs_and_path, join, latest_complete, step_dir
+from workloads.pretrain.checkpoint_layout import MARKER, fs_and_path, join, latest_complete, split_step_dir, step_dir
 from workloads.pretrain.config import parse_args
 from workloads.pretrain.contract import EXPORT_INFO
 from workloads.pretrain.data import EOT, Corpus, load_texts, prepare_corpus, val_batches
@@ -64,9 +64,9 @@ def _value(x: Any) -> Any:
 def resolve_step_dir(ckpt: str, step: Optional[int]) -> tuple[str, int]:
     """(``step-N`` directory, N) for a checkpoint root or a step directory itself."""
     ckpt = str(ckpt).rstrip("/")
-    last = ckpt.rsplit("/", 1)[-1]
-    if last.startswith("step-") and last[5:].isdigit():
-        return ckpt, int(last[5:])
+    named = split_step_dir(ckpt)[1]
+    if named is not None:
+        return ckpt, named
     if step is None:
         step = latest_complete(ckpt)
         if step is None:
