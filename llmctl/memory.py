@@ -80,19 +80,11 @@ def device_memory(plan: Any) -> tuple[Optional[int], str]:
 
 
 def _catalog_gib(plan: Any) -> Optional[float]:
-    infra = plan.cfg["infra"]
     if plan.backend == "local" or not plan.hardware.gpu:
         return None
-    try:
-        import sky.catalog
+    from llmctl.backends.sky_rules import accelerator_memory_gib
 
-        found = sky.catalog.list_accelerators(gpus_only=True, name_filter=plan.hardware.gpu, clouds=infra.get("provider"),
-                                              case_sensitive=False)
-    except Exception:  # noqa: BLE001 - no catalog here: fall back to the name
-        return None
-    sizes = [i.device_memory for infos in found.values() for i in infos
-             if i.device_memory and i.device_memory >= 1 and str(i.accelerator_name).lower() == plan.hardware.gpu.lower()]
-    return min(sizes) if sizes else None  # catalogs list MiB as GiB for some clouds: sizes < 1 are skipped
+    return accelerator_memory_gib(plan.cfg["infra"].get("provider"), plan.hardware.gpu)
 
 
 def _gib_in_name(name: str) -> Optional[float]:

@@ -145,10 +145,14 @@ def test_local_cpu_prior(tmp_path: Path) -> None:
 
 
 def _finished_run(mc: Any, exp: str, *, shape: str, accelerator: str, tok_s: float, overhead: float,
-                  val_pass: float, status: str = "FINISHED", batch: int = 8, nodes: int = 1) -> str:
+                  val_pass: float, status: str = "FINISHED", batch: int = 8, nodes: int = 1,
+                  flops: Any = None) -> str:
     from mlflow.entities import Metric, Param
 
-    run = mc.create_run(exp, tags={history.TAG_SHAPE: shape, history.TAG_ACCELERATOR: accelerator})
+    tags = {history.TAG_SHAPE: shape, history.TAG_ACCELERATOR: accelerator}
+    if flops is not None:
+        tags[history.TAG_FLOPS] = str(flops)
+    run = mc.create_run(exp, tags=tags)
     rid = run.info.run_id
     mc.log_batch(rid, metrics=[Metric(history.STEADY, tok_s, 0, 0), Metric(history.OVERHEAD, overhead, 0, 0),
                                Metric(history.VAL_PASS, val_pass, 0, 0)],
@@ -182,6 +186,39 @@ def test_calibration_picks_same_shape_and_accelerator(tmp_path: Path) -> None:
     # twice the batch: same tokens/s, twice the val tokens per pass
     est2 = for_plan(make_plan(compose(["experiment=smoke", "train.batch_size=16", f"tracking.uri={uri}"])))
     assert est2.wall_s == pytest.approx(5 + 40 * 16 * 64 / 1000 + 3 * 1.0)
+
+
+def test_new_shape_transfers_flops_per_second_of_another_shape(tmp_path: Path) -> None:
+    """No run of this shape: the achieved FLOP/s of another shape on the same accelerator carries over
+    (closest FLOPs/token in the same dtype/kernels/tp/ac regime); other accelerators and regimes do not."""
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    plan = make_plan(compose(["experiment=smoke", "model.dim=128", f"tracking.uri={uri}"]))
+    acc = plan.hardware.accelerator
+    mc = MlflowClient(uri)
+    exp = mc.create_experiment("calib")
+    small = compose(["experiment=smoke"]).cfg
+    small_shape, small_fpt = shape_key(small), flops_per_token(small["model"], 64)
+    near = _finished_run(mc, exp, shape=small_shape, accelerator=acc, tok_s=1000.0, overhead=5.0, val_pass=0.5,
+                         flops=small_fpt)
+    _finished_run(mc, exp, shape=small_shape.replace("-T64-", "-T8-"), accelerator=acc, tok_s=9e9, overhead=0.0,
+                  val_pass=0.0, flops=small_fpt / 50)  # same regime, much further in FLOPs/token
+    _finished_run(mc, exp, shape=small_shape.replace("-fp32-", "-bf16-"), accelerator=acc, tok_s=9e9, overhead=0.0,
+                  val_pass=0.0, flops=small_fpt)  # another dtype: another regime
+    _finished_run(mc, exp, shape=small_shape, accelerator="H100:8", tok_s=9e9, overhead=0.0, val_pass=0.0,
+                  flops=small_fpt)  # another accelerator
+    _finished_run(mc, exp, shape=small_shape, accelerator=acc, tok_s=9e9, overhead=0.0, val_pass=0.0)  # no FLOPs tag
+
+    est = for_plan(plan)
+    fpt = flops_per_token(plan.cfg["model"], 64)
+    assert fpt > 2 * small_fpt and est.flops_per_token == fpt
+    assert est.throughput.kind == "transferred" and est.throughput.run_id == near
+    tok_s = 1000.0 * small_fpt / fpt
+    assert est.throughput.tokens_per_s == pytest.approx(tok_s)
+    # 40 steps x 8 x 64 tokens + 5 s overhead as measured + 3 val passes, each 0.5 s x the FLOPs ratio
+    assert est.wall_s == pytest.approx(5 + 40 * 8 * 64 / tok_s + 3 * 0.5 * fpt / small_fpt)
+    assert "transferred" in est.describe()
 
 
 def test_calibration_metrics_from_a_run(tmp_path: Path) -> None:

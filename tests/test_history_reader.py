@@ -23,7 +23,7 @@ from llmctl.cost import history
 
 SHAPE, ACC = "d64-L2-H4-KV4-V512-F256-tie0-T64-fp32-fused-tp1-acnone", "cpu"
 ADMIN, PASSWORD = "admin", "llmctl-test-pw-1"
-QUERIES = [(SHAPE, ACC), (SHAPE, "H100:8"), ("d128-other", ACC), ("no-such-shape", ACC)]
+QUERIES = [(SHAPE, ACC), (SHAPE, "H100:8"), ("d128-other", ACC), ("no-such-shape", ACC), (None, ACC), (None, "TPU")]
 
 
 def _populate(mc: Any) -> None:
@@ -34,7 +34,8 @@ def _populate(mc: Any) -> None:
 
     def run(exp: str, start: int, shape: str = SHAPE, acc: str = ACC, status: str = "FINISHED",
             steady: float = 1000.0, nodes: int = 1) -> str:
-        r = mc.create_run(exp, start_time=start, tags={history.TAG_SHAPE: shape, history.TAG_ACCELERATOR: acc})
+        r = mc.create_run(exp, start_time=start, tags={history.TAG_SHAPE: shape, history.TAG_ACCELERATOR: acc,
+                                                       history.TAG_FLOPS: str(start * 7), "other.tag": "x"})
         rid = r.info.run_id
         mc.log_batch(rid, metrics=[Metric(history.STEADY, steady, 5, 2), Metric(history.STEADY, -1.0, 9, 1),
                                    Metric(history.OVERHEAD, steady / 100, 5, 0),
@@ -64,16 +65,19 @@ def _oracle(mc: Any, shape: str, acc: str, limit: int) -> list[tuple[Any, ...]]:
     exps = mc.search_experiments()
     runs = mc.search_runs([e.experiment_id for e in exps], history._filter(shape, acc), max_results=limit,
                           order_by=["attributes.start_time DESC"])
-    return [_row(r.info.run_id, r.info.start_time, r.info.status, r.data.params, r.data.metrics) for r in runs]
+    return [_row(r.info.run_id, r.info.start_time, r.info.status, r.data.params, r.data.metrics,
+                 {k: v for k, v in r.data.tags.items() if k in (history.TAG_SHAPE, history.TAG_FLOPS)}) for r in runs]
 
 
-def _row(run_id: str, start: Any, status: str, params: dict[str, str], metrics: dict[str, float]) -> tuple[Any, ...]:
+def _row(run_id: str, start: Any, status: str, params: dict[str, str], metrics: dict[str, float],
+         tags: dict[str, str]) -> tuple[Any, ...]:
     nan_safe = {k: ("nan" if math.isnan(v) else v) for k, v in metrics.items()}
-    return run_id, start, status, dict(params), nan_safe
+    return run_id, start, status, dict(params), nan_safe, dict(tags)
 
 
 def _read(uri: str, shape: str, acc: str) -> list[tuple[Any, ...]]:
-    return [_row(c.run_id, c.start_time, c.status, c.params, c.metrics) for c in history.candidates(uri, shape, acc)]
+    return [_row(c.run_id, c.start_time, c.status, c.params, c.metrics, c.tags)
+            for c in history.candidates(uri, shape, acc)]
 
 
 def _same_as_oracle(mc: Any, uri: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -83,6 +87,7 @@ def _same_as_oracle(mc: Any, uri: str, monkeypatch: pytest.MonkeyPatch) -> None:
             expected = _oracle(mc, shape, acc, limit)
             assert _read(uri, shape, acc) == expected, (shape, acc, limit)
     assert len(_oracle(mc, SHAPE, ACC, 50)) == 9  # 7 in a, 2 in b: the test data says what it means to
+    assert len(_oracle(mc, None, ACC, 50)) == 10  # ... and the other shape's run when any shape will do
 
 
 def test_sqlite_reader_equals_search_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

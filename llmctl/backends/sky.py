@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from llmctl.backends import sky_rules, sky_task
+from llmctl.backends.sky_facts import remembered
 from llmctl.backends.base import JobStatus
 from llmctl.config import Composed, to_yaml
 from llmctl.errors import ConfigError, LaunchError
@@ -56,6 +57,7 @@ def cluster_name(run_id: str) -> str:
     return f"llmctl-{run_id[:10]}"
 
 
+@remembered
 def task_yaml(config: dict[str, Any]) -> str:
     """The task through SkyPilot's own loader and back, credentials redacted."""
     import yaml

@@ -14,6 +14,7 @@ import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
+from llmctl.backends.sky_facts import remembered
 from llmctl.backends.sky_task import node_accelerators
 from llmctl.errors import ConfigError
 
@@ -46,11 +47,13 @@ def _catalog_reachable(fn: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(fn)
     def wrapper(infra: Mapping[str, Any], *args: Any, **kwargs: Any) -> Any:
-        import requests
-
         try:
             return fn(infra, *args, **kwargs)
-        except (requests.exceptions.ConnectionError, requests.exceptions.Timeout) as exc:
+        except Exception as exc:  # noqa: BLE001 - only requests' connection errors are translated
+            import requests  # only now: a remembered answer (sky_facts) never needs it
+
+            if not isinstance(exc, (requests.exceptions.ConnectionError, requests.exceptions.Timeout)):
+                raise
             url = getattr(getattr(exc, "request", None), "url", None) or "its catalog URL"
             raise ConfigError(f"SkyPilot has no {infra['provider']} catalog on this machine and could not download"
                               f" it from {url} ({type(exc).__name__}). Fix: run `llmctl plan` once with internet"
@@ -77,13 +80,19 @@ class Capabilities:
 
 def capabilities(provider: str) -> Capabilities:
     """``provider``'s unsupported features as its SkyPilot cloud class declares them."""
+    return Capabilities(provider, _unsupported_features(provider))
+
+
+@remembered
+def _unsupported_features(provider: str) -> dict[str, str]:
     from sky.utils import registry
 
     cloud = registry.CLOUD_REGISTRY.from_str(provider)
     declared = getattr(type(cloud), "_CLOUD_UNSUPPORTED_FEATURES", {}) or {}
-    return Capabilities(provider, {getattr(f, "name", str(f)): str(reason) for f, reason in declared.items()})
+    return {getattr(f, "name", str(f)): str(reason) for f, reason in declared.items()}
 
 
+@remembered
 def known_providers() -> list[str]:
     from sky.utils import registry
 
@@ -139,12 +148,22 @@ def _did_you_mean(word: str, options: list[str]) -> str:
 def _check_region(infra: Mapping[str, Any]) -> None:
     if not infra.get("region") or not _has_offline_catalog(infra["provider"]):
         return
+    problem = _region_problem(infra["provider"], infra["region"], infra.get("zone"))
+    if problem:
+        raise ConfigError(f"Bad value for 'infra.region'/'infra.zone': {problem}")
+
+
+@remembered
+def _region_problem(provider: str, region: str, zone: Optional[str]) -> Optional[str]:
+    """SkyPilot's own message when the catalog has no such region/zone, else None."""
     try:
-        _catalog().validate_region_zone(infra["region"], infra.get("zone"), clouds=infra["provider"])
+        _catalog().validate_region_zone(region, zone, clouds=provider)
     except ValueError as exc:
-        raise ConfigError(f"Bad value for 'infra.region'/'infra.zone': {' '.join(str(exc).split())}") from None
+        return " ".join(str(exc).split())
+    return None
 
 
+@remembered
 def _has_offline_catalog(provider: str) -> bool:
     """Slurm (and Kubernetes) learn what they offer from the live cluster, not from a CSV."""
     import importlib
@@ -163,7 +182,7 @@ def _check_accelerators(infra: Mapping[str, Any]) -> None:
     if acc is None or not _has_offline_catalog(provider):
         return
     name, count = acc
-    counts = _catalog().list_accelerator_counts(gpus_only=True, clouds=provider)
+    counts = _accelerator_counts(provider)
     if name not in counts:
         offered = ", ".join(f"{g}:{'/'.join(str(int(c)) for c in cs)}" for g, cs in sorted(counts.items()))
         raise ConfigError(f"Bad value for 'infra.accelerators': {provider} has no '{name}'."
@@ -175,23 +194,47 @@ def _check_accelerators(infra: Mapping[str, Any]) -> None:
                           f" per node. Fix: infra.accelerators={name}:<count> and more infra.nodes")
 
 
+@remembered
+def _accelerator_counts(provider: str) -> dict[str, list[int]]:
+    counts = _catalog().list_accelerator_counts(gpus_only=True, clouds=provider)
+    return {name: [int(c) for c in cs] for name, cs in counts.items()}
+
+
+@remembered
+def accelerator_memory_gib(provider: Optional[str], gpu: str) -> Optional[float]:
+    """One ``gpu``'s memory as SkyPilot's catalog lists it (None: not listed, or no catalog here)."""
+    try:
+        found = _catalog().list_accelerators(gpus_only=True, name_filter=gpu, clouds=provider, case_sensitive=False)
+    except Exception:  # noqa: BLE001 - no catalog here: the caller falls back to the name
+        return None
+    sizes = [i.device_memory for infos in found.values() for i in infos
+             if i.device_memory and i.device_memory >= 1 and str(i.accelerator_name).lower() == gpu.lower()]
+    return min(sizes) if sizes else None  # catalogs list MiB as GiB for some clouds: sizes < 1 are skipped
+
+
 @_catalog_reachable
 def offers(infra: Mapping[str, Any]) -> list[Offer]:
     """Every instance type and region that fits, priced by SkyPilot's catalog, cheapest first."""
     provider = infra["provider"]
     if not _has_offline_catalog(provider):
         return []
-    cat = _catalog()
     acc = node_accelerators(infra)
-    spot = bool(infra["use_spot"])
-    region, zone = infra.get("region"), infra.get("zone")
+    rows = _offer_rows(provider, list(acc) if acc else None, infra.get("cpus"), infra.get("memory"),
+                       bool(infra["use_spot"]), infra.get("region"), infra.get("zone"))
+    found = [Offer(provider, itype, reg, price, int(infra["nodes"])) for itype, reg, price in rows]
+    return sorted(found, key=lambda o: (o.total_hour, o.region, o.instance_type))
+
+
+@remembered
+def _offer_rows(provider: str, acc: Optional[list[Any]], cpus: Any, memory: Any, spot: bool,
+                region: Optional[str], zone: Optional[str]) -> list[tuple[str, str, float]]:
+    """(instance type, region, $/h per node) of every fit, as SkyPilot's catalog answers."""
+    cat = _catalog()
     if acc:
-        types, _ = cat.get_instance_type_for_accelerator(acc[0], acc[1], cpus=infra.get("cpus"),
-                                                         memory=infra.get("memory"), use_spot=spot,
+        types, _ = cat.get_instance_type_for_accelerator(acc[0], acc[1], cpus=cpus, memory=memory, use_spot=spot,
                                                          region=region, zone=zone, clouds=provider)
     else:
-        default = cat.get_default_instance_type(cpus=infra.get("cpus"), memory=infra.get("memory"),
-                                                region=region, zone=zone, use_spot=spot, clouds=provider)
+        default = cat.get_default_instance_type(cpus=cpus, memory=memory, region=region, zone=zone, use_spot=spot, clouds=provider)
         types = [default] if default else []
     found = []
     for itype in types or []:
@@ -199,8 +242,8 @@ def offers(infra: Mapping[str, Any]) -> list[Offer]:
             if region and reg.name != region:
                 continue
             price = cat.get_hourly_cost(itype, spot, reg.name, zone, clouds=provider)
-            found.append(Offer(provider, itype, reg.name, float(price), int(infra["nodes"])))
-    return sorted(found, key=lambda o: (o.total_hour, o.region, o.instance_type))
+            found.append((itype, reg.name, float(price)))
+    return found
 
 
 def check_credentials(provider: str) -> None:

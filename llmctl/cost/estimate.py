@@ -9,7 +9,9 @@
 Throughput (and overhead, val time) come from the best evidence, which the estimate names:
 1. measured: the newest FINISHED run in MLflow with the same shape (model, seq_len, dtype, kernels,
    tp, ac) on the same accelerator (``llmctl.shape`` / ``llmctl.accelerator`` tags), scaled by nodes;
-2. prior: ``MFU_PRIOR`` of the accelerator's dense peak (GPU), or ``CPU_GFLOPS_PER_CORE`` (CPU).
+2. transferred: no run of this shape, but one of another shape on the same accelerator: its achieved
+   FLOP/s (tokens/s x its FLOPs/token) at this shape's FLOPs/token, its overhead as measured;
+3. prior: ``MFU_PRIOR`` of the accelerator's dense peak (GPU), or ``CPU_GFLOPS_PER_CORE`` (CPU).
 
 Pure arithmetic on plain values: the hardware and the catalog offers come with the plan (each
 backend describes what it runs on), the measured history from ``history``; ``planner`` gathers
@@ -73,6 +75,8 @@ class Measured:
     batch_size: int
     val_batches: int
     steps: int
+    flops_per_token: Optional[float] = None  # set when the run is of another shape: transfer its FLOP/s
+    shape: Optional[str] = None
 
 
 @dataclass
@@ -80,23 +84,31 @@ class Throughput:
     tokens_per_s: float  # whole job
     val_pass_s: float
     overhead_s: float
-    kind: str  # "measured" | "prior"
+    kind: str  # "measured" | "transferred" | "prior"
     source: str
     run_id: Optional[str] = None
 
 
 def measured_throughput(m: Measured, cfg: Mapping[str, Any], hw: Hardware, accelerator: str) -> Throughput:
-    """Scale a measured run to this config: tokens/s linearly in nodes, val time in val tokens per node."""
+    """Scale a measured run to this config: tokens/s linearly in nodes, val time in val tokens per node;
+    a run of another shape also by FLOPs per token (the FLOP/s it sustained carries over)."""
     t = cfg["train"]
     nodes_ratio = hw.nodes / max(1, m.nodes)
     val_ratio = (int(t["val_batches"]) * int(t["batch_size"])) / max(1, m.val_batches * m.batch_size)
     scaled = f", scaled x{nodes_ratio:g} for {hw.nodes} node(s)" if m.nodes != hw.nodes else ""
+    flops_ratio, kind, what = 1.0, "measured", "this shape"
+    if m.flops_per_token:
+        fpt = flops_per_token(cfg["model"], int(t["seq_len"]))
+        flops_ratio, kind = m.flops_per_token / fpt, "transferred"
+        what = f"shape {m.shape}"
+        scaled += (f"; its {m.tokens_per_s * m.flops_per_token / 1e9:,.1f} GFLOP/s at"
+                   f" {fpt / 1e6:,.2f} MFLOP/token instead of {m.flops_per_token / 1e6:,.2f}")
     return Throughput(
-        tokens_per_s=m.tokens_per_s * nodes_ratio,
-        val_pass_s=m.val_pass_s * val_ratio / nodes_ratio,
+        tokens_per_s=m.tokens_per_s * nodes_ratio * flops_ratio,
+        val_pass_s=m.val_pass_s * val_ratio / nodes_ratio / flops_ratio,
         overhead_s=m.overhead_s,
-        kind="measured",
-        source=(f"measured: run {m.run_id[:12]} ({m.steps} steps of this shape on {accelerator}):"
+        kind=kind,
+        source=(f"{kind}: run {m.run_id[:12]} ({m.steps} steps of {what} on {accelerator}):"
                 f" {m.tokens_per_s:,.0f} tok/s{scaled}, overhead {m.overhead_s:.1f} s, val pass {m.val_pass_s:.2f} s"),
         run_id=m.run_id,
     )

@@ -10,15 +10,19 @@ time (see ``calibration``):
                               checkpoints, teardown (for clouds: provisioning and node setup too)
 
 ``find`` returns the newest FINISHED run with the same ``llmctl.shape`` and ``llmctl.accelerator``
-tags that has them, preferring one with the same nodes and batch size.
+tags that has them, preferring one with the same nodes and batch size. With none, a run of another
+shape on the same accelerator still tells what FLOP/s this machine sustains: its tokens/s times its
+FLOPs per token (tag ``llmctl.flops_per_token``) is transferred to the new shape, preferring the
+closest FLOPs per token with the same dtype, kernels, tp and ac (``estimate.measured_throughput``).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping, Optional
 
 from llmctl.cost.estimate import Measured
@@ -26,6 +30,7 @@ from llmctl.tracking import sqlite_path
 
 TAG_SHAPE = "llmctl.shape"
 TAG_ACCELERATOR = "llmctl.accelerator"
+TAG_FLOPS = "llmctl.flops_per_token"
 STEADY = "perf/tokens_per_s_steady"
 OVERHEAD = "time/overhead_s"
 VAL_PASS = "time/val_pass_s"
@@ -55,23 +60,62 @@ def _quick_http() -> Iterator[None]:
 
 
 def find(uri: str, shape: str, accelerator: str, cfg: Mapping[str, Any]) -> Optional[Measured]:
-    """The best measured run for this shape and accelerator, or None (no store, no match, no server)."""
+    """The best measured run for this shape and accelerator, else the best of another shape on the same
+    accelerator (to transfer its FLOP/s), else None (no store, no match, no server)."""
     if not store_exists(uri):
         return None
     try:
-        runs = candidates(uri, shape, accelerator)
+        same = _usable(candidates(uri, shape, accelerator))
+        if same:
+            return _measured(max(same, key=_rank_same(cfg)), cfg)
+        other = [r for r in _usable(candidates(uri, None, accelerator)) if _flops(r)]
     except Exception:  # noqa: BLE001 - history is evidence, not a requirement: fall back to the prior
         return None
-    runs = [r for r in runs if STEADY in r.metrics and OVERHEAD in r.metrics]
-    if not runs:
+    if not other:
         return None
+    best = max(other, key=_rank_other(cfg, shape))
+    found = _measured(best, cfg)
+    found.flops_per_token, found.shape = _flops(best), best.tags.get(TAG_SHAPE)
+    return found
+
+
+def _usable(runs: list[Candidate]) -> list[Candidate]:
+    return [r for r in runs if STEADY in r.metrics and OVERHEAD in r.metrics]
+
+
+def _flops(r: Candidate) -> Optional[float]:
+    try:
+        return float(r.tags[TAG_FLOPS])
+    except (KeyError, ValueError):
+        return None
+
+
+def _rank_same(cfg: Mapping[str, Any]) -> Any:
     want = (str(cfg["infra"]["nodes"]), str(cfg["train"]["batch_size"]))
 
     def rank(r: Candidate) -> tuple[int, int]:
         same = (r.params.get("infra.nodes") == want[0]) + (r.params.get("train.batch_size") == want[1])
         return same, r.start_time or 0
+    return rank
 
-    best = max(runs, key=rank)
+
+def _rank_other(cfg: Mapping[str, Any], shape: str) -> Any:
+    """Same dtype, kernels, tp and ac first (the shape key after ``-T<seq>-``), then the closest FLOPs
+    per token (matmul efficiency grows with size), then the same nodes, then the newest."""
+    from workloads.pretrain.shape import flops_per_token
+
+    fpt = flops_per_token(cfg["model"], int(cfg["train"]["seq_len"]))
+    regime = shape.split("-", 8)[-1]
+    nodes = str(cfg["infra"]["nodes"])
+
+    def rank(r: Candidate) -> tuple[bool, float, bool, int]:
+        theirs = str(r.tags.get(TAG_SHAPE, "")).split("-", 8)[-1]
+        return (theirs == regime, -abs(math.log(_flops(r) / fpt)), r.params.get("infra.nodes") == nodes,
+                r.start_time or 0)
+    return rank
+
+
+def _measured(best: Candidate, cfg: Mapping[str, Any]) -> Measured:
     p, m = best.params, best.metrics
     return Measured(run_id=best.run_id, tokens_per_s=m[STEADY], overhead_s=max(0.0, m[OVERHEAD]),
                     val_pass_s=m.get(VAL_PASS, 0.0), nodes=int(p.get("infra.nodes", 1)),
@@ -95,12 +139,14 @@ class Candidate:
     status: str
     params: dict[str, str]
     metrics: dict[str, float]
+    tags: dict[str, str] = field(default_factory=dict)  # only TAG_SHAPE and TAG_FLOPS are read
 
 
-def candidates(uri: str, shape: str, accelerator: str) -> list[Candidate]:
+def candidates(uri: str, shape: Optional[str], accelerator: str) -> list[Candidate]:
     """Newest first, at most ``MAX_CANDIDATES``: FINISHED, active runs of active experiments tagged
-    with this shape and accelerator, in search_runs' order (start time descending, then run id)."""
-    shape, accelerator = _quote(shape), _quote(accelerator)
+    with this shape (any shape: None) and accelerator, in search_runs' order (start time descending,
+    then run id)."""
+    shape, accelerator = (_quote(shape) if shape is not None else None), _quote(accelerator)
     if uri.startswith("sqlite:///") and "?" not in uri:
         return _sqlite_candidates(str(sqlite_path(uri)), shape, accelerator)
     if uri.startswith(("http://", "https://")) and not any(os.environ.get(k) for k in _REST_UNSUPPORTED):
@@ -108,12 +154,12 @@ def candidates(uri: str, shape: str, accelerator: str) -> list[Candidate]:
     return _client_candidates(uri, shape, accelerator)
 
 
-def _filter(shape: str, accelerator: str) -> str:
-    return (f"tags.`{TAG_SHAPE}` = '{shape}' and tags.`{TAG_ACCELERATOR}` = '{accelerator}'"
-            " and attributes.status = 'FINISHED'")
+def _filter(shape: Optional[str], accelerator: str) -> str:
+    by_shape = f"tags.`{TAG_SHAPE}` = '{shape}' and " if shape is not None else ""
+    return f"{by_shape}tags.`{TAG_ACCELERATOR}` = '{accelerator}' and attributes.status = 'FINISHED'"
 
 
-def _client_candidates(uri: str, shape: str, accelerator: str) -> list[Candidate]:
+def _client_candidates(uri: str, shape: Optional[str], accelerator: str) -> list[Candidate]:
     from llmctl.tracking import client
 
     with _quick_http():
@@ -123,8 +169,11 @@ def _client_candidates(uri: str, shape: str, accelerator: str) -> list[Candidate
             return []
         runs = mc.search_runs([e.experiment_id for e in exps], _filter(shape, accelerator),
                               max_results=MAX_CANDIDATES, order_by=["attributes.start_time DESC"])
-    return [Candidate(r.info.run_id, r.info.start_time, r.info.status, dict(r.data.params), dict(r.data.metrics))
-            for r in runs]
+    return [Candidate(r.info.run_id, r.info.start_time, r.info.status, dict(r.data.params), dict(r.data.metrics),
+                      {k: v for k, v in r.data.tags.items() if k in _TAGS_READ}) for r in runs]
+
+
+_TAGS_READ = (TAG_SHAPE, TAG_FLOPS)
 
 
 # MLflow's own store queries (mlflow/store/tracking/sqlalchemy_store.py): search_experiments
@@ -135,18 +184,18 @@ WHERE r.lifecycle_stage = 'active' AND r.status = 'FINISHED'
   AND r.experiment_id IN (SELECT experiment_id FROM experiments WHERE lifecycle_stage = 'active'
                           ORDER BY creation_time DESC, experiment_id ASC LIMIT 1000)
   AND EXISTS (SELECT 1 FROM tags t WHERE t.run_uuid = r.run_uuid AND t.key = ? AND t.value = ?)
-  AND EXISTS (SELECT 1 FROM tags t WHERE t.run_uuid = r.run_uuid AND t.key = ? AND t.value = ?)
+  AND EXISTS (SELECT 1 FROM tags t WHERE t.run_uuid = r.run_uuid AND t.key = ? AND (t.value = ? OR ? IS NULL))
 ORDER BY r.start_time DESC, r.run_uuid ASC LIMIT ?
 """
 
 
-def _sqlite_candidates(path: str, shape: str, accelerator: str) -> list[Candidate]:
+def _sqlite_candidates(path: str, shape: Optional[str], accelerator: str) -> list[Candidate]:
     import sqlite3
     from urllib.parse import quote
 
     con = sqlite3.connect(f"file:{quote(path)}?mode=ro", uri=True, timeout=5)
     try:
-        rows = con.execute(_SQL_RUNS, (TAG_SHAPE, shape, TAG_ACCELERATOR, accelerator, MAX_CANDIDATES)).fetchall()
+        rows = con.execute(_SQL_RUNS, (TAG_ACCELERATOR, accelerator, TAG_SHAPE, shape, shape, MAX_CANDIDATES)).fetchall()
         runs = {rid: Candidate(rid, start, status, {}, {}) for rid, start, status in rows}
         if runs:
             marks = ",".join("?" * len(runs))
@@ -156,6 +205,10 @@ def _sqlite_candidates(path: str, shape: str, accelerator: str) -> list[Candidat
             for rid, key, value, is_nan in con.execute(
                     f"SELECT run_uuid, key, value, is_nan FROM latest_metrics WHERE run_uuid IN ({marks})", list(runs)):
                 runs[rid].metrics[key] = float("nan") if is_nan else float(value)
+            for rid, key, value in con.execute(f"SELECT run_uuid, key, value FROM tags WHERE run_uuid IN ({marks})"
+                                               f" AND key IN ({','.join('?' * len(_TAGS_READ))})",
+                                               [*runs, *_TAGS_READ]):
+                runs[rid].tags[key] = value
     finally:
         con.close()
     return [runs[rid] for rid, _, _ in rows]
@@ -166,7 +219,7 @@ _REST_UNSUPPORTED = ("MLFLOW_TRACKING_AUTH", "MLFLOW_TRACKING_AWS_SIGV4", "MLFLO
                      "MLFLOW_WORKSPACE")
 
 
-def _rest_candidates(uri: str, shape: str, accelerator: str) -> list[Candidate]:
+def _rest_candidates(uri: str, shape: Optional[str], accelerator: str) -> list[Candidate]:
     exps = _post(uri, "/api/2.0/mlflow/experiments/search", {"max_results": 1000, "view_type": "ACTIVE_ONLY"})
     ids = [e["experiment_id"] for e in exps.get("experiments", [])]
     if not ids:
@@ -180,7 +233,8 @@ def _rest_candidates(uri: str, shape: str, accelerator: str) -> list[Candidate]:
         start = info.get("start_time")
         out.append(Candidate(info["run_id"], int(start) if start is not None else None, info.get("status", ""),
                              {p["key"]: p.get("value", "") for p in data.get("params", [])},
-                             {m["key"]: float(m["value"]) for m in data.get("metrics", [])}))
+                             {m["key"]: float(m["value"]) for m in data.get("metrics", [])},
+                             {t["key"]: t.get("value", "") for t in data.get("tags", []) if t["key"] in _TAGS_READ}))
     return out
 
 

@@ -56,14 +56,14 @@ def record_estimate(mc: Any, run_id: str, plan: Any, max_cost: Optional[float], 
     from mlflow.entities import Metric, RunTag
 
     from llmctl.cost.estimate import shape_key
-    from llmctl.cost.history import TAG_ACCELERATOR, TAG_SHAPE
+    from llmctl.cost.history import TAG_ACCELERATOR, TAG_FLOPS, TAG_SHAPE
 
     try:
         est = plan.estimate
         tags = {TAG_ACCELERATOR: plan.hardware.accelerator, TAG_SHAPE: shape_key(plan.cfg)}
         metrics = {}
         if est:
-            tags.update({TAG_PRICE: f"{est.price.usd_per_hour:.4f}" if est.priced else UNPRICED,
+            tags.update({TAG_FLOPS: str(est.flops_per_token), TAG_PRICE: f"{est.price.usd_per_hour:.4f}" if est.priced else UNPRICED,
                          "llmctl.price.source": f"{est.price.label}; {est.price.source}",
                          "llmctl.estimate.source": est.throughput.source})
             metrics = {"time/estimate_h": est.wall_h, "cost/estimate_device_hours": est.device_hours}
