@@ -9,10 +9,11 @@ file, not a new branch here. ``sky`` is imported inside functions: ``llmctl --he
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import functools
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional
 
 from llmctl.backends.sky_facts import remembered
 from llmctl.backends.sky_task import node_accelerators
@@ -40,6 +41,18 @@ def _catalog() -> Any:
     import sky.catalog
 
     return sky.catalog
+
+
+@contextlib.contextmanager
+def _sky_quiet() -> Iterator[None]:
+    """SkyPilot's catalog progress (raw ``<sky-payload>`` status lines in-process) and its log lines off:
+    what goes wrong reaches the user as an exception that llmctl words (``_catalog_reachable``)."""
+    import logging
+
+    from sky import sky_logging
+
+    with sky_logging.silent(), sky_logging.set_sky_logging_levels(logging.CRITICAL):
+        yield
 
 
 def _catalog_reachable(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -157,7 +170,8 @@ def _check_region(infra: Mapping[str, Any]) -> None:
 def _region_problem(provider: str, region: str, zone: Optional[str]) -> Optional[str]:
     """SkyPilot's own message when the catalog has no such region/zone, else None."""
     try:
-        _catalog().validate_region_zone(region, zone, clouds=provider)
+        with _sky_quiet():
+            _catalog().validate_region_zone(region, zone, clouds=provider)
     except ValueError as exc:
         return " ".join(str(exc).split())
     return None
@@ -169,7 +183,8 @@ def _has_offline_catalog(provider: str) -> bool:
     import importlib
 
     try:
-        module = importlib.import_module(f"sky.catalog.{provider}_catalog")
+        with _sky_quiet():  # some providers' catalog modules read (and fetch) their CSV on import
+            module = importlib.import_module(f"sky.catalog.{provider}_catalog")
     except ImportError:
         return False
     return hasattr(module, "get_instance_type_for_accelerator")
@@ -196,7 +211,8 @@ def _check_accelerators(infra: Mapping[str, Any]) -> None:
 
 @remembered
 def _accelerator_counts(provider: str) -> dict[str, list[int]]:
-    counts = _catalog().list_accelerator_counts(gpus_only=True, clouds=provider)
+    with _sky_quiet():
+        counts = _catalog().list_accelerator_counts(gpus_only=True, clouds=provider)
     return {name: [int(c) for c in cs] for name, cs in counts.items()}
 
 
@@ -204,7 +220,9 @@ def _accelerator_counts(provider: str) -> dict[str, list[int]]:
 def accelerator_memory_gib(provider: Optional[str], gpu: str) -> Optional[float]:
     """One ``gpu``'s memory as SkyPilot's catalog lists it (None: not listed, or no catalog here)."""
     try:
-        found = _catalog().list_accelerators(gpus_only=True, name_filter=gpu, clouds=provider, case_sensitive=False)
+        with _sky_quiet():
+            found = _catalog().list_accelerators(gpus_only=True, name_filter=gpu, clouds=provider,
+                                                 case_sensitive=False)
     except Exception:  # noqa: BLE001 - no catalog here: the caller falls back to the name
         return None
     sizes = [i.device_memory for infos in found.values() for i in infos
@@ -229,20 +247,23 @@ def offers(infra: Mapping[str, Any]) -> list[Offer]:
 def _offer_rows(provider: str, acc: Optional[list[Any]], cpus: Any, memory: Any, spot: bool,
                 region: Optional[str], zone: Optional[str]) -> list[tuple[str, str, float]]:
     """(instance type, region, $/h per node) of every fit, as SkyPilot's catalog answers."""
-    cat = _catalog()
-    if acc:
-        types, _ = cat.get_instance_type_for_accelerator(acc[0], acc[1], cpus=cpus, memory=memory, use_spot=spot,
-                                                         region=region, zone=zone, clouds=provider)
-    else:
-        default = cat.get_default_instance_type(cpus=cpus, memory=memory, region=region, zone=zone, use_spot=spot, clouds=provider)
-        types = [default] if default else []
-    found = []
-    for itype in types or []:
-        for reg in cat.get_region_zones_for_instance_type(itype, spot, clouds=provider):
-            if region and reg.name != region:
-                continue
-            price = cat.get_hourly_cost(itype, spot, reg.name, zone, clouds=provider)
-            found.append((itype, reg.name, float(price)))
+    with _sky_quiet():
+        cat = _catalog()
+        if acc:
+            types, _ = cat.get_instance_type_for_accelerator(acc[0], acc[1], cpus=cpus, memory=memory,
+                                                             use_spot=spot, region=region, zone=zone,
+                                                             clouds=provider)
+        else:
+            default = cat.get_default_instance_type(cpus=cpus, memory=memory, region=region, zone=zone,
+                                                    use_spot=spot, clouds=provider)
+            types = [default] if default else []
+        found = []
+        for itype in types or []:
+            for reg in cat.get_region_zones_for_instance_type(itype, spot, clouds=provider):
+                if region and reg.name != region:
+                    continue
+                price = cat.get_hourly_cost(itype, spot, reg.name, zone, clouds=provider)
+                found.append((itype, reg.name, float(price)))
     return found
 
 

@@ -153,3 +153,15 @@ def test_missing_credentials_message_says_what_to_do(sky_env: dict[str, str], tm
     assert out.returncode == 3
     assert "~/.runpod/config.toml" in out.stderr and "sky check runpod" in out.stderr
     _nothing_created(tmp_path, sky_env)
+
+
+def test_unreachable_catalog_is_one_clear_error(cli_env: dict[str, str], tmp_path: Path) -> None:
+    """No catalog on disk and none reachable (a proxy on a closed port stands in for no internet): one
+    llmctl error naming the fix; none of SkyPilot's raw ``<sky-payload>`` status lines or log lines."""
+    env = {**cli_env, "https_proxy": "http://127.0.0.1:9", "HTTPS_PROXY": "http://127.0.0.1:9",
+           "AWS_EC2_METADATA_DISABLED": "true"}
+    out = run_cli(["plan", "infra=aws", f"tracking.uri={REMOTE_URI}"], tmp_path, env)
+    assert out.returncode == 3, out.stderr[-3000:]
+    assert out.stdout == ""
+    assert out.stderr.startswith("error: SkyPilot has no aws catalog on this machine and could not download it")
+    assert "~/.sky/catalogs/" in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
