@@ -6,7 +6,8 @@
 2. calibration run: ``llmctl launch`` of the smoke model for CALIB_STEPS steps (local, CPU);
 3. (a) a 4x longer run of the same shape: its estimate cites the calibration run;
    (b) a different shape with at least 4x the FLOPs per token (``BIGGER``): no run of that shape
-   exists, so this checks the estimator's fallback for a new shape;
+   exists, so this checks the estimator's fallback for a new shape (the calibration run's FLOP/s,
+   transferred: ``llmctl/cost/estimate.py``);
 4. each is launched; the estimate it logged (``time/estimate_h``) is compared with its billed wall
    time (``time/wall_s``, the ledger's attempt).
 Prints both ratios (predicted / actual; goals 0.90-1.10 for (a), 0.75-1.25 for (b) on a quiet

@@ -97,7 +97,8 @@ def main() -> None:
         assert not os.listdir(cwd), "plan must create nothing"
     medians = {name: statistics.median(w) for name, w in walls.items()}
     for name, w in walls.items():
-        print(f"llmctl plan {' '.join(PLANS[name]) or '(local)'}: median {medians[name]:.2f} s over {len(w)} runs"
+        fresh = " (SkyPilot asked afresh)" if name in FRESH else ""
+        print(f"llmctl plan {' '.join(PLANS[name]) or '(local)'}{fresh}: median {medians[name]:.2f} s over {len(w)} runs"
               f" ({', '.join(f'{x:.2f}' for x in w)})")
     print(f"remembered / fresh SkyPilot answers: {medians['lambda'] / medians['lambda-fresh']:.2f}")
     print(f"plan_latency_median_s: {max(v for k, v in medians.items() if k not in FRESH):.2f}")
