@@ -3,11 +3,17 @@ run against the outcome table."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
+import signal
+import socket
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator, Mapping, Optional
 
 import pytest
 
@@ -22,6 +28,49 @@ def run_cli(args: list[str], cwd: Path, env: dict[str, str], timeout: float = 60
     """The real CLI in a subprocess, exactly as a user runs it."""
     return subprocess.run([sys.executable, "-m", "llmctl", *args], cwd=cwd, env=env, text=True,
                           capture_output=True, timeout=timeout, **kwargs)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def mlflow_server(root: Path, *extra: str, env: Optional[Mapping[str, str]] = None,
+                  startup_s: float = 300) -> Iterator[str]:
+    """A real ``mlflow server`` on 127.0.0.1 (sqlite store and proxied artifacts under ``root``), healthy
+    before it is yielded. Its whole process group is killed afterwards: uvicorn and MLflow's job
+    consumers outlive the ``mlflow`` process on SIGTERM and would pile up over a test session."""
+    port = free_port()
+    log = open(root / "server.log", "wb")
+    proc = subprocess.Popen([str(Path(sys.executable).with_name("mlflow")), "server", *extra, "--host", "127.0.0.1",
+                             "--port", str(port), "--workers", "1",
+                             "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
+                             "--artifacts-destination", str(root / "artifacts")],
+                            cwd=root, env=dict(env) if env is not None else None, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    uri = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + startup_s  # generous for a loaded machine; not a timing assertion
+        while True:
+            try:
+                with urllib.request.urlopen(f"{uri}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"mlflow server did not start: {(root / 'server.log').read_text()[-3000:]}")
+                time.sleep(0.5)
+        yield uri
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=20)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # the group's stragglers
+        log.close()
 
 
 def mlflow_runs(tracking_uri: str) -> list[Any]:

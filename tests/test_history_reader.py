@@ -6,11 +6,8 @@ from __future__ import annotations
 
 import math
 import os
-import signal
-import socket
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -18,6 +15,7 @@ from typing import Any, Iterator
 
 import pytest
 
+from helpers import mlflow_server
 from llmctl.cost import history
 
 
@@ -109,12 +107,6 @@ def test_sqlite_reader_equals_search_runs(tmp_path: Path, monkeypatch: pytest.Mo
     assert not (tmp_path / "absent.db").exists() and (tmp_path / "mlflow.db").stat().st_mtime_ns == before
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def auth_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A real ``mlflow server --app-name basic-auth`` on 127.0.0.1 (its users in a temp sqlite file)."""
@@ -125,36 +117,10 @@ def auth_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
                    f"admin_username = {ADMIN}\nadmin_password = {PASSWORD}\n"
                    "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n"
                    "auth_cache_ttl_seconds = 600\n")  # one password hash per client, not per request
-    port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
     env.update({"MLFLOW_AUTH_CONFIG_PATH": str(ini), "MLFLOW_FLASK_SERVER_SECRET_KEY": "llmctl-test-only"})
-    log = open(root / "server.log", "wb")
-    proc = subprocess.Popen([str(Path(sys.executable).with_name("mlflow")), "server", "--app-name", "basic-auth",
-                             "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-                             "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
-                             "--artifacts-destination", str(root / "artifacts")],
-                            cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    uri = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                with urllib.request.urlopen(f"{uri}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"mlflow server did not start: {(root / 'server.log').read_text()[-3000:]}")
-                time.sleep(0.5)
+    with mlflow_server(root, "--app-name", "basic-auth", env=env, startup_s=180) as uri:
         yield uri
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-        log.close()
 
 
 def test_rest_reader_equals_search_runs(auth_server: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -22,8 +22,9 @@ from typing import Iterator
 
 import pytest
 
+from helpers import mlflow_server
 from sky_helpers import run_cli
-from slurm_harness import CLUSTER, PARTITION, USER, Cluster, free_port, missing_prerequisites, slurm_cluster
+from slurm_harness import CLUSTER, PARTITION, USER, Cluster, missing_prerequisites, slurm_cluster
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(900)]
 
@@ -41,26 +42,10 @@ def prerequisites(request: pytest.FixtureRequest) -> None:
 
 
 @pytest.fixture(scope="module")
-def mlflow_server(prerequisites: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def tracking_server(prerequisites: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A real tracking server the "remote" nodes can reach (llmctl refuses a local store for them)."""
-    root = tmp_path_factory.mktemp("mlflow-server")
-    port = free_port()
-    mlflow = Path(sys.executable).with_name("mlflow")
-    log = open(root / "server.log", "wb")
-    proc = subprocess.Popen([str(mlflow), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-                             "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
-                             "--artifacts-destination", str(root / "artifacts")],
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    uri = f"http://127.0.0.1:{port}"
-    try:
+    with mlflow_server(tmp_path_factory.mktemp("mlflow-server")) as uri:
         yield uri
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=20)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            os.killpg(proc.pid, signal.SIGKILL)
-        log.close()
 
 
 def _wait_healthy(uri: str, timeout: float = 90) -> None:
@@ -81,13 +66,13 @@ def cluster(prerequisites: None, request: pytest.FixtureRequest) -> Iterator[Clu
         yield c
 
 
-def test_launch_status_logs_down_on_real_slurm(mlflow_server: str, cluster: Cluster, tmp_path: Path,
+def test_launch_status_logs_down_on_real_slurm(tracking_server: str, cluster: Cluster, tmp_path: Path,
                                               cli_env: dict[str, str]) -> None:
     home = Path(cli_env["HOME"])
     cluster.write_client_config(home, cluster.root / "ssh" / "user_key")
-    env = {**cli_env, "MLFLOW_TRACKING_URI": mlflow_server, "AWS_EC2_METADATA_DISABLED": "true"}
+    env = {**cli_env, "MLFLOW_TRACKING_URI": tracking_server, "AWS_EC2_METADATA_DISABLED": "true"}
     sky_bin = str(Path(sys.executable).with_name("sky"))
-    _wait_healthy(mlflow_server)
+    _wait_healthy(tracking_server)
     try:
         out = run_cli(["launch", "infra=slurm", "experiment=smoke", f"infra.region={CLUSTER}",
                        f"infra.zone={PARTITION}", f"infra.node_python={sys.executable}",
@@ -97,7 +82,7 @@ def test_launch_status_logs_down_on_real_slurm(mlflow_server: str, cluster: Clus
 
         from mlflow.tracking import MlflowClient
 
-        mc = MlflowClient(tracking_uri=mlflow_server)
+        mc = MlflowClient(tracking_uri=tracking_server)
         (run,) = mc.search_runs([mc.get_experiment_by_name("llmctl").experiment_id])
         assert run.info.status == "FINISHED"
         tags = run.data.tags
@@ -149,7 +134,7 @@ def _complete_steps(ckpt: Path) -> list[int]:
     return sorted(int(p.parent.name.split("-")[1]) for p in ckpt.glob("step-*/.complete"))
 
 
-def test_managed_job_recovers_from_scancel_as_one_run(mlflow_server: str, cluster: Cluster, tmp_path: Path,
+def test_managed_job_recovers_from_scancel_as_one_run(tracking_server: str, cluster: Cluster, tmp_path: Path,
                                                      cli_env: dict[str, str]) -> None:
     """scancel the managed job's Slurm allocation mid-run: SkyPilot's controller (consolidation mode,
     in the local API server) relaunches it, the workload resumes from its checkpoint on the shared
@@ -162,11 +147,11 @@ def test_managed_job_recovers_from_scancel_as_one_run(mlflow_server: str, cluste
     shared.mkdir()
     shutil.chown(shared, USER, USER)
     steps = 600  # ~30 s of training on this CPU: the scancel lands mid-run
-    env = {**cli_env, "MLFLOW_TRACKING_URI": mlflow_server, "AWS_EC2_METADATA_DISABLED": "true",
+    env = {**cli_env, "MLFLOW_TRACKING_URI": tracking_server, "AWS_EC2_METADATA_DISABLED": "true",
            # the API server (and the jobs controller in it) inherit this: the internet probe stub only
            "PYTHONPATH": os.pathsep.join(filter(None, [str(OFFLINE_NETWORK), cli_env.get("PYTHONPATH")]))}
     sky_bin = str(Path(sys.executable).with_name("sky"))
-    _wait_healthy(mlflow_server)
+    _wait_healthy(tracking_server)
     log = open(tmp_path / "launch.log", "w+")
     proc = subprocess.Popen(
         [sys.executable, "-m", "llmctl", "launch", "infra=slurm", "infra.managed=true", "experiment=smoke",
@@ -185,7 +170,7 @@ def test_managed_job_recovers_from_scancel_as_one_run(mlflow_server: str, cluste
 
         from mlflow.tracking import MlflowClient
 
-        mc = MlflowClient(tracking_uri=mlflow_server)
+        mc = MlflowClient(tracking_uri=tracking_server)
         runs = mc.search_runs([mc.get_experiment_by_name("llmctl").experiment_id],
                               filter_string="tags.mlflow.runName = 'managed-recovery'")
         assert len(runs) == 1, "one MLflow run across the recovery"
