@@ -67,7 +67,7 @@ def mlflow_server(root: Path, *extra: str, env: Optional[Mapping[str, str]] = No
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)
         with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=20)
+            proc.wait(timeout=5)  # a test's server owes nobody a graceful shutdown
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)  # the group's stragglers
         log.close()
