@@ -45,6 +45,7 @@ from workloads.pretrain.checkpoint import Checkpointer
 from workloads.pretrain.config import parse_args
 from workloads.pretrain.contract import EXIT_CONFIG, EXIT_PREEMPTED
 from workloads.pretrain.data import Sampler, prepare_corpus, val_batches
+from workloads.pretrain.dataset_input import log_training_corpus
 from workloads.pretrain.metrics import MetricSink, format_train_line, peak_memory_gb, peak_tflops
 from workloads.pretrain.model import Transformer
 from workloads.pretrain.optim import build_optimizer, lr_factor
@@ -255,6 +256,8 @@ def train(cfg: Any) -> dict:
     no_mfu = "cpu" if env.device.type == "cpu" else f"no peak for {torch.cuda.get_device_name(env.device)}"
     sink = MetricSink(enabled=env.is_main)
     sink.skip_upto = preempt.on_start(env.is_main, start_step, env.world_size)  # no step logged twice
+    if env.is_main:
+        log_training_corpus(str(cfg.data.name), corpus.path)  # the run's Datasets: source, digest, tokens
     loss_file = LossFile(enabled=env.is_main)
     fail_at = int(os.environ.get(FAIL_AT_STEP_ENV, "0") or 0)
     tokens_per_step = tc.batch_size * tc.seq_len  # global: the batch is split over dp ranks
