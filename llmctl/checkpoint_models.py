@@ -40,7 +40,7 @@ def logged_steps(mc: Any, experiment_id: str, run_id: str) -> set[int]:
 def log_checkpoints(mc: Any, experiment_id: str, run_id: str, checkpoint_dir: Optional[str]) -> list[str]:
     """Log the final and best complete checkpoints under ``checkpoint_dir`` as models of the run;
     returns the new models' ids."""
-    from mlflow.entities import LoggedModelStatus, Metric
+    from mlflow.entities import LoggedModelOutput, LoggedModelStatus, Metric
     from mlflow.models.model import MLMODEL_FILE_NAME
     from mlflow.models.utils import get_external_mlflow_model_spec
     from mlflow.utils.mlflow_tags import MLFLOW_MODEL_IS_EXTERNAL
@@ -72,6 +72,7 @@ def log_checkpoints(mc: Any, experiment_id: str, run_id: str, checkpoint_dir: Op
                   for name in LINKED_METRICS if (m := history[name].get(step)) is not None]
         if points:
             mc.log_batch(run_id, metrics=points)
+        mc.log_outputs(run_id, [LoggedModelOutput(model.model_id, step)])  # the run's outputs list it at its step
         new.append(model.model_id)
     return new
 

@@ -35,6 +35,9 @@ def corpus_dataset(name: str, corpus_dir: Path) -> Any:
         def profile(self) -> Any:
             return profile
 
+        def to_dict(self) -> dict[str, str]:  # MetaDataset's leaves the profile out
+            return {**super().to_dict(), "profile": json.dumps(profile)}
+
     digest = str(meta.get("text_sha256") or corpus_dir.name)[:16]
     return CorpusDataset(source=source, name=name, digest=digest)
 
