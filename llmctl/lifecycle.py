@@ -10,7 +10,8 @@ The only place that opens, closes and bills attempts and sets a run's final stat
 
 Each attempt goes: open it (ledger tags, the workload's environment) → ``backend.finalize`` → record
 the config → ``backend.launch`` under SIGINT/SIGTERM handling → read the outcome from the exit
-code, the stop request and the workload's tags → bill it (``cost.hooks.close``) → set the MLflow
+code, the stop request and the workload's tags → bill it (``cost.hooks.close``) → upload its
+``output.log`` and log the final and best checkpoints as MLflow models → set the MLflow
 status and ``llmctl.status`` → the exit code. The outcome → (status, exit code) table is ``RULES``
 (shown in docs/concepts.md).
 """

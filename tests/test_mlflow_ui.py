@@ -171,7 +171,7 @@ def test_sweep_trials_are_named_by_what_varies(swept: list[Any], launched: dict[
     assert "Child runs" in text and all(n in text for n in names), text[:3000]
 
 
-def test_eval_and_export_take_a_checkpoint_model_uri(launched: dict[str, Any], env: dict[str, str]) -> None:
+def test_eval_and_export_take_a_checkpoint_model_uri(launched: dict[str, Any], env: dict[str, str], server: str) -> None:
     """``models:/m-...`` (the Models tab's id) resolves to its run and its checkpoint's step."""
     run, mc, cwd = launched["run"], launched["mc"], launched["cwd"]
     rid = run.info.run_id
@@ -179,12 +179,12 @@ def test_eval_and_export_take_a_checkpoint_model_uri(launched: dict[str, Any], e
                                                    filter_string=f"source_run_id = '{rid}'") if m.name == "step-6"]
     assert {(m.key, m.step) for m in final.metrics} >= {("train/loss", 6), ("val/loss", 6)}  # linked to its step
     uri = f"models:/{final.model_id}"
-    out = run_cli(["eval", uri, "eval.max_new_tokens=4", "eval.prompts=[The]"], cwd, env)
+    out = run_cli(["eval", uri, "eval.max_new_tokens=4", "eval.prompts=[The]", "--tracking-uri", server], cwd, env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert f"logged to run {rid} at step 6" in out.stdout
     assert [m.step for m in mc.get_metric_history(rid, "eval/val_loss")] == [6]
-    out = run_cli(["export", uri, "--out", str(cwd / "hf")], cwd, env)
+    out = run_cli(["export", uri, "--out", str(cwd / "hf"), "--tracking-uri", server], cwd, env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert f"exported step 6 to {cwd / 'hf'}" in out.stdout
-    bad = run_cli(["eval", "models:/m-0000"], cwd, env)
+    bad = run_cli(["eval", "models:/m-0000", "--tracking-uri", server], cwd, env)
     assert bad.returncode == 3 and "no logged model 'm-0000'" in bad.stderr, bad.stderr[-2000:]

@@ -50,7 +50,7 @@ from workloads.pretrain.metrics import MetricSink, format_train_line, peak_memor
 from workloads.pretrain.model import Transformer
 from workloads.pretrain.optim import build_optimizer, lr_factor
 from workloads.pretrain.parallelize import ParallelDims, local_loss, loss_context, parallelize, set_gradient_sync
-from workloads.pretrain import preempt, shape
+from workloads.pretrain import preempt, shape, system_metrics
 from workloads.pretrain.validate import ConfigError
 
 FAIL_AT_STEP_ENV = "LLMCTL_FAIL_AT_STEP"
@@ -386,8 +386,11 @@ def main(argv: list[str] | None = None) -> int:
     """Run training; map success / error / signal to an exit status and always leave the group."""
     signal.signal(signal.SIGINT, _raise_interrupted)
     preempt.PREEMPTION.install()  # SIGTERM, SIGUSR1: stop after the step, with a checkpoint
+    monitor = None
     try:
-        train(load_config(argv))
+        cfg = load_config(argv)
+        monitor = system_metrics.start()  # one per node, labelled by node
+        train(cfg)
         return 0
     except ConfigError as e:
         print(f"pretrain: config error: {e}", file=sys.stderr, flush=True)
@@ -405,6 +408,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.flush()
         return 1
     finally:
+        system_metrics.stop(monitor)
         if dist.is_available() and dist.is_initialized():
             try:
                 dist.destroy_process_group()
