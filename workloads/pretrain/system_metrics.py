@@ -30,7 +30,11 @@ def start() -> Optional[Any]:
             print("pretrain: no system metrics (psutil not installed: pip install 'llmctl[system]')", flush=True)
         return None
     try:
+        import logging
+
         from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+        logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)  # no start/stop lines in the run's log
 
         monitor = SystemMetricsMonitor(run_id, node_id=node_id(), resume_logging=True)
         monitor.start()
