@@ -70,7 +70,7 @@ def main() -> None:
         ratios = {}
         for name in cases:
             m = runs[name].data.metrics
-            predicted, actual = m["time/estimate_h"] * 3600, m["time/wall_s"]
+            predicted, actual = float(runs[name].data.tags["time/estimate_h"]) * 3600, m["time/wall_s"]
             ratios[name] = predicted / actual
             print(f"{name}: estimate {predicted:.1f} s, actual {actual:.1f} s (its own steady"
                   f" {m['perf/tokens_per_s_steady']:,.0f} tok/s): predicted/actual {ratios[name]:.3f}")

@@ -294,7 +294,7 @@ def cost_cmd(since: Optional[str] = SinceOpt,
 
 
 @app.command("eval")
-def eval_cmd(target: str = typer.Argument(..., help="MLflow run id (or a unique prefix), or a checkpoint URL (root or step-N directory)."),
+def eval_cmd(target: str = typer.Argument(..., help="MLflow run id (or a unique prefix), a checkpoint's model URI (models:/m-...), or a checkpoint URL (root or step-N directory)."),
              overrides: Optional[List[str]] = OverridesArg,
              nproc: int = typer.Option(1, "--nproc", help="Eval processes (torchrun); any number loads any checkpoint."),
              hf: Optional[str] = typer.Option(None, "--hf", help="Score this Hugging Face export (transformers + accelerate) instead."),
@@ -331,7 +331,7 @@ def eval_cmd(target: str = typer.Argument(..., help="MLflow run id (or a unique 
 
 
 @app.command("export")
-def export_cmd(target: str = typer.Argument(..., help="MLflow run id (or a unique prefix), or a checkpoint URL."),
+def export_cmd(target: str = typer.Argument(..., help="MLflow run id (or a unique prefix), a checkpoint's model URI (models:/m-...), or a checkpoint URL."),
                fmt: str = typer.Option("hf", "--format", help="Output format: hf (transformers Llama: safetensors + config + tokenizer)."),
                out: Optional[str] = typer.Option(None, "--out", help="Directory (default: llmctl-runs/<run>/export-hf)."),
                step: Optional[int] = typer.Option(None, "--step", help="Checkpoint step (default: newest complete)."),

@@ -1,7 +1,8 @@
 """``llmctl eval`` / ``llmctl export`` on the controller side: find the config, run, log.
 
 The target is a run id (its resolved ``config.yaml`` artifact says where the checkpoints are and
-how the model and data were built) or a checkpoint URL (a root or a ``step-N`` directory; the
+how the model and data were built), a checkpoint's MLflow model URI (``models:/m-...``: its run, at
+its step; ``checkpoint_models``) or a checkpoint URL (a root or a ``step-N`` directory; the
 config is the ``config.yaml`` beside it, as ``llmctl-runs/<id>/`` has, or else composed from the
 overrides as ``launch`` would). The work runs here under torchrun
 (``python -m workloads.pretrain.evaluate``, any number of processes) and writes one JSON result;
@@ -28,6 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from llmctl.checkpoint_models import URI_PREFIX
+from llmctl.checkpoint_models import resolve as resolve_model
 from llmctl.errors import ConfigError, LaunchError
 from workloads.pretrain.contract import EXPORT_INFO
 
@@ -105,6 +108,11 @@ def resolve_target(target: str, overrides: list[str], tracking_uri: Optional[str
 
     uri = runs.tracking_uri(tracking_uri)
     stamp = time.strftime("%Y%m%d-%H%M%S")
+    if target.startswith(URI_PREFIX):  # a checkpoint logged as an MLflow model: its run, at its step
+        from llmctl.tracking import client
+
+        target, step = resolve_model(client(uri), target)
+        overrides = [f"eval.step={step}", *overrides]
     if not is_checkpoint_url(target):
         run = runs.get_run(target, uri)  # a full id or a unique prefix
         rid = run.info.run_id

@@ -10,7 +10,8 @@ The only place that opens, closes and bills attempts and sets a run's final stat
 
 Each attempt goes: open it (ledger tags, the workload's environment) → ``backend.finalize`` → record
 the config → ``backend.launch`` under SIGINT/SIGTERM handling → read the outcome from the exit
-code, the stop request and the workload's tags → bill it (``cost.hooks.close``) → set the MLflow
+code, the stop request and the workload's tags → bill it (``cost.hooks.close``) → upload its
+``output.log`` and log the final and best checkpoints as MLflow models → set the MLflow
 status and ``llmctl.status`` → the exit code. The outcome → (status, exit code) table is ``RULES``
 (shown in docs/concepts.md).
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 import enum
 import json
 import signal
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, TextIO
@@ -199,6 +201,7 @@ def _run(plan: Plan, backend: Backend, handle: RunHandle, attempt: Attempt, *, n
     started = time.monotonic()
     code: Optional[int] = None
     error: Optional[BaseException] = None
+    cfg: Optional[dict[str, Any]] = None
     try:
         cfg = backend.finalize(plan, handle)
         if new_run:
@@ -221,12 +224,43 @@ def _run(plan: Plan, backend: Backend, handle: RunHandle, attempt: Attempt, *, n
         outcome, reason = classify(code, error, mc.get_run(handle.run_id).data.tags, handle.run_id,
                                    stop_requested())
         cost_line = hooks.close(mc, handle.run_id, plan.cfg, plan.estimate, reason)
+        _upload_log(mc, handle.run_id, attempt.n)
+        _log_models(mc, handle, cfg)
         tracking.end_run(handle, RULES[outcome].mlflow_status, reason)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     _report(outcome, reason, handle, time.monotonic() - started, cost_line, say)
     return RULES[outcome].exit_code
+
+
+MAX_LOG_BYTES = 5_000_000
+
+
+def _upload_log(mc: Any, run_id: str, n: int) -> None:
+    """The attempt's ``output.log`` (a local job's; its last 5 MB) as ``attempts/<n>/output.log``."""
+    path = run_dir(run_id) / "output.log"
+    if not path.is_file():
+        return
+    with path.open("rb") as f:
+        f.seek(max(0, path.stat().st_size - MAX_LOG_BYTES))
+        text = f.read().decode("utf-8", "replace")
+    try:
+        mc.log_text(run_id, text, f"attempts/{n}/output.log")
+    except Exception as exc:  # noqa: BLE001 - the log stays on disk; closing the run matters more
+        print(f"warning: output.log not uploaded ({type(exc).__name__}: {exc})", file=sys.stderr)
+
+
+def _log_models(mc: Any, handle: RunHandle, cfg: Optional[dict[str, Any]]) -> None:
+    """The final and best checkpoints as the run's MLflow logged models (``checkpoint_models``)."""
+    from llmctl.checkpoint_models import log_checkpoints
+
+    if cfg is None:
+        return
+    try:
+        log_checkpoints(mc, handle.experiment_id, handle.run_id, (cfg.get("checkpoint") or {}).get("dir"))
+    except Exception as exc:  # noqa: BLE001 - the checkpoints are still there for resume/eval by run id
+        print(f"warning: checkpoints not logged as MLflow models ({type(exc).__name__}: {exc})", file=sys.stderr)
 
 
 def _note_late_stop(signum: int, frame: Any) -> None:
@@ -272,6 +306,7 @@ def _report(outcome: Outcome, reason: str, handle: RunHandle, elapsed: float, co
             say(cost_line)
         if outcome is Outcome.BUDGET_STOP:
             say(f"llmctl: run {rid} {reason}", err=True)
+        say(f"llmctl: open it: {tracking.run_url(handle)}")  # last: the line a user copies
     elif outcome is Outcome.FAILED:
         say(f"error: run {rid} FAILED: {reason} (log: {run_dir(rid) / 'output.log'})", err=True)
     elif outcome is Outcome.INTERRUPTED:

@@ -80,17 +80,47 @@ def _artifact_location(uri: str) -> Optional[str]:
     return (path.parent / "mlruns").as_uri() if path else None
 
 
+def _git(cwd: str, *args: str) -> str:
+    return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=5,
+                          check=True).stdout.strip()
+
+
 def git_state(path: Optional[Path] = None) -> dict[str, str]:
-    """Commit SHA and dirty flag of the code being run, when it is a git checkout."""
+    """Commit SHA, dirty flag, checkout root and origin URL of the code being run, when it is a git checkout."""
     cwd = str(path or Path.cwd())
     try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True,
-                             timeout=5, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=cwd,
-                               capture_output=True, text=True, timeout=5, check=True).stdout.strip()
+        sha = _git(cwd, "rev-parse", "HEAD")
+        dirty = _git(cwd, "status", "--porcelain", "--untracked-files=no")
+        root = _git(cwd, "rev-parse", "--show-toplevel")
     except (OSError, subprocess.SubprocessError):
         return {}
-    return {"git_sha": sha, "git_dirty": str(bool(dirty)).lower()}
+    try:
+        origin = _git(cwd, "remote", "get-url", "origin")
+    except (OSError, subprocess.SubprocessError):
+        origin = ""
+    return {"git_sha": sha, "git_dirty": str(bool(dirty)).lower(), "root": root, "origin": origin}
+
+
+MAX_DIFF_BYTES = 1_000_000
+
+
+def git_diff(root: str) -> str:
+    """The uncommitted changes to tracked files (what a dirty run really ran), capped at 1 MB."""
+    try:
+        return _git(root, "diff", "HEAD")[:MAX_DIFF_BYTES]
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def source_tags(git: dict[str, str]) -> dict[str, str]:
+    """MLflow's standard source fields (the run list's Source column, the run page's git commit)."""
+    from mlflow.utils import mlflow_tags as t
+
+    tags = {t.MLFLOW_SOURCE_TYPE: "PROJECT", t.MLFLOW_SOURCE_NAME: git.get("origin") or git["root"],
+            t.MLFLOW_GIT_COMMIT: git["git_sha"]}
+    if git.get("origin"):
+        tags[t.MLFLOW_GIT_REPO_URL] = git["origin"]
+    return tags
 
 
 def retry(fn: Callable[..., T], *args: Any, attempts: int = 8, **kwargs: Any) -> T:
@@ -149,18 +179,28 @@ def client(uri: str) -> Any:
         return _RetryingClient(retry(MlflowClient, tracking_uri=uri))
 
 
+# MLflow 3 opens an experiment on its GenAI overview unless told it holds model training
+# (the UI reads this tag; ``mlflow.entities.ExperimentKind``-style values)
+TAG_EXPERIMENT_KIND = "mlflow.experimentKind"
+TRAINING_KIND = "custom_model_development"
+
+
 def experiment_id(mlflow_client: Any, name: str, uri: str) -> str:
-    """The experiment's id, created if missing; a concurrent creator of the same name wins the race."""
+    """The experiment's id, created if missing (a concurrent creator of the same name wins the race),
+    marked as a training experiment so MLflow's UI opens it on its runs."""
     exp = mlflow_client.get_experiment_by_name(name)
-    if exp is not None:
-        return exp.experiment_id
-    try:
-        return mlflow_client.create_experiment(name, artifact_location=_artifact_location(uri))
-    except Exception:  # noqa: BLE001 - MlflowException RESOURCE_ALREADY_EXISTS, or a unique-constraint error
+    if exp is None:
+        try:
+            mlflow_client.create_experiment(name, artifact_location=_artifact_location(uri),
+                                            tags={TAG_EXPERIMENT_KIND: TRAINING_KIND})
+        except Exception:  # noqa: BLE001 - MlflowException RESOURCE_ALREADY_EXISTS, or a unique-constraint error
+            pass
         exp = mlflow_client.get_experiment_by_name(name)
         if exp is None:
-            raise
-        return exp.experiment_id
+            raise LookupError(f"MLflow experiment {name!r} could neither be found nor created")
+    if TAG_EXPERIMENT_KIND not in exp.tags:  # one created before llmctl set it, or by someone else
+        mlflow_client.set_experiment_tag(exp.experiment_id, TAG_EXPERIMENT_KIND, TRAINING_KIND)
+    return exp.experiment_id
 
 
 def create_run(cfg: dict[str, Any], choices: dict[str, Optional[str]],
@@ -179,13 +219,14 @@ def create_run(cfg: dict[str, Any], choices: dict[str, Optional[str]],
     }
     git = git_state(Path(__file__).resolve().parent)
     if git:
-        tags.update({"llmctl.git_sha": git["git_sha"], "llmctl.git_dirty": git["git_dirty"],
-                     "mlflow.source.git.commit": git["git_sha"]})
+        tags.update({"llmctl.git_sha": git["git_sha"], "llmctl.git_dirty": git["git_dirty"], **source_tags(git)})
     if choices.get("experiment"):
         tags["llmctl.experiment"] = str(choices["experiment"])
     tags.update(extra_tags or {})
     run = mc.create_run(exp_id, run_name=cfg["tracking"]["run_name"],
                         tags={k: redact(v) for k, v in tags.items()})
+    if git.get("git_dirty") == "true":
+        mc.log_text(run.info.run_id, git_diff(git["root"]), "source/uncommitted.diff")
     return RunHandle(uri=uri, run_id=run.info.run_id, experiment_id=exp_id)
 
 
@@ -221,17 +262,28 @@ def log_loss_curve(handle: RunHandle, mc: Any = None) -> None:
 
 
 def summary(handle: RunHandle, elapsed_s: float) -> str:
-    """One closing line: how val loss moved, and how to look at the run."""
+    """The closing line: how val loss moved."""
     mc = client(handle.uri)
     history = sorted(mc.get_metric_history(handle.run_id, "val/loss"), key=lambda m: m.step)
     loss = f": val/loss {history[0].value:.4f} -> {history[-1].value:.4f}" if history else ""
-    return (f"llmctl: run {handle.run_id} FINISHED in {elapsed_s:.0f} s{loss}\n"
-            f"llmctl: open it with: {run_url(handle)}")
+    return f"llmctl: run {handle.run_id} FINISHED in {elapsed_s:.0f} s{loss}"
+
+
+UI_DEFAULT = "http://127.0.0.1:5000"  # where ``mlflow ui`` serves by default
+# MLflow 3.17's UI has a GenAI / machine-learning switch (default GenAI) that outranks the experiment's
+# kind tag; this query parameter of the page address selects machine learning, so the run page shows runs
+RUN_PAGE_QUERY = "?workflowType=machine_learning"
+
+
+def run_page(base: str, experiment: str, run_id: str) -> str:
+    """The run's page in MLflow's UI served at ``base``."""
+    return f"{base.rstrip('/')}/#/experiments/{experiment}/runs/{run_id}{RUN_PAGE_QUERY}"
 
 
 def run_url(handle: RunHandle) -> str:
-    """How to look at the run: the UI command for a local store, the page URL for a server."""
+    """How to look at the run: its page on a tracking server; for a local store, the command that
+    serves the UI and the page to open once it runs."""
     if handle.uri.startswith(("http://", "https://")):
-        base = redact(handle.uri).rstrip("/")
-        return f"{base}/#/experiments/{handle.experiment_id}/runs/{handle.run_id}"
-    return f"mlflow ui --backend-store-uri {handle.uri}"
+        return run_page(redact(handle.uri), handle.experiment_id, handle.run_id)
+    return (f"mlflow ui --backend-store-uri {handle.uri}, then "
+            f"{run_page(UI_DEFAULT, handle.experiment_id, handle.run_id)}")

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from datetime import datetime, timedelta
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from helpers import mlflow_runs, run_cli
@@ -23,7 +26,8 @@ def _sqlite(tmp: Path) -> str:
 
 
 def test_launch_finishes_with_tracked_run(cli_env: dict[str, str], tmp_path: Path) -> None:
-    out = run_cli(["launch", *TINY], tmp_path, cli_env)
+    # MLflow's system metrics sample every second (default 10 s: longer than this run's training)
+    out = run_cli(["launch", *TINY], tmp_path, {**cli_env, "MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL": "1"})
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "FINISHED" in out.stdout and "mlflow ui --backend-store-uri" in out.stdout
 
@@ -55,7 +59,35 @@ def test_launch_finishes_with_tracked_run(cli_env: dict[str, str], tmp_path: Pat
     assert "steps: 12" in Path(local).read_text()
     svg = Path(client.download_artifacts(run.info.run_id, "loss_curve.svg", str(tmp_path / "dl"))).read_text()
     assert svg.startswith("<svg") and svg.count("<polyline") == 2 and "val/loss" in svg
-    assert (tmp_path / "llmctl-runs" / run.info.run_id / "output.log").read_text().count("step") >= 4
+    log = (tmp_path / "llmctl-runs" / run.info.run_id / "output.log").read_text()
+    assert log.count("step") >= 4
+    # the closing line is last: the UI command for this store and the run page to open on it
+    rid, eid = run.info.run_id, run.info.experiment_id
+    assert out.stdout.strip().splitlines()[-1] == (
+        f"llmctl: open it: mlflow ui --backend-store-uri {_sqlite(tmp_path)}, then "
+        f"http://127.0.0.1:5000/#/experiments/{eid}/runs/{rid}?workflowType=machine_learning")
+    # the attempt's output.log, uploaded as it is on disk
+    uploaded = client.download_artifacts(rid, "attempts/1/output.log", str(tmp_path / "dl"))
+    assert Path(uploaded).read_text() == log
+    # source: MLflow's standard fields, checked against git itself; a dirty tree's diff as an artifact
+    repo = Path(__file__).resolve().parents[1]
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True).stdout.strip()
+    assert tags["mlflow.source.git.commit"] == head and tags["mlflow.source.type"] == "PROJECT"
+    assert tags["mlflow.source.name"]
+    artifacts = {a.path for a in client.list_artifacts(rid, "source")}
+    assert ("source/uncommitted.diff" in artifacts) == (tags["llmctl.git_dirty"] == "true"), artifacts
+    # attempt times in ISO 8601 (UTC), one-value cost figures as tags and not as metrics
+    start, end = (datetime.fromisoformat(tags[f"llmctl.attempt.1.{k}"]) for k in ("start", "end"))
+    assert start.utcoffset() == timedelta(0) and start <= end
+    assert float(tags["cost/actual_usd"]) == 0.0 and float(tags["cost/attempts"]) == 1
+    assert not [k for k in run.data.metrics if k.startswith("cost/") or k == "time/estimate_h"]
+    # the training corpus as the run's dataset input; its token count is the cached corpus' length
+    (ds,) = run.inputs.dataset_inputs
+    assert [t.value for t in ds.tags] == ["training"] and ds.dataset.name == "pydoc"
+    cached = Path(json.loads(ds.dataset.source)["uri"])
+    assert json.loads(ds.dataset.profile)["tokens"] == len(np.load(cached / "tokens.npy", mmap_mode="r"))
+    # system metrics from the node's local rank 0, labelled by node
+    assert client.get_metric_history(rid, "system/node-0/cpu_utilization_percentage")
 
 
 def test_tracking_uri_precedence(cli_env: dict[str, str], tmp_path: Path) -> None:

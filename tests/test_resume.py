@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -122,7 +123,7 @@ def _assert_one_run_two_attempts(uri: str, run_id: str, world_sizes: tuple[str, 
     assert tags["llmctl.attempt.2.status"] == "finished"
     assert (tags["llmctl.attempt.1.world_size"], tags["llmctl.attempt.2.world_size"]) == world_sizes
     for n in (1, 2):
-        assert float(tags[f"llmctl.attempt.{n}.end"]) >= float(tags[f"llmctl.attempt.{n}.start"])
+        assert datetime.fromisoformat(tags[f"llmctl.attempt.{n}.end"]) >= datetime.fromisoformat(tags[f"llmctl.attempt.{n}.start"])
     mc = MlflowClient(tracking_uri=uri)
     for key in WORKLOAD_METRICS:
         steps = [m.step for m in mc.get_metric_history(run_id, key)]

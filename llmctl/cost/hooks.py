@@ -53,8 +53,9 @@ def _warn(what: str, exc: BaseException) -> None:
 def record_estimate(mc: Any, run_id: str, plan: Any, max_cost: Optional[float], at: float) -> None:
     """Tags and metrics of what the run was expected to cost (``llmctl.shape``/``llmctl.accelerator``
     are what the next estimate of this shape looks for)."""
-    from mlflow.entities import Metric, RunTag
+    from mlflow.entities import RunTag
 
+    from llmctl.cost import ledger
     from llmctl.cost.estimate import shape_key
     from llmctl.cost.history import TAG_ACCELERATOR, TAG_FLOPS, TAG_SHAPE
 
@@ -72,8 +73,7 @@ def record_estimate(mc: Any, run_id: str, plan: Any, max_cost: Optional[float], 
             mc.log_dict(run_id, {**est.to_json(), "priced_at": at}, "estimate.json")
         if max_cost is not None:
             tags[TAG_MAX_COST] = f"{max_cost:.2f}"
-        mc.log_batch(run_id, metrics=[Metric(k, v, int(at * 1000), 0) for k, v in metrics.items()],
-                     tags=[RunTag(k, v[:5000]) for k, v in tags.items()])
+        mc.log_batch(run_id, tags=[RunTag(k, v[:5000]) for k, v in tags.items()] + ledger.figure_tags(metrics))
     except Exception as exc:  # noqa: BLE001
         _warn("recording the cost estimate", exc)
 
@@ -120,10 +120,11 @@ def status_lines(uri: str, run: Any) -> list[str]:
     from llmctl.tracking import client
 
     lines = []
-    est = run.data.metrics.get("cost/estimate_usd")
+    figures = ledger.figures(run)
+    est = figures.get("cost/estimate_usd")
     text = UNPRICED if run.data.tags.get(TAG_PRICE) == UNPRICED else (None if est is None else f"${est:,.2f}")
     if text is not None:
-        lines.append(f"estimate:    {text}, {run.data.metrics.get('time/estimate_h', 0) * 3600:,.0f} s"
+        lines.append(f"estimate:    {text}, {figures.get('time/estimate_h', 0) * 3600:,.0f} s"
                      f" ({run.data.tags.get('llmctl.estimate.source', '?')[:120]})")
     if not ledger.attempts(run.data.tags):
         return lines

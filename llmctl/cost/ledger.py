@@ -4,8 +4,8 @@ One attempt = one span of billed time on one set of nodes (a launch, a managed j
 a ``resume``). Each is five tags, so any process that provisions nodes appends one without
 reading or rewriting the others::
 
-    llmctl.attempt.<n>.start          epoch seconds, when billing starts (provisioning / process start)
-    llmctl.attempt.<n>.end            epoch seconds, when billing stops (teardown / exit); absent while open
+    llmctl.attempt.<n>.start          ISO 8601 UTC time, when billing starts (provisioning / process start)
+    llmctl.attempt.<n>.end            ISO 8601 UTC time, when billing stops (teardown / exit); absent while open
     llmctl.attempt.<n>.usd_per_hour   $/h of the whole attempt (all nodes) — the price snapshot, or
                                       "unpriced" (Slurm, local GPUs with no infra.price_per_gpu_hour)
     llmctl.attempt.<n>.nodes          nodes billed
@@ -19,6 +19,10 @@ managed job that SkyPilot recovered on new nodes) into the attempt it was.
     cost/actual_usd       = sum over attempts of hours x usd_per_hour (an open attempt counts to now)
     cost/device_hours     = sum of hours x devices
     cost/usd_per_1m_tokens = cost/actual_usd / (tokens trained / 1e6)
+
+These one-value figures (and the estimate's) are tags of those names, not metrics: a metric is a
+time series, and single points would fill MLflow's charts ahead of the loss curves (``figures``
+reads them, and a metric of the same name from runs logged before).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import json
 import re
 import time
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from typing import Any, Mapping, Optional
 
 from workloads.pretrain.contract import TAG_START_PREFIX
@@ -35,6 +40,41 @@ PREFIX = "llmctl.attempt."
 UNPRICED = "unpriced"  # an attempt's usd_per_hour when nobody priced its infra: not counted as $0
 TAG_CURRENT = "llmctl.attempt"  # the newest attempt's number
 _TAG = re.compile(r"^llmctl\.attempt\.(\d+)\.(start|end|usd_per_hour|nodes|devices)$")
+
+
+FIGURES = ("cost/actual_usd", "cost/device_hours", "cost/billed_hours", "cost/attempts", "cost/tokens",
+           "cost/usd_per_1m_tokens", "cost/estimate_usd", "cost/estimate_device_hours", "time/estimate_h")
+
+
+def figure_tags(values: Mapping[str, float]) -> list[Any]:
+    """One-value figures as run tags (full precision, ``repr`` of the float)."""
+    from mlflow.entities import RunTag
+
+    return [RunTag(k, repr(float(v))) for k, v in values.items()]
+
+
+def figures(run: Any) -> dict[str, float]:
+    """A run's one-value figures: its tags, else the metrics that runs logged before they were tags."""
+    out = {k: v for k, v in run.data.metrics.items() if k in FIGURES}
+    for key in FIGURES:
+        try:
+            out[key] = float(run.data.tags[key])
+        except (KeyError, ValueError):
+            continue
+    return out
+
+
+def stamp(t: float) -> str:
+    """An attempt time as its tag says it: ISO 8601 in UTC, to the millisecond."""
+    return datetime.fromtimestamp(t, timezone.utc).isoformat(timespec="milliseconds")
+
+
+def seconds(value: str) -> float:
+    """Epoch seconds of an attempt time tag: ISO 8601, or epoch seconds (runs logged before)."""
+    try:
+        return float(value)
+    except ValueError:
+        return datetime.fromisoformat(value).timestamp()
 
 
 @dataclass
@@ -106,7 +146,7 @@ def attempts(tags: Mapping[str, str]) -> list[Attempt]:
         a = found[n]
         try:
             price = a.get("usd_per_hour", 0) or 0
-            out.append(Attempt(n=n, start=float(a["start"]), end=float(a["end"]) if a.get("end") else None,
+            out.append(Attempt(n=n, start=seconds(a["start"]), end=seconds(a["end"]) if a.get("end") else None,
                                usd_per_hour=None if price == UNPRICED else float(price),
                                nodes=int(a.get("nodes", 1) or 1),
                                devices=int(a.get("devices", 1) or 1)))
@@ -140,7 +180,7 @@ def open_attempt(mc: Any, run_id: str, *, usd_per_hour: Optional[float], nodes: 
     from mlflow.entities import RunTag
 
     n = next_number(mc.get_run(run_id).data.tags)
-    fields = {"start": f"{time.time() if start is None else start:.3f}", "usd_per_hour": _price(usd_per_hour),
+    fields = {"start": stamp(time.time() if start is None else start), "usd_per_hour": _price(usd_per_hour),
               "nodes": str(nodes), "devices": str(devices), **{k: str(v) for k, v in (extra or {}).items()}}
     mc.log_batch(run_id, tags=[RunTag(f"{PREFIX}{n}.{k}", v[:5000]) for k, v in fields.items()]
                  + [RunTag(TAG_CURRENT, str(n))])
@@ -148,7 +188,7 @@ def open_attempt(mc: Any, run_id: str, *, usd_per_hour: Optional[float], nodes: 
 
 
 def close_attempt(mc: Any, run_id: str, n: int, end: Optional[float] = None) -> None:
-    mc.set_tag(run_id, f"{PREFIX}{n}.end", f"{time.time() if end is None else end:.3f}")
+    mc.set_tag(run_id, f"{PREFIX}{n}.end", stamp(time.time() if end is None else end))
 
 
 def close_open(mc: Any, run_id: str, end: float, status: str = "") -> None:
@@ -159,7 +199,7 @@ def close_open(mc: Any, run_id: str, end: float, status: str = "") -> None:
     out = []
     for a in attempts(tags):
         if a.end is None:
-            out.append(RunTag(f"{PREFIX}{a.n}.end", f"{end:.3f}"))
+            out.append(RunTag(f"{PREFIX}{a.n}.end", stamp(end)))
             if status and not tags.get(f"{PREFIX}{a.n}.status"):
                 out.append(RunTag(f"{PREFIX}{a.n}.status", status[:500]))
     if out:
@@ -201,12 +241,12 @@ def reconcile(mc: Any, run_id: str) -> Optional[int]:
                 continue  # no billed attempt to continue (a run llmctl did not launch)
             t, n = float(start["time"]), next_number(tags)
             new = {f"{PREFIX}{n}.{key}": value for key, value in {
-                "start": f"{t:.3f}", "usd_per_hour": _price(prev.usd_per_hour), "nodes": str(prev.nodes),
+                "start": stamp(t), "usd_per_hour": _price(prev.usd_per_hour), "nodes": str(prev.nodes),
                 "devices": str(prev.devices), "infra": tags.get(f"{PREFIX}{prev.n}.infra") or tags.get("llmctl.infra", "?"),
                 "world_size": str(start.get("world_size", "")), "from_step": str(start.get("from_step", 0)),
                 "start_seq": str(k)}.items()}
             if prev.end is None or prev.end > t:
-                new[f"{PREFIX}{prev.n}.end"] = f"{t:.3f}"
+                new[f"{PREFIX}{prev.n}.end"] = stamp(t)
             new[f"{PREFIX}{prev.n}.status"] = "preempted (recovered by its supervisor)"
             new[TAG_CURRENT] = str(n)
             new["llmctl.status"] = f"recovered: attempt {n} from step {start.get('from_step', 0)}"
@@ -230,11 +270,8 @@ def tokens_trained(mc: Any, run: Any) -> Optional[int]:
 
 
 def update(mc: Any, run_id: str, now: Optional[float] = None) -> Ledger:
-    """Recompute the ledger from the run's tags and log it as ``cost/*`` metrics (status and run end)."""
-    from mlflow.entities import Metric
-
+    """Recompute the ledger from the run's tags and record it as ``cost/*`` tags (status and run end)."""
     run = mc.get_run(run_id)
     led = compute(run.data.tags, now, tokens_trained(mc, run))
-    ts = int(time.time() * 1000)
-    mc.log_batch(run_id, metrics=[Metric(k, v, ts, 0) for k, v in led.metrics().items()])
+    mc.log_batch(run_id, tags=figure_tags(led.metrics()))
     return led

@@ -1,7 +1,7 @@
 """``llmctl runs`` and ``llmctl cost``: read MLflow, print rich tables (or JSON).
 
 Spend is recomputed from each run's ledger tags (so a RUNNING run counts to now, and a run whose
-``cost/actual_usd`` was never refreshed is still right); the estimate is ``cost/estimate_usd``.
+``cost/actual_usd`` was never refreshed is still right); the estimate is the ``cost/estimate_usd`` tag.
 """
 
 from __future__ import annotations
@@ -64,7 +64,8 @@ def fetch(uri: str, since: Optional[float] = None, experiment: Optional[str] = N
 
 def run_row(run: Any, experiment: str, now: Optional[float] = None) -> dict[str, Any]:
     tags, params, m = run.data.tags, run.data.params, run.data.metrics
-    led = ledger.compute(tags, now, int(m["cost/tokens"]) if m.get("cost/tokens") else None)
+    fig = ledger.figures(run)
+    led = ledger.compute(tags, now, int(fig["cost/tokens"]) if fig.get("cost/tokens") else None)
     steps = m.get("train/steps_done")
     return {
         "run_id": run.info.run_id, "name": run.info.run_name, "experiment": experiment,
@@ -76,7 +77,7 @@ def run_row(run: Any, experiment: str, now: Optional[float] = None) -> dict[str,
         "steps": int(steps) if steps is not None else None, "steps_target": _steps_target(tags, params),
         "train_loss": m.get("train/loss"), "val_loss": m.get("val/loss"),
         "tokens_per_s": m.get("perf/tokens_per_s_steady", m.get("perf/tokens_per_s")), "mfu": m.get("perf/mfu"),
-        "estimate_usd": m.get("cost/estimate_usd"), "estimate_h": m.get("time/estimate_h"),
+        "estimate_usd": fig.get("cost/estimate_usd"), "estimate_h": fig.get("time/estimate_h"),
         "actual_usd": led.actual_usd if led.attempts and led.priced else None,
         "unpriced": bool(led.attempts and not led.priced) or tags.get("llmctl.price.usd_per_hour") == ledger.UNPRICED,
         "wall_h": led.billed_hours if led.attempts else None,

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from llmctl.cost import ledger
 from llmctl.errors import ConfigError
 from llmctl.procs import same_process, start_time
 from llmctl.sweep import table
@@ -32,7 +33,7 @@ TAG_KIND = "llmctl.kind"
 TAG_TRIAL = "llmctl.trial"
 TAG_TRIAL_OVERRIDES = "llmctl.trial.overrides"
 TAG_PARENT = "mlflow.parentRunId"
-KEY_METRICS = ("train/loss", "val/loss", "perf/tokens_per_s", "cost/actual_usd")
+KEY_METRICS = ("train/loss", "val/loss", "perf/tokens_per_s")
 TERMINAL = ("FINISHED", "FAILED", "KILLED")
 DOWN_GRACE_S = 60.0
 
@@ -194,7 +195,7 @@ def get_status(sweep_id: str, uri: Optional[str] = None) -> SweepStatus:
         status = "PENDING" if run.info.status == "SCHEDULED" else run.info.status
         trials.append(TrialStatus(t["index"], t["overrides"], run.info.run_id, status,
                                   {k: v for k, v in run.data.metrics.items() if k in KEY_METRICS},
-                                  run.data.tags.get("llmctl.status", ""), run.data.metrics.get("cost/actual_usd"),
+                                  run.data.tags.get("llmctl.status", ""), ledger.figures(run).get("cost/actual_usd"),
                                   run.data.tags.get("llmctl.price.usd_per_hour") == "unpriced"))
     return SweepStatus(spec=spec, parent_status=parent.info.status,
                        supervisor_alive=supervisor_pid(sweep_id) is not None, trials=trials)

@@ -102,11 +102,12 @@ class Supervisor:
     def create_children(self) -> None:
         from llmctl import tracking
 
+        from llmctl.sweep.naming import names
+
         parent, sid = self.spec["parent_run_id"], self.id
+        run_names = names(self.spec["trials"], self.spec["trials"][0]["cfg"]["tracking"]["run_name"] or sid)
         for t in self.spec["trials"]:
-            cfg = t["cfg"]
-            name = cfg["tracking"]["run_name"]
-            cfg = {**cfg, "tracking": {**cfg["tracking"], "run_name": f"{name or sid}-t{t['index']}"}}
+            cfg = {**t["cfg"], "tracking": {**t["cfg"]["tracking"], "run_name": run_names[t["index"]]}}
             handle = tracking.create_run(cfg, t["choices"], extra_tags={
                 state.TAG_PARENT: parent, state.TAG_SWEEP_ID: sid, state.TAG_KIND: "trial",
                 state.TAG_TRIAL: str(t["index"]), "llmctl.status": "pending",

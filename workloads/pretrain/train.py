@@ -45,11 +45,12 @@ from workloads.pretrain.checkpoint import Checkpointer
 from workloads.pretrain.config import parse_args
 from workloads.pretrain.contract import EXIT_CONFIG, EXIT_PREEMPTED
 from workloads.pretrain.data import Sampler, prepare_corpus, val_batches
+from workloads.pretrain.dataset_input import log_training_corpus
 from workloads.pretrain.metrics import MetricSink, format_train_line, peak_memory_gb, peak_tflops
 from workloads.pretrain.model import Transformer
 from workloads.pretrain.optim import build_optimizer, lr_factor
 from workloads.pretrain.parallelize import ParallelDims, local_loss, loss_context, parallelize, set_gradient_sync
-from workloads.pretrain import preempt, shape
+from workloads.pretrain import preempt, shape, system_metrics
 from workloads.pretrain.validate import ConfigError
 
 FAIL_AT_STEP_ENV = "LLMCTL_FAIL_AT_STEP"
@@ -255,6 +256,8 @@ def train(cfg: Any) -> dict:
     no_mfu = "cpu" if env.device.type == "cpu" else f"no peak for {torch.cuda.get_device_name(env.device)}"
     sink = MetricSink(enabled=env.is_main)
     sink.skip_upto = preempt.on_start(env.is_main, start_step, env.world_size)  # no step logged twice
+    if env.is_main:
+        log_training_corpus(str(cfg.data.name), corpus.path)  # the run's Datasets: source, digest, tokens
     loss_file = LossFile(enabled=env.is_main)
     fail_at = int(os.environ.get(FAIL_AT_STEP_ENV, "0") or 0)
     tokens_per_step = tc.batch_size * tc.seq_len  # global: the batch is split over dp ranks
@@ -383,8 +386,11 @@ def main(argv: list[str] | None = None) -> int:
     """Run training; map success / error / signal to an exit status and always leave the group."""
     signal.signal(signal.SIGINT, _raise_interrupted)
     preempt.PREEMPTION.install()  # SIGTERM, SIGUSR1: stop after the step, with a checkpoint
+    monitor = None
     try:
-        train(load_config(argv))
+        cfg = load_config(argv)
+        monitor = system_metrics.start()  # one per node, labelled by node
+        train(cfg)
         return 0
     except ConfigError as e:
         print(f"pretrain: config error: {e}", file=sys.stderr, flush=True)
@@ -402,6 +408,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.flush()
         return 1
     finally:
+        system_metrics.stop(monitor)
         if dist.is_available() and dist.is_initialized():
             try:
                 dist.destroy_process_group()
