@@ -64,13 +64,15 @@ def main() -> None:
 
         mc = MlflowClient(uri)
         runs = {r.info.run_name: r for r in mc.search_runs([e.experiment_id for e in mc.search_experiments()])}
-        calib = runs["calibration"].data.metrics
+        from llmctl.cost.ledger import figures
+
+        calib = figures(runs["calibration"])
         print(f"calibration run: {CALIB_STEPS} steps in {calib['time/wall_s']:.1f} s"
               f" (steady {calib['perf/tokens_per_s_steady']:,.0f} tok/s, overhead {calib['time/overhead_s']:.1f} s)")
         ratios = {}
         for name in cases:
-            m = runs[name].data.metrics
-            predicted, actual = float(runs[name].data.tags["time/estimate_h"]) * 3600, m["time/wall_s"]
+            m = figures(runs[name])
+            predicted, actual = m["time/estimate_h"] * 3600, m["time/wall_s"]
             ratios[name] = predicted / actual
             print(f"{name}: estimate {predicted:.1f} s, actual {actual:.1f} s (its own steady"
                   f" {m['perf/tokens_per_s_steady']:,.0f} tok/s): predicted/actual {ratios[name]:.3f}")

@@ -146,16 +146,19 @@ def test_local_cpu_prior(tmp_path: Path) -> None:
 
 def _finished_run(mc: Any, exp: str, *, shape: str, accelerator: str, tok_s: float, overhead: float,
                   val_pass: float, status: str = "FINISHED", batch: int = 8, nodes: int = 1,
-                  flops: Any = None) -> str:
+                  flops: Any = None, as_metrics: bool = False) -> str:
+    """A run as ``hooks.close`` leaves it: the figures as tags (``as_metrics``: as runs logged them before)."""
     from mlflow.entities import Metric, Param
 
     tags = {history.TAG_SHAPE: shape, history.TAG_ACCELERATOR: accelerator}
     if flops is not None:
         tags[history.TAG_FLOPS] = str(flops)
+    figures = {history.STEADY: tok_s, history.OVERHEAD: overhead, history.VAL_PASS: val_pass}
+    if not as_metrics:
+        tags.update({k: repr(v) for k, v in figures.items()})
     run = mc.create_run(exp, tags=tags)
     rid = run.info.run_id
-    mc.log_batch(rid, metrics=[Metric(history.STEADY, tok_s, 0, 0), Metric(history.OVERHEAD, overhead, 0, 0),
-                               Metric(history.VAL_PASS, val_pass, 0, 0)],
+    mc.log_batch(rid, metrics=[Metric(k, v, 0, 0) for k, v in figures.items()] if as_metrics else [],
                  params=[Param("infra.nodes", str(nodes)), Param("train.batch_size", str(batch)),
                          Param("train.val_batches", "4"), Param("train.steps", "40")])
     if status != "RUNNING":
@@ -171,7 +174,8 @@ def test_calibration_picks_same_shape_and_accelerator(tmp_path: Path) -> None:
     shape, acc = shape_key(plan.cfg), plan.hardware.accelerator
     mc = MlflowClient(uri)
     exp = mc.create_experiment("calib")
-    good = _finished_run(mc, exp, shape=shape, accelerator=acc, tok_s=1000.0, overhead=5.0, val_pass=0.5)
+    good = _finished_run(mc, exp, shape=shape, accelerator=acc, tok_s=1000.0, overhead=5.0, val_pass=0.5,
+                         as_metrics=True)  # a run from before the figures were tags is still read
     other = compose(["experiment=smoke", "model.dim=128"]).cfg
     _finished_run(mc, exp, shape=shape_key({**other, "parallel": plan.cfg["parallel"]}), accelerator=acc,
                   tok_s=9e9, overhead=0.0, val_pass=0.0)  # another shape

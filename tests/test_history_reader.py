@@ -32,8 +32,11 @@ def _populate(mc: Any) -> None:
 
     def run(exp: str, start: int, shape: str = SHAPE, acc: str = ACC, status: str = "FINISHED",
             steady: float = 1000.0, nodes: int = 1) -> str:
-        r = mc.create_run(exp, start_time=start, tags={history.TAG_SHAPE: shape, history.TAG_ACCELERATOR: acc,
-                                                       history.TAG_FLOPS: str(start * 7), "other.tag": "x"})
+        tags = {history.TAG_SHAPE: shape, history.TAG_ACCELERATOR: acc, history.TAG_FLOPS: str(start * 7),
+                "other.tag": "x"}
+        if (start // 1000) % 2:  # some runs: the figures as tags (over the metrics older runs logged)
+            tags.update({history.STEADY: repr(steady * 2), history.WALL: "12.5"})
+        r = mc.create_run(exp, start_time=start, tags=tags)
         rid = r.info.run_id
         mc.log_batch(rid, metrics=[Metric(history.STEADY, steady, 5, 2), Metric(history.STEADY, -1.0, 9, 1),
                                    Metric(history.OVERHEAD, steady / 100, 5, 0),
@@ -64,7 +67,7 @@ def _oracle(mc: Any, shape: str, acc: str, limit: int) -> list[tuple[Any, ...]]:
     runs = mc.search_runs([e.experiment_id for e in exps], history._filter(shape, acc), max_results=limit,
                           order_by=["attributes.start_time DESC"])
     return [_row(r.info.run_id, r.info.start_time, r.info.status, r.data.params, r.data.metrics,
-                 {k: v for k, v in r.data.tags.items() if k in (history.TAG_SHAPE, history.TAG_FLOPS)}) for r in runs]
+                 {k: v for k, v in r.data.tags.items() if k in history._TAGS_READ}) for r in runs]
 
 
 def _row(run_id: str, start: Any, status: str, params: dict[str, str], metrics: dict[str, float],

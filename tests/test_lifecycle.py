@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from helpers import STATUS_PREFIX, assert_outcome, controller_codes, mlflow_client, run_cli
+from llmctl.cost import ledger
 from llmctl.lifecycle import RULES, Outcome, classify
 
 PRICE = 360_000.0  # $/h = $100 per second: the guard's 5 s reserve alone is $500
@@ -213,7 +214,7 @@ def test_budget_stop_then_resume_with_a_larger_budget(cli_env: dict[str, str], t
     step = json.loads(tags["llmctl.budget_stop"])["step"]
     assert 0 < step < 20 and "checkpoint saved" in tags["llmctl.status"]
     assert (tmp_path / "llmctl-runs" / rid / "checkpoints" / f"step-{step}" / ".complete").is_file()
-    assert mlflow_client(uri).get_run(rid).data.metrics["train/steps_done"] == step  # the stop step was logged
+    assert ledger.figures(mlflow_client(uri).get_run(rid))["train/steps_done"] == step  # the stop step was logged
 
     # the old limit still holds: refused before anything changes
     again = run_cli(["resume", rid], tmp_path, cli_env)

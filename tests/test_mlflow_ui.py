@@ -12,17 +12,14 @@ import html
 import os
 import re
 import shutil
-import socket
 import subprocess
-import sys
-import time
-import urllib.request
 from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
 
-from helpers import run_cli
+from helpers import mlflow_server, run_cli
+from llmctl.cost.ledger import FIGURES
 
 pytestmark = pytest.mark.slow
 
@@ -36,37 +33,11 @@ SWEEP = ["experiment=smoke", "train.steps=2", "train.val_every=2", "train.log_ev
          "train.lr=1e-3,3e-3"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A real tracking server (sqlite store, proxied artifacts) on a free local port."""
-    root = tmp_path_factory.mktemp("mlflow-server")
-    port = _free_port()
-    mlflow_cli = Path(sys.executable).parent / "mlflow"
-    proc = subprocess.Popen([str(mlflow_cli), "server", "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
-                             "--artifacts-destination", str(root / "artifacts"), "--host", "127.0.0.1",
-                             "--port", str(port), "--workers", "1"],
-                            cwd=root, stdout=(root / "server.log").open("w"), stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300  # generous: a loaded CI machine; not a timing assertion
-    while True:
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
-                if r.status == 200:
-                    break
-        except OSError:
-            pass
-        assert proc.poll() is None, (root / "server.log").read_text()[-3000:]
-        assert time.monotonic() < deadline, "mlflow server did not come up: " + (root / "server.log").read_text()[-3000:]
-        time.sleep(1)
-    yield url
-    proc.terminate()
-    proc.wait(timeout=60)
+    with mlflow_server(tmp_path_factory.mktemp("mlflow-server")) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -131,9 +102,10 @@ def test_printed_address_opens_the_run_with_its_source_dataset_and_cost_tags(lau
     (ds,) = mc.get_run(rid).inputs.dataset_inputs
     assert f"{ds.dataset.name} ({ds.dataset.digest})" in text, text[-3000:]
     assert run.data.tags["mlflow.source.git.commit"][:7] in text
-    # one-value cost figures are shown as tags, and are not metrics
-    assert "cost/actual_usd" in text and "cost/estimate_usd" in text
-    assert not any(k.startswith(("cost/", "time/estimate")) for k in mc.get_run(rid).data.metrics)
+    # one-value figures (cost, estimate, calibration) are shown as tags, after the loss metrics, and are not metrics
+    assert "cost/actual_usd" in text and "cost/estimate_usd" in text and "time/wall_s" in text
+    assert text.index("train/loss") < text.index("cost/actual_usd"), text[:3000]
+    assert not set(FIGURES) & set(mc.get_run(rid).data.metrics), sorted(mc.get_run(rid).data.metrics)
 
 
 @needs_chromium

@@ -80,7 +80,7 @@ def find(uri: str, shape: str, accelerator: str, cfg: Mapping[str, Any]) -> Opti
 
 
 def _usable(runs: list[Candidate]) -> list[Candidate]:
-    return [r for r in runs if STEADY in r.metrics and OVERHEAD in r.metrics]
+    return [r for r in runs if STEADY in r.figures and OVERHEAD in r.figures]
 
 
 def _flops(r: Candidate) -> Optional[float]:
@@ -116,7 +116,7 @@ def _rank_other(cfg: Mapping[str, Any], shape: str) -> Any:
 
 
 def _measured(best: Candidate, cfg: Mapping[str, Any]) -> Measured:
-    p, m = best.params, best.metrics
+    p, m = best.params, best.figures
     return Measured(run_id=best.run_id, tokens_per_s=m[STEADY], overhead_s=max(0.0, m[OVERHEAD]),
                     val_pass_s=m.get(VAL_PASS, 0.0), nodes=int(p.get("infra.nodes", 1)),
                     batch_size=int(p.get("train.batch_size", cfg["train"]["batch_size"])),
@@ -139,7 +139,18 @@ class Candidate:
     status: str
     params: dict[str, str]
     metrics: dict[str, float]
-    tags: dict[str, str] = field(default_factory=dict)  # only TAG_SHAPE and TAG_FLOPS are read
+    tags: dict[str, str] = field(default_factory=dict)  # only ``_TAGS_READ``
+
+    @property
+    def figures(self) -> dict[str, float]:
+        """What the run measured: tags (``hooks.close`` writes them), else metrics (runs logged before)."""
+        out = dict(self.metrics)
+        for key in _CALIBRATION:
+            try:
+                out[key] = float(self.tags[key])
+            except (KeyError, ValueError):
+                continue
+        return out
 
 
 def candidates(uri: str, shape: Optional[str], accelerator: str) -> list[Candidate]:
@@ -173,7 +184,8 @@ def _client_candidates(uri: str, shape: Optional[str], accelerator: str) -> list
                       {k: v for k, v in r.data.tags.items() if k in _TAGS_READ}) for r in runs]
 
 
-_TAGS_READ = (TAG_SHAPE, TAG_FLOPS)
+_CALIBRATION = (STEADY, OVERHEAD, VAL_PASS, WALL, "train/steps_done")
+_TAGS_READ = (TAG_SHAPE, TAG_FLOPS, *_CALIBRATION)
 
 
 # MLflow's own store queries (mlflow/store/tracking/sqlalchemy_store.py): search_experiments

@@ -64,7 +64,8 @@ def record_estimate(mc: Any, run_id: str, plan: Any, max_cost: Optional[float], 
         tags = {TAG_ACCELERATOR: plan.hardware.accelerator, TAG_SHAPE: shape_key(plan.cfg)}
         metrics = {}
         if est:
-            tags.update({TAG_FLOPS: str(est.flops_per_token), TAG_PRICE: f"{est.price.usd_per_hour:.4f}" if est.priced else UNPRICED,
+            tags.update({TAG_FLOPS: str(est.flops_per_token),
+                         TAG_PRICE: f"{est.price.usd_per_hour:.4f}" if est.priced else UNPRICED,
                          "llmctl.price.source": f"{est.price.label}; {est.price.source}",
                          "llmctl.estimate.source": est.throughput.source})
             metrics = {"time/estimate_h": est.wall_h, "cost/estimate_device_hours": est.device_hours}
@@ -90,13 +91,11 @@ def close(mc: Any, run_id: str, cfg: Optional[dict[str, Any]], est: Any, status:
         done = ledger.attempts(mc.get_run(run_id).data.tags)
         if not done:  # never started (a pending trial, a sweep's parent run): nothing to bill
             return ""
-        from mlflow.entities import Metric
-
         # every attempt: the steps done so far (a resumed run has trained past its first attempt's)
         cal = {"train/steps_done": float(history.steps_done(mc, run_id))}
         if len(done) == 1 and cfg is not None:  # one clean attempt: a calibration point for the next estimate
             cal = history.calibration(mc, run_id, cfg, end - done[0].start)
-        mc.log_batch(run_id, metrics=[Metric(k, v, int(end * 1000), 0) for k, v in cal.items()])
+        mc.log_batch(run_id, tags=ledger.figure_tags(cal))  # one-value figures: tags, not single-point charts
         led = ledger.update(mc, run_id, end)
     except Exception as exc:  # noqa: BLE001
         _warn("recording the run's cost", exc)

@@ -43,7 +43,9 @@ _TAG = re.compile(r"^llmctl\.attempt\.(\d+)\.(start|end|usd_per_hour|nodes|devic
 
 
 FIGURES = ("cost/actual_usd", "cost/device_hours", "cost/billed_hours", "cost/attempts", "cost/tokens",
-           "cost/usd_per_1m_tokens", "cost/estimate_usd", "cost/estimate_device_hours", "time/estimate_h")
+           "cost/usd_per_1m_tokens", "cost/estimate_usd", "cost/estimate_device_hours", "time/estimate_h",
+           # what the run measured for the next estimate (``history.calibration``)
+           "perf/tokens_per_s_steady", "time/val_pass_s", "time/wall_s", "time/overhead_s", "train/steps_done")
 
 
 def figure_tags(values: Mapping[str, float]) -> list[Any]:

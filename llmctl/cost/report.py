@@ -66,7 +66,7 @@ def run_row(run: Any, experiment: str, now: Optional[float] = None) -> dict[str,
     tags, params, m = run.data.tags, run.data.params, run.data.metrics
     fig = ledger.figures(run)
     led = ledger.compute(tags, now, int(fig["cost/tokens"]) if fig.get("cost/tokens") else None)
-    steps = m.get("train/steps_done")
+    steps = fig.get("train/steps_done")
     return {
         "run_id": run.info.run_id, "name": run.info.run_name, "experiment": experiment,
         "status": run.info.status, "detail": tags.get("llmctl.status", ""),
@@ -76,7 +76,7 @@ def run_row(run: Any, experiment: str, now: Optional[float] = None) -> dict[str,
         "start": (run.info.start_time or 0) / 1000.0,
         "steps": int(steps) if steps is not None else None, "steps_target": _steps_target(tags, params),
         "train_loss": m.get("train/loss"), "val_loss": m.get("val/loss"),
-        "tokens_per_s": m.get("perf/tokens_per_s_steady", m.get("perf/tokens_per_s")), "mfu": m.get("perf/mfu"),
+        "tokens_per_s": fig.get("perf/tokens_per_s_steady", m.get("perf/tokens_per_s")), "mfu": m.get("perf/mfu"),
         "estimate_usd": fig.get("cost/estimate_usd"), "estimate_h": fig.get("time/estimate_h"),
         "actual_usd": led.actual_usd if led.attempts and led.priced else None,
         "unpriced": bool(led.attempts and not led.priced) or tags.get("llmctl.price.usd_per_hour") == ledger.UNPRICED,
