@@ -19,10 +19,11 @@ from helpers import run_cli
 
 pytestmark = pytest.mark.slow
 
-TINY = ["experiment=smoke", "train.steps=24", "train.log_every=2", "train.val_every=2", "train.val_batches=1",
+STEPS = 12
+TINY = ["experiment=smoke", f"train.steps={STEPS}", "train.log_every=2", "train.val_every=2", "train.val_batches=1",
         "checkpoint.every=0"]
-SEARCH = ["train.lr=tag(log, interval(1e-4, 1e-1))", "train.warmup_steps=choice(0,2,5)"]
-GRID = ["train.lr=1e-4,1e-3,1e-2,1e-1", "train.warmup_steps=0,2,5"]  # the same ranges: 4 x 3 = 12
+SEARCH = ["train.lr=tag(log, interval(1e-3, 1.0))", "train.warmup_steps=choice(0,2,5)"]
+GRID = ["train.lr=1e-3,1e-2,1e-1,1.0", "train.warmup_steps=0,2,5"]  # the same ranges: 4 x 3 = 12
 SEED = "7"
 
 
@@ -90,7 +91,7 @@ def test_tpe_search_prunes_some_trials(store: Store, tpe_and_grid: dict[str, Any
     for c in pruned:  # stopped as a preemption, after a val step, not FAILED
         assert c.info.status == "KILLED" and c.data.tags["llmctl.status"].startswith("pruned at step")
         steps = [m.step for m in store.client().get_metric_history(c.info.run_id, "val/loss")]
-        assert int(c.data.tags["llmctl.pruned"]) in steps and max(steps) < 24
+        assert int(c.data.tags["llmctl.pruned"]) in steps and max(steps) < STEPS
     # Optuna's study saw the same outcome for each trial, by trial number
     study = store.study(sid)
     states = {t.number: t.state.name for t in study.trials}
@@ -150,7 +151,7 @@ def test_killed_supervisor_resumes_every_trial_once(store: Store) -> None:
     """Kill the supervisor (and, for one trial, its controller and workers: a reboot for it) while two
     trials train; ``llmctl resume`` follows the live one, resumes the dead one from its checkpoint in
     the same run, and runs the rest."""
-    slow = [*TINY, "train.steps=40", "checkpoint.every=8"]
+    slow = [*TINY, "train.steps=40", "checkpoint.every=8"]  # long enough to be killed mid-trial
     out = run_cli(["launch", "-m", "--max-parallel", "2", "--search", "random", "--trials", "4", "--seed", "1",
                    *slow, *SEARCH], store.root, store.env)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -167,7 +167,7 @@ def make_sweep_plan(overrides: list[str], config_dir: Optional[str] = None, max_
         space = searching.parse_space(overrides, config_dir)
         trial_overrides = searching.probe_overrides(space)
         seed = seed if seed is not None else int.from_bytes(os.urandom(3), "big")
-        first = searching.first_proposals(search, seed, space, min(4, int(n_trials or 1)))
+        first = searching.first_proposals(search, seed, space, int(n_trials or 1))
         info = {"sampler": search, "seed": seed, "n_trials": n_trials, "prune": prune,
                 "space": searching.space_to_json(space), "searched": [o for o in overrides if _key(o) in space.dists],
                 "first": [[searching.as_override(k, p[k]) for k in space.dists] for p in first]}

@@ -3,7 +3,13 @@
 ``python -m llmctl.sweep.supervisor <sweep-dir>`` — the supervisor, detached in its own session:
 creates one child run per trial (SCHEDULED), keeps up to ``max_parallel`` trial controllers
 running, and on SIGTERM (``llmctl down``) stops them, marks pending trials KILLED and ends the
-parent run. A failed trial does not stop the others.
+parent run. A failed trial does not stop the others. A search (``--search random|tpe``) asks its
+Optuna study for a trial whenever a slot frees, reports each running trial's metric to it (pruning:
+SIGTERM, as a preemption) and tells it how each trial ended.
+
+``python -m llmctl.sweep.supervisor --resume <sweep-dir>`` (``llmctl resume SWEEP_ID``) — a new
+supervisor for a sweep whose supervisor died: it follows trials whose jobs still run, resumes from
+their checkpoints those whose jobs died, and goes on.
 
 ``python -m llmctl.sweep.supervisor --trial <sweep-dir> <index> <run-id>`` — one trial's controller:
 plan it, then ``lifecycle.trial`` (the same attempt lifecycle as ``llmctl launch``), so a trial is an
@@ -94,9 +100,22 @@ class _Followed:
         self.checked = 0.0
 
     def poll(self) -> Optional[int]:
+        """None while the job runs; -1 once its run is closed or its job ended (a managed job that
+        ended is closed here, as ``llmctl status RUN`` would)."""
+        from llmctl import lifecycle
+        from llmctl.tracking import client
+
         if time.monotonic() - self.checked < self.CHECK_S:
             return None
         self.checked = time.monotonic()
+        self.run = client(self.uri).get_run(self.run.info.run_id)
+        if self.run.info.status in state.TERMINAL:
+            return -1
+        job = self.backend.status(self.run, self.uri)
+        if job.ended:
+            outcome = lifecycle.Outcome.FINISHED if job.ok else lifecycle.Outcome.FAILED
+            lifecycle.close_run(self.uri, self.run.info.run_id, outcome, f"job {job.ended}")
+            return -1
         return None if self.backend.alive(self.run, self.uri) else -1  # its exit code went to init
 
     def send_signal(self, sig: int) -> None:
@@ -165,7 +184,8 @@ class Supervisor:
     # ------------------------------------------------------------------ search: ask and tell
 
     def more_to_ask(self) -> bool:
-        return bool(self.search) and not self.cancelled and len(self.study.trials) < int(self.search["n_trials"])
+        return (bool(self.search) and not self.cancelled
+                and len(self.study.get_trials(deepcopy=False)) < int(self.search["n_trials"]))
 
     def ask(self) -> None:
         """A new trial from the study: composed, written to the spec, its run created (pending)."""
