@@ -177,7 +177,17 @@ def study(spec: dict[str, Any], d: Path, create: bool = False) -> Any:
                   sampler=sampler(s["sampler"], int(s["seed"]), int(s["n_trials"])))
     if create:
         return optuna.create_study(direction="minimize" if spec["mode"] == "min" else "maximize", **kwargs)
-    return optuna.load_study(**kwargs)
+    st = optuna.load_study(**kwargs)
+    asked = len(st.get_trials(deepcopy=False))
+    if asked:  # a restarted supervisor: a sampler seeded as at launch would propose its first trials again
+        st.sampler = sampler(s["sampler"], restart_seed(int(s["seed"]), asked), int(s["n_trials"]))
+    return st
+
+
+def restart_seed(seed: int, asked: int) -> int:
+    """The sampler's seed for a supervisor restarted after ``asked`` trials: reproducible, and not the
+    launch seed (Optuna cannot save a sampler's random state in its storage)."""
+    return (seed + 1_000_003 * asked) % 2**32
 
 
 def first_proposals(search: str, seed: int, space: Space, n_trials: int, mode: str = "min") -> list[dict[str, Any]]:
