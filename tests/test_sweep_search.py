@@ -111,3 +111,19 @@ def test_plan_shows_the_same_first_proposals_for_the_same_seed(cli_env: dict[str
 def test_grid_is_unchanged_by_search_options() -> None:
     with pytest.raises(ConfigError, match="--search tpe"):
         expand(["train.lr=tag(log, interval(1e-4,1e-2))"])
+
+
+def test_max_cost_caps_the_whole_search() -> None:
+    """The estimate is the costliest checked trial times --trials; each trial's guard is an equal share."""
+    from llmctl.sweep import planning
+
+    sp = planning.make_sweep_plan(["experiment=smoke", "infra.price_per_gpu_hour=100",
+                                   "train.lr=tag(log, interval(1e-4,1e-1))", "model=choice(tiny,smoke)"],
+                                  search="tpe", n_trials=10, seed=1)
+    costs = [t.cost for t in sp.trials]
+    assert len(costs) == 3 and costs[2] > costs[0]  # model=smoke (the third probe) is the costlier shape
+    assert sp.total_cost == pytest.approx(10 * costs[2])
+    with pytest.raises(ConfigError, match="exceeds --max-cost"):
+        planning.check_budget(sp, 0.9 * sp.total_cost)
+    assert "within --max-cost" in planning.check_budget(sp, 1.01 * sp.total_cost)
+    assert sp.trial_budgets(5.0) == [0.5] * 3

@@ -200,7 +200,8 @@ def launch_cli(overrides: list[str], config_dir: Optional[str], max_parallel: Op
          f" {sp.trials[0].plan.where}; parent run {spec['parent_run_id']}")
     if budget:
         echo(f"llmctl: {budget}")
-    echo(f"llmctl: status: llmctl status {sid} | cancel: llmctl down {sid} | restart a dead supervisor: llmctl resume {sid}"
+    echo(f"llmctl: status: llmctl status {sid} | cancel: llmctl down {sid}"
+         f" | restart a dead supervisor: llmctl resume {sid}"
          f" | supervisor log: {sweep_dir(sid) / LOG_FILE}")
     if not wait_:
         return 0

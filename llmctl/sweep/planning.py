@@ -118,8 +118,8 @@ class SweepPlan:
         if self.search:
             lines += ["", f"first proposals (seed {self.search['seed']}):"]
             lines += [f"  trial {i}: {' '.join(p)}" for i, p in enumerate(self.search["first"])]
-            lines += ["", f"total:       {self.n_trials} trials, estimated cost {table.fmt_cost(self.total_cost, unpriced)}"
-                          " (the costliest checked trial x --trials)"]
+            lines += ["", f"total:       {self.n_trials} trials, estimated cost"
+                          f" {table.fmt_cost(self.total_cost, unpriced)} (the costliest checked trial x --trials)"]
         else:
             tokens = sum(_tokens(t.plan.cfg) for t in self.trials)
             lines += ["", f"total:       {len(self.trials)} trials, {tokens:,} tokens,"
