@@ -210,3 +210,17 @@ def importance(st: Any) -> dict[str, float]:
         return {k: float(v) for k, v in optuna.importance.get_param_importances(st).items()}
     except (RuntimeError, ValueError):  # fewer than two completed trials, or one value only
         return {}
+
+
+def history_figure(st: Any) -> Any:
+    """Optuna's optimization-history plot (matplotlib, which mlflow depends on), as a figure."""
+    import warnings
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from optuna.visualization.matplotlib import plot_optimization_history
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "experimental" notice
+        return plot_optimization_history(st).figure

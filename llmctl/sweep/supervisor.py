@@ -422,7 +422,8 @@ class Supervisor:
         _say(f"sweep {self.id} {lifecycle.RULES[outcome].mlflow_status}: {reason}")
 
     def summarize_search(self) -> None:
-        """The parent run gets the study's best parameters and Optuna's importances (params + JSON)."""
+        """The parent run gets the study's best parameters and Optuna's importances (params + JSON) and
+        Optuna's optimization-history plot."""
         from mlflow.entities import Param
 
         from llmctl.sweep import search
@@ -440,6 +441,7 @@ class Supervisor:
             "importance": importance, "n_trials": len(self.study.trials),
             "states": {s: sum(1 for t in self.study.trials if t.state.name == s) for s in
                        ("COMPLETE", "PRUNED", "FAIL", "RUNNING")}}, "search.json")
+        self.mc.log_figure(self.spec["parent_run_id"], search.history_figure(self.study), "history.png")
 
 
 def supervise(d: Path, resumed: bool = False) -> int:
