@@ -84,11 +84,16 @@ def _compose_and_plan(overrides: Optional[List[str]], config_dir: Optional[str])
 
 MultirunOpt = typer.Option(False, "--multirun", "-m", help="Sweep: expand a,b / range() / glob() into trials (see docs/sweeps.md).")
 MaxParallelOpt = typer.Option(None, "--max-parallel", help="Sweep: trials at once (default: local GPUs, else cores/2).")
+SearchOpt = typer.Option("grid", "--search", help="Sweep: grid (every combination, as Hydra's basic sweeper) or random/tpe (Optuna's samplers; interval(), tag(log, ...)).")
+TrialsOpt = typer.Option(None, "--trials", help="Sweep with --search random|tpe: how many trials.")
+PruneOpt = typer.Option("none", "--prune", help="Sweep with --search random|tpe: stop bad trials early at their val steps: none, median or asha.")
+SeedOpt = typer.Option(None, "--seed", help="Sweep with --search random|tpe: the sampler's seed (default: a random one, recorded).")
 
 
 @app.command()
 def plan(overrides: Optional[List[str]] = OverridesArg, config_dir: Optional[str] = ConfigDirOpt,
          multirun: bool = MultirunOpt, max_parallel: Optional[int] = MaxParallelOpt,
+         search: str = SearchOpt, trials: Optional[int] = TrialsOpt, prune: str = PruneOpt, seed: Optional[int] = SeedOpt,
          max_cost: Optional[float] = typer.Option(None, "--max-cost", help="Show whether the estimate (USD) is within this."),
          dry_run: bool = typer.Option(False, "--dry-run", help="Also build the real model on meta at the target world size (fake process group) and report each rank's parameters: seconds, no GPU.")) -> None:
     """Show the config, how it runs, memory and cost; changes nothing."""
@@ -96,7 +101,8 @@ def plan(overrides: Optional[List[str]] = OverridesArg, config_dir: Optional[str
         from llmctl.sweep import planning
 
         try:
-            typer.echo(planning.plan_text(overrides or [], config_dir, max_parallel))
+            typer.echo(planning.plan_text(overrides or [], config_dir, max_parallel, search=search, n_trials=trials,
+                                          prune=prune, seed=seed))
         except ConfigError as exc:
             raise _fail(str(exc), EXIT_CONFIG) from None
         return
@@ -113,6 +119,7 @@ def plan(overrides: Optional[List[str]] = OverridesArg, config_dir: Optional[str
 @app.command()
 def launch(overrides: Optional[List[str]] = OverridesArg, config_dir: Optional[str] = ConfigDirOpt,
            multirun: bool = MultirunOpt, max_parallel: Optional[int] = MaxParallelOpt,
+           search: str = SearchOpt, trials: Optional[int] = TrialsOpt, prune: str = PruneOpt, seed: Optional[int] = SeedOpt,
            wait: bool = typer.Option(False, "--wait", help="Sweep: block with a live table until every trial ends."),
            max_cost: Optional[float] = typer.Option(None, "--max-cost", help="Refuse if the estimated total (USD) is above this, or if the infra is unpriced; a running job stops after a checkpoint before passing it. With -m: the sweep's total, each trial stopping at its share."),
            metric: str = typer.Option("val/loss", "--metric", help="Sweep: metric that picks the best trial."),
@@ -122,10 +129,13 @@ def launch(overrides: Optional[List[str]] = OverridesArg, config_dir: Optional[s
         from llmctl.sweep import control
 
         try:
-            code = control.launch_cli(overrides or [], config_dir, max_parallel, wait, max_cost, metric, mode, typer.echo)
+            code = control.launch_cli(overrides or [], config_dir, max_parallel, wait, max_cost, metric, mode, typer.echo,
+                                      search=search, n_trials=trials, prune=prune, seed=seed)
         except ConfigError as exc:
             raise _fail(str(exc), EXIT_CONFIG) from None
         raise typer.Exit(code)
+    if search != "grid" or trials is not None or prune != "none" or seed is not None:
+        raise _fail("--search, --trials, --prune and --seed are for sweeps. Fix: add -m", EXIT_CONFIG)
     the_plan = _compose_and_plan(overrides, config_dir)
     from llmctl import lifecycle
 
@@ -139,7 +149,7 @@ def launch(overrides: Optional[List[str]] = OverridesArg, config_dir: Optional[s
 
 
 @app.command()
-def resume(run_id: str = typer.Argument(..., help="MLflow run id (or a unique prefix) of a stopped (preempted, failed, killed) run."),
+def resume(run_id: str = typer.Argument(..., help="MLflow run id (or a unique prefix) of a stopped (preempted, failed, killed) run, or a sweep id whose supervisor died."),
            overrides: Optional[List[str]] = OverridesArg, config_dir: Optional[str] = ConfigDirOpt,
            tracking_uri: Optional[str] = typer.Option(None, "--tracking-uri", help="MLflow store of the run (default: $MLFLOW_TRACKING_URI, else ./mlflow.db)."),
            max_cost: Optional[float] = typer.Option(None, "--max-cost", help="Budget (USD) for the whole run, earlier attempts included (default: the run's own); refuses if what is left would pass it.")) -> None:
@@ -148,7 +158,18 @@ def resume(run_id: str = typer.Argument(..., help="MLflow run id (or a unique pr
     See docs/resume.md.
 
     Overrides change where and how it runs: infra=aws, parallel.dp_shard=1, train.steps=400.
+    A sweep id restarts the sweep's supervisor (docs/sweeps.md).
     """
+    if run_id.startswith("sweep-"):
+        from llmctl.sweep import control
+
+        if overrides or max_cost is not None:
+            raise _fail("resuming a sweep takes no overrides or --max-cost (its trials keep their own)", EXIT_CONFIG)
+        try:
+            typer.echo(f"llmctl: {control.resume(run_id)}")
+        except ConfigError as exc:
+            raise _fail(str(exc), EXIT_CONFIG) from None
+        return
     from llmctl import resume as resume_mod
 
     try:

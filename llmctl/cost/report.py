@@ -70,6 +70,7 @@ def run_row(run: Any, experiment: str, now: Optional[float] = None) -> dict[str,
     return {
         "run_id": run.info.run_id, "name": run.info.run_name, "experiment": experiment,
         "status": run.info.status, "detail": tags.get("llmctl.status", ""),
+        "pruned": "llmctl.pruned" in tags,  # a sweep's pruner stopped it (its status is KILLED)
         "infra": tags.get("llmctl.infra", params.get("infra.name", "?")),
         "accelerator": tags.get("llmctl.accelerator", "?"),
         "nodes": int(params.get("infra.nodes", 1) or 1),
@@ -163,6 +164,7 @@ def runs_table(rows: list[dict[str, Any]]) -> str:
     body = []
     for r in rows:
         status = r["status"] + (" (budget stop)" if r["detail"].startswith("stopped: budget") else "")
+        status = "PRUNED" if r.get("pruned") else status
         steps = f"{r['steps'] if r['steps'] is not None else '-'}/{r['steps_target'] if r['steps_target'] else '?'}"
         body.append([r["run_id"][:12], (r["name"] or "")[:24], status, r["infra"], r["accelerator"], steps,
                      _num(r["train_loss"]), _num(r["val_loss"]), _num(r["tokens_per_s"], "{:,.0f}"),

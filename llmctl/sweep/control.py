@@ -21,7 +21,7 @@ from llmctl.procs import pid_alive
 from llmctl.sweep.planning import SweepPlan, check_budget, gpu_slots, make_sweep_plan
 from llmctl.sweep.state import (
     DOWN_GRACE_S, LOG_FILE, SPEC_FILE, TAG_KIND, TAG_SWEEP_ID, TERMINAL, SweepStatus, exit_code,
-    get_status, load_spec, new_sweep_id, supervisor_pid, sweep_dir, write_json, write_pid,
+    get_status, load_spec, new_sweep_id, read_json, supervisor_pid, sweep_dir, write_json, write_pid,
 )
 from llmctl.tracking import redact
 
@@ -43,10 +43,13 @@ def start(sp: SweepPlan, metric: str = "val/loss", mode: str = "min", max_cost: 
     handle = tracking.create_run(cfg, {}, extra_tags={
         TAG_SWEEP_ID: sweep_id, TAG_KIND: "sweep", "llmctl.status": "running",
         "llmctl.sweep.overrides": redact(" ".join(sp.overrides))[:5000],
-        "llmctl.sweep.trials": str(len(sp.trials))})
+        "llmctl.sweep.trials": str(sp.n_trials)})
+    search = sp.search or {}
     tracking.client(handle.uri).log_batch(handle.run_id, params=[
-        Param("sweep.overrides", redact(" ".join(sp.overrides))[:6000]), Param("sweep.trials", str(len(sp.trials))),
-        Param("sweep.max_parallel", str(sp.max_parallel)), Param("sweep.metric", metric), Param("sweep.mode", mode)])
+        Param("sweep.overrides", redact(" ".join(sp.overrides))[:6000]), Param("sweep.trials", str(sp.n_trials)),
+        Param("sweep.max_parallel", str(sp.max_parallel)), Param("sweep.metric", metric), Param("sweep.mode", mode),
+        Param("sweep.search", search.get("sampler", "grid")), Param("sweep.prune", search.get("prune", "none")),
+        *([Param("sweep.seed", str(search["seed"]))] if search else [])])
     d = sweep_dir(sweep_id)
     d.mkdir(parents=True, exist_ok=False)
     budgets = sp.trial_budgets(max_cost)
@@ -58,17 +61,51 @@ def start(sp: SweepPlan, metric: str = "val/loss", mode: str = "min", max_cost: 
         "trials": [{"index": t.index, "overrides": t.overrides, "cfg": t.composed, "choices": t.plan.choices,
                     "max_cost": budget} for t, budget in zip(sp.trials, budgets)],
     }
+    if sp.search:  # its trials are asked from the study while it runs; every one gets an equal share
+        spec["search"] = {k: sp.search[k] for k in ("sampler", "seed", "n_trials", "prune", "space")}
+        spec["trials"], spec["trial_budget"] = [], budgets[0]
+        from llmctl.sweep import search as searching
+
+        searching.study(spec, d, create=True)
     write_json(d / SPEC_FILE, spec)
+    _spawn_supervisor(d, [])
+    return spec
+
+
+def _spawn_supervisor(d: Path, extra: list[str]) -> None:
     root = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     env["PYTHONUNBUFFERED"] = "1"
     with open(d / LOG_FILE, "ab") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "llmctl.sweep.supervisor", str(d)], cwd=str(Path.cwd()),
-                                env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen([sys.executable, "-m", "llmctl.sweep.supervisor", *extra, str(d)],
+                                cwd=str(Path.cwd()), env=env, stdin=subprocess.DEVNULL, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
     write_pid(d, proc.pid)
-    return spec
+
+
+def resume(sweep_id: str) -> str:
+    """``llmctl resume SWEEP_ID``: start a new supervisor for a sweep whose supervisor died.
+
+    It follows trials whose controllers still run, resumes from their checkpoints those whose
+    controllers died, starts the ones never started, and (a search) asks the study for the rest.
+    """
+    from llmctl import tracking
+
+    d = sweep_dir(sweep_id)
+    spec = read_json(d / SPEC_FILE)
+    if spec is None:
+        raise ConfigError(f"no sweep directory {d}: resume a sweep from the directory it was launched in")
+    if supervisor_pid(sweep_id) is not None:
+        raise ConfigError(f"sweep {sweep_id} is running (its supervisor is alive): nothing to resume."
+                          f" Watch it: llmctl status {sweep_id}")
+    parent = tracking.client(spec["uri"]).get_run(spec["parent_run_id"])
+    if parent.info.status != "RUNNING":
+        raise ConfigError(f"sweep {sweep_id} has ended ({parent.info.status}: "
+                          f"{parent.data.tags.get('llmctl.status', '')}); nothing to resume")
+    _spawn_supervisor(d, ["--resume"])
+    return (f"sweep {sweep_id}: supervisor restarted; status: llmctl status {sweep_id}"
+            f" | supervisor log: {d / LOG_FILE}")
 
 
 def down(sweep_id: str, uri: Optional[str] = None) -> str:
@@ -145,20 +182,26 @@ def wait(sweep_id: str, poll_s: float = 2.0) -> SweepStatus:
 
 
 def launch_cli(overrides: list[str], config_dir: Optional[str], max_parallel: Optional[int], wait_: bool,
-               max_cost: Optional[float], metric: str, mode: str, echo: Callable[[str], None]) -> int:
+               max_cost: Optional[float], metric: str, mode: str, echo: Callable[[str], None],
+               **search: Any) -> int:
     """``llmctl launch -m``: validate all, start the supervisor, return at once (or ``--wait``).
 
     Raises ConfigError (exit 3) before anything is created when any trial is invalid.
+    ``search``: ``search``, ``n_trials``, ``prune``, ``seed`` (see ``planning.make_sweep_plan``).
     """
-    sp = make_sweep_plan(overrides, config_dir, max_parallel)
+    if mode not in ("min", "max"):
+        raise ConfigError(f"--mode {mode}: use min or max")
+    sp = make_sweep_plan(overrides, config_dir, max_parallel, **search)
     budget = check_budget(sp, max_cost)
     spec = start(sp, metric, mode, max_cost)
     sid = spec["sweep_id"]
-    echo(f"llmctl: sweep {sid}: {len(sp.trials)} trial(s), up to {sp.max_parallel} at once on"
+    how = f"{sp.search['sampler']} search (seed {sp.search['seed']}, prune {sp.search['prune']}), " if sp.search else ""
+    echo(f"llmctl: sweep {sid}: {how}{sp.n_trials} trial(s), up to {sp.max_parallel} at once on"
          f" {sp.trials[0].plan.where}; parent run {spec['parent_run_id']}")
     if budget:
         echo(f"llmctl: {budget}")
     echo(f"llmctl: status: llmctl status {sid} | cancel: llmctl down {sid}"
+         f" | restart a dead supervisor: llmctl resume {sid}"
          f" | supervisor log: {sweep_dir(sid) / LOG_FILE}")
     if not wait_:
         return 0

@@ -78,7 +78,8 @@ def expand(overrides: list[str], config_dir: Optional[str] = None) -> list[list[
             continue
         if not ov.is_discrete_sweep():
             raise ConfigError(f"'{raw}': {ov.value_type.name.lower()} sweeps have no list of values;"
-                              " the basic sweeper runs choice lists (a,b), range(start,stop[,step]) and glob(...)")
+                              " a grid (--search grid, the default) runs choice lists (a,b), range(start,stop[,step])"
+                              " and glob(...). Fix: --search tpe --trials N (or --search random) samples it")
         try:
             values = list(ov.sweep_string_iterator())
         except HydraException as exc:

@@ -22,3 +22,16 @@ def names(trials: Sequence[dict[str, Any]], fallback_prefix: str) -> dict[int, s
         by_index[t["index"]] = name or f"{fallback_prefix}-t{t['index']}"
     taken = list(by_index.values())
     return {i: (n if taken.count(n) == 1 else f"{n}-t{i}") for i, n in by_index.items()}
+
+
+def searched_name(searched: Sequence[str]) -> str:
+    """A search trial's name from its suggested ``key=value`` overrides: ``lr=0.0003162,warmup_steps=10``."""
+    parts = []
+    for override in searched:
+        key, _, value = override.partition("=")
+        try:
+            value = f"{float(value):.4g}" if "." in value or "e" in value.lower() else value
+        except ValueError:
+            pass
+        parts.append(f"{key.lstrip('+~').rsplit('.', 1)[-1]}={value}")
+    return ",".join(parts)[:MAX_NAME_CHARS]

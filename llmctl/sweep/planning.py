@@ -64,10 +64,19 @@ class SweepPlan:
     max_parallel: int
     config_dir: Optional[str] = None
     notes: list[str] = field(default_factory=list)
+    search: Optional[dict[str, Any]] = None  # --search random|tpe: sampler, seed, n_trials, prune, space
+
+    @property
+    def n_trials(self) -> int:
+        return int(self.search["n_trials"]) if self.search else len(self.trials)
 
     @property
     def total_cost(self) -> Optional[float]:
-        return table.total_cost([t.cost for t in self.trials])
+        """A search's total: its costliest checked trial times --trials (the sampled ones lie between)."""
+        total = table.total_cost([t.cost for t in self.trials])
+        if self.search and total is not None:
+            return max(float(t.cost or 0.0) for t in self.trials) * self.n_trials
+        return total
 
     def varying(self) -> list[str]:
         return table.varying([t.overrides for t in self.trials])
@@ -77,6 +86,8 @@ class SweepPlan:
         (equal shares when the estimates are all $0): together they never pass the sweep's limit."""
         if max_cost is None or self.total_cost is None:
             return [None] * len(self.trials)
+        if self.search:
+            return [max_cost / self.n_trials] * len(self.trials)
         if self.total_cost <= 0:
             return [max_cost / len(self.trials)] * len(self.trials)
         return [max_cost * float(t.cost or 0.0) / self.total_cost for t in self.trials]
@@ -87,20 +98,33 @@ class SweepPlan:
 
     def describe(self) -> str:
         first = self.trials[0].plan
-        lines = [f"# sweep: {len(self.trials)} trial(s), up to {self.max_parallel} at once",
-                 f"fixed:       {' '.join(self.fixed()) or '(none)'}",
-                 f"where:       {first.where}",
-                 f"tracking:    {redact(first.tracking_uri)} (experiment '{first.cfg['tracking']['experiment']}')",
-                 ""]
+        head = f"# sweep: {len(self.trials)} trial(s), up to {self.max_parallel} at once"
+        if self.search:
+            s = self.search
+            head = (f"# sweep: {s['sampler']} search, {self.n_trials} trial(s) (seed {s['seed']}, prune {s['prune']}),"
+                    f" up to {self.max_parallel} at once")
+        lines = [head, f"fixed:       {' '.join(self.fixed()) or '(none)'}"]
+        if self.search:
+            lines.append(f"search:      {' '.join(self.search['searched'])}")
+        lines += [f"where:       {first.where}",
+                  f"tracking:    {redact(first.tracking_uri)} (experiment '{first.cfg['tracking']['experiment']}')", ""]
+        if self.search:
+            lines.append("checked before launch (each searched key at its ends or choices):")
         keys = self.varying()
         rows = [trial_row(t, keys) for t in self.trials]
         header = ["#", *keys, "procs", "device", "tokens", "est. cost"]
         lines.append(table.render(header, [[str(t.index), *r] for t, r in zip(self.trials, rows)]))
-        tokens = sum(_tokens(t.plan.cfg) for t in self.trials)
         unpriced = any(t.unpriced for t in self.trials)
-        lines += ["", f"total:       {len(self.trials)} trials, {tokens:,} tokens,"
-                      f" estimated cost {table.fmt_cost(self.total_cost, unpriced)}"
-                      + ("" if self.total_cost is not None or unpriced else " (no cost estimator yet)")]
+        if self.search:
+            lines += ["", f"first proposals (seed {self.search['seed']}):"]
+            lines += [f"  trial {i}: {' '.join(p)}" for i, p in enumerate(self.search["first"])]
+            lines += ["", f"total:       {self.n_trials} trials, estimated cost"
+                          f" {table.fmt_cost(self.total_cost, unpriced)} (the costliest checked trial x --trials)"]
+        else:
+            tokens = sum(_tokens(t.plan.cfg) for t in self.trials)
+            lines += ["", f"total:       {len(self.trials)} trials, {tokens:,} tokens,"
+                          f" estimated cost {table.fmt_cost(self.total_cost, unpriced)}"
+                          + ("" if self.total_cost is not None or unpriced else " (no cost estimator yet)")]
         lines += [f"refused:     `llmctl launch -m` will refuse: {r}" for r in first.refusals]
         lines += [f"note:        {n}" for n in self.notes]
         return "\n".join(lines)
@@ -118,17 +142,35 @@ def trial_row(t: Trial, keys: Optional[list[str]] = None) -> list[str]:
             table.fmt_cost(t.cost, t.unpriced)]
 
 
-def make_sweep_plan(overrides: list[str], config_dir: Optional[str] = None,
-                    max_parallel: Optional[int] = None) -> SweepPlan:
-    """Expand, compose, validate and plan every trial; any invalid trial refuses the whole sweep."""
+def make_sweep_plan(overrides: list[str], config_dir: Optional[str] = None, max_parallel: Optional[int] = None,
+                    search: str = "grid", n_trials: Optional[int] = None, prune: str = "none",
+                    seed: Optional[int] = None) -> SweepPlan:
+    """Expand, compose, validate and plan every trial; any invalid trial refuses the whole sweep.
+
+    A search (``random``/``tpe``) plans the trials at the ends of its space (``search.probe_overrides``)
+    and records the space and seed; its trials are sampled while it runs.
+    """
     from llmctl.config import Composed
     from llmctl.planner import make_plan
     from llmctl.sweep.expand import SweepConfigError, TrialError, compose_trials, expand
 
     if max_parallel is not None and max_parallel < 1:
         raise ConfigError(f"--max-parallel {max_parallel}: must be at least 1")
+    from llmctl.sweep import search as searching
+
+    searching.check_options(search, n_trials, prune)
     parallel = max_parallel or default_max_parallel()
-    trial_overrides = expand(overrides, config_dir)
+    info: Optional[dict[str, Any]] = None
+    if search == "grid":
+        trial_overrides = expand(overrides, config_dir)
+    else:
+        space = searching.parse_space(overrides, config_dir)
+        trial_overrides = searching.probe_overrides(space)
+        seed = seed if seed is not None else int.from_bytes(os.urandom(3), "big")
+        first = searching.first_proposals(search, seed, space, int(n_trials or 1))
+        info = {"sampler": search, "seed": seed, "n_trials": n_trials, "prune": prune,
+                "space": searching.space_to_json(space), "searched": [o for o in overrides if _key(o) in space.dists],
+                "first": [[searching.as_override(k, p[k]) for k in space.dists] for p in first]}
     composed = compose_trials(trial_overrides, config_dir)
     slot = gpu_slots(parallel)[0]
     trials: list[Trial] = []
@@ -147,7 +189,7 @@ def make_sweep_plan(overrides: list[str], config_dir: Optional[str] = None,
     if len(stores) > 1:
         raise ConfigError("tracking.uri and tracking.experiment must be the same for every trial of a sweep"
                           " (the trials are children of one MLflow run)")
-    sp = SweepPlan(overrides=list(overrides), trials=trials, max_parallel=parallel, config_dir=config_dir)
+    sp = SweepPlan(overrides=list(overrides), trials=trials, max_parallel=parallel, config_dir=config_dir, search=info)
     if slot is not None:
         sp.notes.append(f"each trial gets {len(slot.split(','))} GPU(s) (CUDA_VISIBLE_DEVICES per trial)")
     if any(t.plan.backend != "local" for t in trials):
@@ -228,5 +270,9 @@ def check_budget(sp: SweepPlan, max_cost: Optional[float]) -> str:
             " after a checkpoint at its share of it")
 
 
-def plan_text(overrides: list[str], config_dir: Optional[str], max_parallel: Optional[int]) -> str:
-    return make_sweep_plan(overrides, config_dir, max_parallel).describe()
+def plan_text(overrides: list[str], config_dir: Optional[str], max_parallel: Optional[int], **search: Any) -> str:
+    return make_sweep_plan(overrides, config_dir, max_parallel, **search).describe()
+
+
+def _key(override: str) -> str:
+    return override.partition("=")[0].lstrip("+~")

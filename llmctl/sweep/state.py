@@ -33,8 +33,10 @@ TAG_KIND = "llmctl.kind"
 TAG_TRIAL = "llmctl.trial"
 TAG_TRIAL_OVERRIDES = "llmctl.trial.overrides"
 TAG_PARENT = "mlflow.parentRunId"
+TAG_PRUNED = "llmctl.pruned"  # the val step a search's pruner stopped the trial at (its run ends KILLED)
 KEY_METRICS = ("train/loss", "val/loss", "perf/tokens_per_s")
-TERMINAL = ("FINISHED", "FAILED", "KILLED")
+TERMINAL = ("FINISHED", "FAILED", "KILLED", "PRUNED")  # PRUNED: KILLED with TAG_PRUNED
+GOOD = ("FINISHED", "PRUNED")  # a sweep whose trials all ended so has done its job
 DOWN_GRACE_S = 60.0
 
 
@@ -119,10 +121,18 @@ class SweepStatus:
                  f"state:       {self.parent_status}; supervisor {'running' if self.supervisor_alive else 'exited'};"
                  f" {len(self.trials)} trials: {counts}",
                  f"overrides:   {' '.join(spec['overrides'])}",
+                 *([self.search_line()] if spec.get("search") else []),
                  "", table.render(header, rows), "",
                  f"total cost:  {total}",
                  f"best:        {self.best_line()}"]
         return "\n".join(lines)
+
+    def search_line(self) -> str:
+        s = self.spec["search"]
+        ended = sum(1 for t in self.trials if t.status in TERMINAL)
+        pruned = sum(1 for t in self.trials if t.status == "PRUNED")
+        return (f"search:      {s['sampler']} (seed {s['seed']}, prune {s['prune']}): {ended} of {s['n_trials']}"
+                f" trials ended, {len(self.trials)} started, {pruned} pruned")
 
     def best_line(self) -> str:
         metric, mode = self.spec["metric"], self.spec["mode"]
@@ -193,6 +203,8 @@ def get_status(sweep_id: str, uri: Optional[str] = None) -> SweepStatus:
             trials.append(TrialStatus(t["index"], t["overrides"], None, "PENDING", {}))
             continue
         status = "PENDING" if run.info.status == "SCHEDULED" else run.info.status
+        if status == "KILLED" and run.data.tags.get(TAG_PRUNED):
+            status = "PRUNED"
         trials.append(TrialStatus(t["index"], t["overrides"], run.info.run_id, status,
                                   {k: v for k, v in run.data.metrics.items() if k in KEY_METRICS},
                                   run.data.tags.get("llmctl.status", ""), ledger.figures(run).get("cost/actual_usd"),
@@ -206,7 +218,7 @@ def status_text(sweep_id: str, uri: Optional[str] = None) -> str:
 
 
 def exit_code(st: SweepStatus) -> int:
-    """0 all FINISHED, 130 cancelled, 1 any trial FAILED."""
+    """0 all FINISHED (or pruned), 130 cancelled, 1 any trial FAILED."""
     if st.parent_status == "KILLED" or any(t.status == "KILLED" for t in st.trials):
         return 130
-    return 0 if all(t.status == "FINISHED" for t in st.trials) else 1
+    return 0 if all(t.status in GOOD for t in st.trials) else 1

@@ -3,7 +3,13 @@
 ``python -m llmctl.sweep.supervisor <sweep-dir>`` — the supervisor, detached in its own session:
 creates one child run per trial (SCHEDULED), keeps up to ``max_parallel`` trial controllers
 running, and on SIGTERM (``llmctl down``) stops them, marks pending trials KILLED and ends the
-parent run. A failed trial does not stop the others.
+parent run. A failed trial does not stop the others. A search (``--search random|tpe``) asks its
+Optuna study for a trial whenever a slot frees, reports each running trial's metric to it (pruning:
+SIGTERM, as a preemption) and tells it how each trial ended.
+
+``python -m llmctl.sweep.supervisor --resume <sweep-dir>`` (``llmctl resume SWEEP_ID``) — a new
+supervisor for a sweep whose supervisor died: it follows trials whose jobs still run, resumes from
+their checkpoints those whose jobs died, and goes on.
 
 ``python -m llmctl.sweep.supervisor --trial <sweep-dir> <index> <run-id>`` — one trial's controller:
 plan it, then ``lifecycle.trial`` (the same attempt lifecycle as ``llmctl launch``), so a trial is an
@@ -23,7 +29,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from llmctl.errors import ConfigError, LaunchError
-from llmctl.procs import Interrupted, raise_interrupted
+from llmctl.procs import Interrupted, raise_interrupted, same_process
 from llmctl.sweep import state
 
 POLL_S = 0.5
@@ -80,6 +86,49 @@ def run_trial(d: Path, index: int, run_id: str) -> int:
 # ----------------------------------------------------------------------------- supervisor
 
 
+class _Followed:
+    """A trial an earlier supervisor started whose job outlived it: followed through its backend
+    (local: the controller's or workers' pids; SkyPilot: the managed job), not restarted."""
+
+    CHECK_S = 3.0  # a backend's status may be an API call
+
+    def __init__(self, run: Any, uri: str, pid: Optional[int], started: Optional[int]):
+        from llmctl.backends import backend_of
+
+        self.run, self.uri, self.pid, self.started = run, uri, pid, started
+        self.backend = backend_of(run)
+        self.checked = 0.0
+
+    def poll(self) -> Optional[int]:
+        """None while the job runs; -1 once its run is closed or its job ended (a managed job that
+        ended is closed here, as ``llmctl status RUN`` would)."""
+        from llmctl import lifecycle
+        from llmctl.tracking import client
+
+        if time.monotonic() - self.checked < self.CHECK_S:
+            return None
+        self.checked = time.monotonic()
+        self.run = client(self.uri).get_run(self.run.info.run_id)
+        if self.run.info.status in state.TERMINAL:
+            return -1
+        job = self.backend.status(self.run, self.uri)
+        if job.ended:
+            outcome = lifecycle.Outcome.FINISHED if job.ok else lifecycle.Outcome.FAILED
+            lifecycle.close_run(self.uri, self.run.info.run_id, outcome, f"job {job.ended}")
+            return -1
+        return None if self.backend.alive(self.run, self.uri) else -1  # its exit code went to init
+
+    def send_signal(self, sig: int) -> None:
+        """As to a controller this supervisor started: SIGTERM → the workers save, then stop."""
+        if self.pid is not None and same_process(self.pid, self.started):
+            os.kill(self.pid, sig)
+        else:
+            self.backend.down(self.run, self.uri)
+
+    def kill(self) -> None:
+        self.backend.down(self.run, self.uri, force=True)
+
+
 class Supervisor:
     def __init__(self, d: Path):
         from llmctl import tracking
@@ -90,37 +139,182 @@ class Supervisor:
         self.mc = tracking.client(self.spec["uri"])
         self.run_ids: dict[int, str] = {}
         self.pending: deque[int] = deque()
-        self.running: dict[int, tuple[subprocess.Popen[bytes], int]] = {}  # index -> (proc, slot)
+        self.running: dict[int, tuple[Any, int]] = {}  # index -> (Popen or _Followed, slot)
         self.outcome: dict[int, str] = {}
         self.slots = list(range(int(self.spec["max_parallel"])))
         self.cancelled = False
         self.stop_deadline: Optional[float] = None
+        self.search: Optional[dict[str, Any]] = self.spec.get("search")
+        self.study: Any = None
+        self.pruned: dict[int, tuple[int, float]] = {}  # index -> (step, value) it was pruned at
+        self.reported: dict[int, int] = {}  # index -> last step reported to its Optuna trial
+        self.resuming: set[int] = set()  # RUNNING trials whose controller died: `llmctl resume RUN`
+        if self.search:
+            from llmctl.sweep import search
+
+            self.space = search.space_from_json(self.search["space"])
+            self.study = search.study(self.spec, d)
 
     def _cancel(self, signum: int, frame: Any) -> None:
         self.cancelled = True
 
-    def create_children(self) -> None:
+    def create_run(self, t: dict[str, Any]) -> None:
+        """The trial's child run (SCHEDULED), unless one exists (a restarted supervisor)."""
         from llmctl import tracking
 
-        from llmctl.sweep.naming import names
-
+        if t["index"] in self.run_ids:
+            return
         parent, sid = self.spec["parent_run_id"], self.id
-        run_names = names(self.spec["trials"], self.spec["trials"][0]["cfg"]["tracking"]["run_name"] or sid)
+        cfg = {**t["cfg"], "tracking": {**t["cfg"]["tracking"], "run_name": self.trial_name(t)}}
+        handle = tracking.create_run(cfg, t["choices"], extra_tags={
+            state.TAG_PARENT: parent, state.TAG_SWEEP_ID: sid, state.TAG_KIND: "trial",
+            state.TAG_TRIAL: str(t["index"]), "llmctl.status": "pending",
+            state.TAG_TRIAL_OVERRIDES: tracking.redact(" ".join(t["overrides"]))[:5000]})
+        self.mc.update_run(handle.run_id, status="SCHEDULED")
+        self.run_ids[t["index"]] = handle.run_id
+        self.pending.append(t["index"])
+
+    def trial_name(self, t: dict[str, Any]) -> str:
+        """What varies: across the grid's trials, or the searched keys' values of this one."""
+        from llmctl.sweep import naming
+
+        if self.search:
+            return naming.searched_name(t["overrides"][len(self.space.fixed):])
+        prefix = self.spec["trials"][0]["cfg"]["tracking"]["run_name"] or self.id
+        return naming.names(self.spec["trials"], prefix)[t["index"]]
+
+    def create_children(self) -> None:
         for t in self.spec["trials"]:
-            cfg = {**t["cfg"], "tracking": {**t["cfg"]["tracking"], "run_name": run_names[t["index"]]}}
-            handle = tracking.create_run(cfg, t["choices"], extra_tags={
-                state.TAG_PARENT: parent, state.TAG_SWEEP_ID: sid, state.TAG_KIND: "trial",
-                state.TAG_TRIAL: str(t["index"]), "llmctl.status": "pending",
-                state.TAG_TRIAL_OVERRIDES: tracking.redact(" ".join(t["overrides"]))[:5000]})
-            self.mc.update_run(handle.run_id, status="SCHEDULED")
-            self.run_ids[t["index"]] = handle.run_id
-            self.pending.append(t["index"])
+            self.create_run(t)
+        self.save()
+
+    # ------------------------------------------------------------------ search: ask and tell
+
+    def more_to_ask(self) -> bool:
+        return (bool(self.search) and not self.cancelled
+                and len(self.study.get_trials(deepcopy=False)) < int(self.search["n_trials"]))
+
+    def ask(self) -> None:
+        """A new trial from the study: composed, written to the spec, its run created (pending)."""
+        trial = self.study.ask(fixed_distributions=dict(self.space.dists))
+        self.add_search_trial(trial.number, trial.params)
+
+    def add_search_trial(self, number: int, params: dict[str, Any]) -> None:
+        from llmctl.sweep import search
+        from llmctl.sweep.expand import compose_trials
+
+        entry = next((t for t in self.spec["trials"] if t["index"] == number), None)
+        if entry is None:
+            overrides = self.space.fixed + [search.as_override(k, params[k]) for k in self.space.dists]
+            [composed] = compose_trials([overrides], self.spec.get("config_dir"))  # its ends were checked at launch
+            entry = {"index": number, "overrides": overrides, "cfg": composed.cfg, "choices": composed.choices,
+                     "max_cost": self.spec.get("trial_budget")}
+            self.spec["trials"].append(entry)
+            state.write_json(self.dir / state.SPEC_FILE, self.spec)  # before its run: a restart finds it
+        self.create_run(entry)
+        _say(f"trial {number} asked: {' '.join(entry['overrides'][len(self.space.fixed):])}")
+
+    def trial_id(self, index: int) -> int:
+        return self.study._storage.get_trial_id_from_study_id_trial_number(self.study._study_id, index)
+
+    def check_pruning(self) -> None:
+        """Report each running trial's new metric points to its Optuna trial; stop those it prunes."""
+        import optuna
+
+        if not self.search or self.search["prune"] == "none":
+            return
+        for index, (proc, _) in list(self.running.items()):
+            if index in self.pruned:
+                continue
+            history = self.mc.get_metric_history(self.run_ids[index], self.spec["metric"])
+            new = sorted((m.step, m.value) for m in history if m.step > self.reported.get(index, -1))
+            if not new:
+                continue
+            trial = optuna.trial.Trial(self.study, self.trial_id(index))
+            for step, value in new:
+                trial.report(value, step)
+                self.reported[index] = step
+            if trial.should_prune():
+                self.pruned[index] = new[-1]
+                proc.send_signal(signal.SIGTERM)  # as a preemption: the workers save, then stop
+                _say(f"trial {index} pruned at step {new[-1][0]} ({self.spec['metric']} {new[-1][1]:.4f})")
+
+    def tell(self, index: int) -> None:
+        """Tell the study how trial ``index`` ended (once): its metric, pruned, or failed."""
+        from optuna.trial import TrialState
+
+        if not self.search:
+            return
+        frozen = self.study._storage.get_trial(self.trial_id(index))
+        if frozen.state != TrialState.RUNNING:
+            return
+        run = self.mc.get_run(self.run_ids[index])
+        value = run.data.metrics.get(self.spec["metric"])
+        if run.data.tags.get(state.TAG_PRUNED):
+            self.study.tell(index, state=TrialState.PRUNED)
+        elif run.info.status == "FINISHED" and value is not None:
+            self.study.tell(index, value)
+        else:
+            self.study.tell(index, state=TrialState.FAIL)
+
+    def mark_pruned(self, index: int) -> None:
+        from llmctl import lifecycle
+
+        run = self.mc.get_run(self.run_ids[index])
+        if run.info.status == "FINISHED":  # it ended before the stop reached it: a complete trial
+            return
+        step, value = self.pruned[index]
+        lifecycle.close_run(self.spec["uri"], self.run_ids[index], lifecycle.Outcome.PREEMPTED, "pruned")
+        self.mc.set_tag(self.run_ids[index], state.TAG_PRUNED, str(step))
+        self.mc.set_tag(self.run_ids[index], "llmctl.status",
+                        f"pruned at step {step} ({self.spec['metric']} {value:.4f}) by the"
+                        f" {self.search['prune'] if self.search else ''} pruner")
+
+    # ------------------------------------------------------------------ a restarted supervisor
+
+    def adopt(self) -> None:
+        """After a supervisor died: every trial's run found once; running ones followed (controller
+        alive) or resumed from their checkpoints (controller gone); pending ones queued."""
+        previous = (state.read_json(self.dir / state.STATE_FILE) or {}).get("trials", {})
+        runs = {int(r.data.tags[state.TAG_TRIAL]): r
+                for r in state._children(self.mc, self.spec["experiment_id"], self.id)}
+        self.run_ids = {i: r.info.run_id for i, r in runs.items()}
+        if self.search:  # asked before the last supervisor died, its run perhaps never created
+            from optuna.trial import TrialState
+
+            for ft in self.study.get_trials(deepcopy=False):
+                self.reported[ft.number] = max(ft.intermediate_values, default=-1)
+                if ft.state == TrialState.RUNNING and ft.number not in runs:
+                    self.add_search_trial(ft.number, ft.params)
+        else:
+            for t in self.spec["trials"]:
+                self.create_run(t)  # skips those that exist
+        for index, run in sorted(runs.items()):
+            status, was = run.info.status, previous.get(str(index), {})
+            if status == "SCHEDULED":
+                self.pending.append(index)
+            elif status == "RUNNING":
+                followed = _Followed(run, self.spec["uri"], was.get("pid"), was.get("started"))
+                if followed.backend.alive(run, self.spec["uri"]):
+                    self.running[index] = (followed, self.slots.pop(0))
+                    _say(f"trial {index} followed (its job outlived the last supervisor)")
+                else:  # nothing of it runs: continue it from its last checkpoint, in the same run
+                    self.pending.appendleft(index)
+                    self.resuming.add(index)
+            else:
+                self.outcome[index] = status
+                self.tell(index)
         self.save()
 
     def save(self, done: bool = False) -> None:
-        trials = {i: {"run_id": rid, "state": self.outcome.get(i) or ("RUNNING" if i in self.running else "PENDING"),
-                      "pid": self.running[i][0].pid if i in self.running else None}
-                  for i, rid in self.run_ids.items()}
+        from llmctl.procs import start_time
+
+        trials = {}
+        for i, rid in self.run_ids.items():
+            proc = self.running[i][0] if i in self.running else None
+            trials[i] = {"run_id": rid, "state": self.outcome.get(i) or ("RUNNING" if proc else "PENDING"),
+                         "pid": proc.pid if proc else None,
+                         "started": (getattr(proc, "started", None) or start_time(proc.pid)) if proc else None}
         state.write_json(self.dir / state.STATE_FILE, {"supervisor": os.getpid(), "updated": time.time(),
                                                          "cancelled": self.cancelled, "done": done, "trials": trials})
 
@@ -130,13 +324,20 @@ class Supervisor:
         gpus = self.spec["gpu_slots"][slot]
         if gpus is not None:
             env["CUDA_VISIBLE_DEVICES"] = gpus
+        if index in self.resuming:  # its controller died with the last supervisor: from its checkpoint
+            self.resuming.discard(index)
+            env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // int(self.spec["max_parallel"]))))
+            cmd = [sys.executable, "-m", "llmctl", "resume", self.run_ids[index], "--tracking-uri", self.spec["uri"]]
+        else:
+            cmd = [sys.executable, "-m", "llmctl.sweep.supervisor", "--trial", str(self.dir), str(index),
+                   self.run_ids[index]]
         log = open(self.dir / f"trial-{index}.log", "ab")
-        proc = subprocess.Popen([sys.executable, "-m", "llmctl.sweep.supervisor", "--trial", str(self.dir), str(index),
-                                 self.run_ids[index]], env=env, cwd=self.spec["cwd"], stdin=subprocess.DEVNULL,
+        proc = subprocess.Popen(cmd, env=env, cwd=self.spec["cwd"], stdin=subprocess.DEVNULL,
                                 stdout=log, stderr=subprocess.STDOUT)
         log.close()
         self.running[index] = (proc, slot)
-        _say(f"trial {index} started (pid {proc.pid}, run {self.run_ids[index]})")
+        _say(f"trial {index} {'resumed' if cmd[3] == 'resume' else 'started'} (pid {proc.pid},"
+             f" run {self.run_ids[index]})")
 
     def reap(self) -> None:
         from llmctl import lifecycle
@@ -147,13 +348,17 @@ class Supervisor:
                 continue
             del self.running[index]
             self.slots.append(slot)
+            if index in self.pruned:
+                self.mark_pruned(index)
             # a controller that died before closing its run leaves it open: close it here
             outcome = lifecycle.Outcome.KILLED if self.cancelled else lifecycle.Outcome.FAILED
             lifecycle.close_run(self.spec["uri"], self.run_ids[index], outcome,
                                 f"trial controller exited with code {code}")
             status = self.mc.get_run(self.run_ids[index]).info.status
             self.outcome[index] = status
-            _say(f"trial {index} {status} (controller exit {code})")
+            self.tell(index)
+            _say(f"trial {index} {'PRUNED' if index in self.pruned and status != 'FINISHED' else status}"
+                 f" (controller exit {code})")
 
     def stop_running(self) -> None:
         """SIGTERM each trial controller (it stops its workers and marks its run KILLED); then force."""
@@ -166,7 +371,7 @@ class Supervisor:
             for index, (proc, _) in self.running.items():
                 self._force_stop(index, proc)
 
-    def _force_stop(self, index: int, proc: subprocess.Popen[bytes]) -> None:
+    def _force_stop(self, index: int, proc: Any) -> None:
         from llmctl.backends import backend_of
 
         run = self.mc.get_run(self.run_ids[index])
@@ -183,15 +388,19 @@ class Supervisor:
             lifecycle.close_run(self.spec["uri"], self.run_ids[index], lifecycle.Outcome.KILLED,
                                 "sweep cancelled before this trial started")
             self.outcome[index] = "KILLED"
+            self.tell(index)
 
     def loop(self) -> None:
-        while self.pending or self.running:
+        while self.pending or self.running or self.more_to_ask():
             if self.cancelled:
                 self.kill_pending()
                 self.stop_running()
             else:
-                while self.pending and self.slots:
+                while self.slots and (self.pending or self.more_to_ask()):
+                    if not self.pending:
+                        self.ask()
                     self.start_trial(self.pending.popleft())
+                self.check_pruning()
             self.reap()
             self.save()
             time.sleep(POLL_S)
@@ -205,28 +414,56 @@ class Supervisor:
         if best is not None:
             self.mc.set_tag(self.spec["parent_run_id"], "llmctl.sweep.best_run_id", best.run_id)
             self.mc.set_tag(self.spec["parent_run_id"], "llmctl.sweep.best_trial", str(best.index))
+        if self.search:
+            self.summarize_search()
         Outcome = lifecycle.Outcome
         if error is not None:
             outcome, reason = Outcome.FAILED, f"supervisor error: {error}; trials: {counts}"
         elif self.cancelled:
             outcome, reason = Outcome.KILLED, f"cancelled; trials: {counts}"
         else:
-            outcome = Outcome.FINISHED if all(t.status == "FINISHED" for t in st.trials) else Outcome.FAILED
+            outcome = Outcome.FINISHED if all(t.status in state.GOOD for t in st.trials) else Outcome.FAILED
             reason = f"trials: {counts}; best: {st.best_line()}"
         lifecycle.close_run(self.spec["uri"], self.spec["parent_run_id"], outcome, reason)
         self.save(done=True)
         _say(f"sweep {self.id} {lifecycle.RULES[outcome].mlflow_status}: {reason}")
 
+    def summarize_search(self) -> None:
+        """The parent run gets the study's best parameters and Optuna's importances (params + JSON) and
+        Optuna's optimization-history plot."""
+        from mlflow.entities import Param
 
-def supervise(d: Path) -> int:
+        from llmctl.sweep import search
+
+        try:
+            best = self.study.best_trial
+        except ValueError:  # no completed trial
+            return
+        importance = search.importance(self.study)
+        params = [Param(f"best.{k}", str(v)) for k, v in best.params.items()]
+        params += [Param(f"importance.{k}", f"{v:.4f}") for k, v in importance.items()]
+        self.mc.log_batch(self.spec["parent_run_id"], params=params)
+        self.mc.log_dict(self.spec["parent_run_id"], {
+            "best_trial": best.number, "best_value": best.value, "best_params": best.params,
+            "importance": importance, "n_trials": len(self.study.trials),
+            "states": {s: sum(1 for t in self.study.trials if t.state.name == s) for s in
+                       ("COMPLETE", "PRUNED", "FAIL", "RUNNING")}}, "search.json")
+        self.mc.log_figure(self.spec["parent_run_id"], search.history_figure(self.study), "history.png")
+
+
+def supervise(d: Path, resumed: bool = False) -> int:
     sup = Supervisor(d)
     state.write_pid(d, os.getpid())
     signal.signal(signal.SIGTERM, sup._cancel)
     signal.signal(signal.SIGINT, sup._cancel)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    _say(f"sweep {sup.id}: {len(sup.spec['trials'])} trials, up to {sup.spec['max_parallel']} at once")
+    total = sup.search["n_trials"] if sup.search else len(sup.spec["trials"])
+    _say(f"sweep {sup.id}: {'restarted; ' if resumed else ''}{total} trials, up to {sup.spec['max_parallel']} at once")
     try:
-        sup.create_children()
+        if resumed:
+            sup.adopt()
+        else:
+            sup.create_children()
         sup.loop()
     except BaseException as exc:  # noqa: BLE001 - never leave trials running or runs open
         import traceback
@@ -249,6 +486,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] == "--trial":
         return run_trial(Path(args[1]), int(args[2]), args[3])
+    if args and args[0] == "--resume":
+        return supervise(Path(args[1]), resumed=True)
     return supervise(Path(args[0]))
 
 

@@ -1,0 +1,147 @@
+"""Search sweeps without training: the grammar against Hydra's Optuna sweeper, refusals, seeded proposals.
+
+The oracle is hydra-optuna-sweeper's own ``create_optuna_distribution_from_override``. Its package pins
+optuna<3 (which cannot share a venv with mlflow's sqlalchemy 2), so the ``oracle`` fixture installs it
+without its dependencies into a temporary directory (``pip install --no-deps --target``; PyPI is
+reachable wherever the README's install works) unless it is importable already, and its ``_impl``
+module runs against the installed optuna, whose old distribution classes still exist (deprecated) and convert to
+the new ones with optuna's own ``_convert_old_distribution_to_new_distribution``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from helpers import run_cli
+from llmctl.errors import ConfigError
+from llmctl.sweep import search
+from llmctl.sweep.expand import expand
+
+GRAMMAR = [
+    "train.lr=interval(1e-4,1e-2)",
+    "train.lr=tag(log, interval(1e-5, 1e-1))",
+    "train.lr=tag(log,interval(0.0001,0.3))",
+    "train.warmup_steps=choice(0,2,5)",
+    "train.warmup_steps=0,2,5",
+    "train.warmup_steps=range(0,10)",
+    "train.warmup_steps=range(0,10,3)",
+    "train.warmup_steps=range(5)",
+    "train.lr=range(0.1,1.0,0.1)",
+    "train.steps=interval(10,100)",
+    "train.steps=tag(log, interval(10,1000))",
+    "model=choice(tiny,smoke)",
+    "model=tiny,smoke",
+    "data.source='a,b',c",
+    "train.dtype=choice(fp32,bf16)",
+    "train.lr=choice(1e-3,3e-4,1)",
+    "train.compile=choice(true,false)",
+]
+
+
+ORACLE = "hydra-optuna-sweeper==1.3.0"
+
+
+@pytest.fixture(scope="module")
+def oracle(tmp_path_factory: pytest.TempPathFactory) -> object:
+    import importlib
+    import subprocess
+    import sys
+
+    try:
+        return importlib.import_module("hydra_plugins.hydra_optuna_sweeper._impl")
+    except ImportError:
+        pass
+    target = tmp_path_factory.mktemp("oracle")
+    got = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), ORACLE],
+                         capture_output=True, text=True, timeout=600)
+    if got.returncode != 0:
+        pytest.skip(f"could not fetch the oracle ({ORACLE} from PyPI): {got.stderr[-500:]}")
+    sys.path.insert(0, str(target))  # hydra_plugins is a namespace package: its path picks this up
+    importlib.invalidate_caches()
+    return importlib.import_module("hydra_plugins.hydra_optuna_sweeper._impl")
+
+
+@pytest.mark.parametrize("raw", GRAMMAR)
+def test_grammar_equals_hydra_optuna_sweeper(raw: str, oracle: object) -> None:
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from optuna.distributions import _convert_old_distribution_to_new_distribution as to_new
+
+    [ov] = OverridesParser.create().parse_overrides([raw])
+    theirs = to_new(oracle.create_optuna_distribution_from_override(ov))  # type: ignore[attr-defined]
+    ours = search.distribution(raw, ov)
+    assert ours == theirs, (ours, theirs)
+
+
+def test_space_keeps_fixed_overrides_and_last_value() -> None:
+    from optuna.distributions import CategoricalDistribution, FloatDistribution
+
+    space = search.parse_space(["experiment=smoke", "train.steps=6", "train.lr=1e-3",
+                                "train.lr=tag(log, interval(1e-4, 1e-2))", "train.warmup_steps=0,2",
+                                "train.steps=8"])
+    assert space.fixed == ["experiment=smoke", "train.steps=8"]
+    assert space.dists == {"train.lr": FloatDistribution(1e-4, 1e-2, log=True),
+                           "train.warmup_steps": CategoricalDistribution([0, 2])}
+    assert search.probe_overrides(space) == [
+        ["experiment=smoke", "train.steps=8", "train.lr=0.0001", "train.warmup_steps=0"],
+        ["experiment=smoke", "train.steps=8", "train.lr=0.01", "train.warmup_steps=0"],
+        ["experiment=smoke", "train.steps=8", "train.lr=0.0001", "train.warmup_steps=2"]]
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["train.lr=interval(1e-4,1e-2)"], "Fix: --search tpe"),  # grid is the default
+    (["--search", "tpe", "train.lr=interval(1e-4,1e-2)"], "needs --trials N"),
+    (["--search", "grid", "--trials", "4", "train.lr=1e-3,3e-4"], "--trials is for --search random|tpe"),
+    (["--prune", "asha", "train.lr=1e-3,3e-4"], "Fix: --search tpe"),
+    (["--search", "bayes", "--trials", "4", "train.lr=1e-3,3e-4"], "--search bayes: use one of grid, random, tpe"),
+    (["--search", "tpe", "--trials", "4", "--prune", "hyperband", "train.lr=1e-3,3e-4"], "--prune hyperband"),
+    (["--search", "tpe", "--trials", "4", "train.lr=1e-3"], "needs at least one searched key"),
+    (["--search", "tpe", "--trials", "4", "train.lr=tag(log, interval(0, 1e-2))"], "low > 0"),
+    (["--search", "tpe", "--trials", "4", "train.lr=interval(1,1e-2)"], "low < high"),
+    (["--search", "tpe", "--trials", "4", "train.lr=interval(-1.0,1e-2)"], "train.lr"),  # schema: lr > 0
+])
+def test_launch_refuses_before_anything_exists(args: list[str], needle: str, cli_env: dict[str, str],
+                                               tmp_path: Path) -> None:
+    out = run_cli(["launch", "-m", "experiment=smoke", *args], tmp_path, cli_env, timeout=120)
+    assert out.returncode == 3, out.stdout + out.stderr
+    assert needle in out.stderr, out.stderr
+    assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "llmctl-runs").exists()
+
+
+def test_plan_shows_the_same_first_proposals_for_the_same_seed(cli_env: dict[str, str], tmp_path: Path) -> None:
+    args = ["plan", "-m", "experiment=smoke", "train.lr=tag(log, interval(1e-4, 1e-1))", "train.warmup_steps=0,2,5",
+            "--search", "tpe", "--trials", "12"]
+    a, b, c = (run_cli([*args, "--seed", seed], tmp_path, cli_env, timeout=120) for seed in ("7", "7", "8"))
+    assert a.returncode == b.returncode == c.returncode == 0, a.stderr + c.stderr
+    first = [line for line in a.stdout.splitlines() if line.startswith("  trial ")]
+    assert len(first) == 3 and "train.lr=" in first[0] and "train.warmup_steps=" in first[0]  # TPE startup: 12 // 4
+    assert first == [line for line in b.stdout.splitlines() if line.startswith("  trial ")]
+    assert first != [line for line in c.stdout.splitlines() if line.startswith("  trial ")]
+    assert "tpe search, 12 trial(s) (seed 7, prune none)" in a.stdout
+    # the probe trials (each key at its ends or choices): 2 ends of lr + 2 more warmup choices
+    probes = a.stdout.split("checked before launch")[1].split("first proposals")[0].strip().splitlines()[2:]
+    assert [row.split()[:3] for row in probes] == [["0", "0.0001", "0"], ["1", "0.1", "0"], ["2", "0.0001", "2"],
+                                                   ["3", "0.0001", "5"]]
+    assert not (tmp_path / "mlflow.db").exists()
+
+
+def test_grid_is_unchanged_by_search_options() -> None:
+    with pytest.raises(ConfigError, match="--search tpe"):
+        expand(["train.lr=tag(log, interval(1e-4,1e-2))"])
+
+
+def test_max_cost_caps_the_whole_search() -> None:
+    """The estimate is the costliest checked trial times --trials; each trial's guard is an equal share."""
+    from llmctl.sweep import planning
+
+    sp = planning.make_sweep_plan(["experiment=smoke", "infra.price_per_gpu_hour=100",
+                                   "train.lr=tag(log, interval(1e-4,1e-1))", "model=choice(tiny,smoke)"],
+                                  search="tpe", n_trials=10, seed=1)
+    costs = [t.cost for t in sp.trials]
+    assert len(costs) == 3 and costs[2] > costs[0]  # model=smoke (the third probe) is the costlier shape
+    assert sp.total_cost == pytest.approx(10 * costs[2])
+    with pytest.raises(ConfigError, match="exceeds --max-cost"):
+        planning.check_budget(sp, 0.9 * sp.total_cost)
+    assert "within --max-cost" in planning.check_budget(sp, 1.01 * sp.total_cost)
+    assert sp.trial_budgets(5.0) == [0.5] * 3
