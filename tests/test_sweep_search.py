@@ -145,3 +145,41 @@ def test_max_cost_caps_the_whole_search() -> None:
         planning.check_budget(sp, 0.9 * sp.total_cost)
     assert "within --max-cost" in planning.check_budget(sp, 1.01 * sp.total_cost)
     assert sp.trial_budgets(5.0) == [0.5] * 3
+
+
+@pytest.mark.parametrize("kind", ["asha", "median"])
+def test_pruners_wait_for_a_quarter_of_the_steps(kind: str) -> None:
+    """A trial is not judged before ``grace_steps``: the plan records it (the shortest searched
+    train.steps sets it), and Optuna's pruner built from it lets the worst trial pass its early val
+    steps and prunes it at the first one after the grace period. With Optuna's default
+    (``min_resource="auto"``) ASHA pruned it at step 2 of 12 (the last assertion)."""
+    import optuna
+
+    from llmctl.sweep import planning
+
+    sp = planning.make_sweep_plan(["experiment=smoke", "train.val_every=2", "train.steps=12,40",
+                                   "train.lr=tag(log, interval(1e-4,1e-1))"], search="tpe", n_trials=4, seed=1,
+                                  prune=kind)
+    assert sp.search["grace_steps"] == 3 == search.grace_steps({"train": {"val_every": 2, "steps": 12}})
+    assert "prune " + kind + " from step 3" in sp.describe()
+    assert search.grace_steps({"train": {"val_every": 0, "steps": 12}}) == 12  # val only at the end
+
+    def judged_at(pruner: object) -> list[int]:
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        study = optuna.create_study(pruner=pruner, sampler=optuna.samplers.RandomSampler(seed=0))
+        for good in range(3):  # finished trials whose val/loss fell from 8 to 5, asked as the supervisor asks
+            trial = study.ask()
+            for step in range(0, 13, 2):
+                trial.report(8.0 - good * 0.1 - 3.0 * step / 12, step)
+                trial.should_prune()  # ASHA records a trial's rungs when it is asked
+            study.tell(trial, 5.0)
+        worst, steps = study.ask(), []
+        for step in range(0, 13, 2):
+            worst.report(9.0, step)
+            if worst.should_prune():
+                steps.append(step)
+        return steps
+
+    assert judged_at(search.pruner(kind, sp.search["grace_steps"]))[0] == 4
+    if kind == "asha":
+        assert judged_at(search.pruner(kind, None))[0] == 2  # Optuna's default: a rung at step 1

@@ -62,7 +62,7 @@ def start(sp: SweepPlan, metric: str = "val/loss", mode: str = "min", max_cost: 
                     "max_cost": budget} for t, budget in zip(sp.trials, budgets)],
     }
     if sp.search:  # its trials are asked from the study while it runs; every one gets an equal share
-        spec["search"] = {k: sp.search[k] for k in ("sampler", "seed", "n_trials", "prune", "space")}
+        spec["search"] = {k: sp.search[k] for k in ("sampler", "seed", "n_trials", "prune", "space", "grace_steps")}
         spec["trials"], spec["trial_budget"] = [], budgets[0]
         from llmctl.sweep import search as searching
 

@@ -101,7 +101,8 @@ class SweepPlan:
         head = f"# sweep: {len(self.trials)} trial(s), up to {self.max_parallel} at once"
         if self.search:
             s = self.search
-            head = (f"# sweep: {s['sampler']} search, {self.n_trials} trial(s) (seed {s['seed']}, prune {s['prune']}),"
+            prune = s["prune"] + (f" from step {s['grace_steps']}" if s["prune"] != "none" else "")
+            head = (f"# sweep: {s['sampler']} search, {self.n_trials} trial(s) (seed {s['seed']}, prune {prune}),"
                     f" up to {self.max_parallel} at once")
         lines = [head, f"fixed:       {' '.join(self.fixed()) or '(none)'}"]
         if self.search:
@@ -172,6 +173,8 @@ def make_sweep_plan(overrides: list[str], config_dir: Optional[str] = None, max_
                 "space": searching.space_to_json(space), "searched": [o for o in overrides if _key(o) in space.dists],
                 "first": [[searching.as_override(k, p[k]) for k in space.dists] for p in first]}
     composed = compose_trials(trial_overrides, config_dir)
+    if info is not None:  # the probes hold both ends of a searched train.steps
+        info["grace_steps"] = min(searching.grace_steps(c.cfg) for c in composed)
     slot = gpu_slots(parallel)[0]
     trials: list[Trial] = []
     errors: list[TrialError] = []
