@@ -218,3 +218,63 @@ def test_managed_job_recovers_from_scancel_as_one_run(tracking_server: str, clus
 def _tail(log: "object") -> str:
     log.seek(0)  # type: ignore[attr-defined]
     return log.read()[-6000:]  # type: ignore[attr-defined]
+
+
+def test_sweep_trials_run_as_managed_jobs_on_slurm(tracking_server: str, cluster: Cluster, tmp_path: Path,
+                                                   cli_env: dict[str, str]) -> None:
+    """A grid sweep whose trials are SkyPilot managed jobs on Slurm: each trial's controller submits
+    its managed job and follows it, so the sweep ends with one FINISHED child run per trial and no
+    Slurm job left behind."""
+    home = Path(cli_env["HOME"])
+    cluster.write_client_config(home, cluster.root / "ssh" / "user_key")
+    (home / ".sky").mkdir(parents=True, exist_ok=True)
+    (home / ".sky" / "config.yaml").write_text("jobs:\n  controller:\n    consolidation_mode: true\n")
+    env = {**cli_env, "MLFLOW_TRACKING_URI": tracking_server, "AWS_EC2_METADATA_DISABLED": "true",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(OFFLINE_NETWORK), cli_env.get("PYTHONPATH")]))}
+    sky_bin = str(Path(sys.executable).with_name("sky"))
+    steps = 4
+    _wait_healthy(tracking_server)
+    try:
+        out = run_cli(["launch", "-m", "--wait", "--max-parallel", "1", "infra=slurm", "infra.managed=true",
+                       "experiment=smoke", f"infra.region={CLUSTER}", f"infra.zone={PARTITION}",
+                       f"infra.node_python={sys.executable}", "infra.cpus=1", "infra.memory=2",
+                       f"train.steps={steps}", "train.log_every=1", "train.val_every=2", "train.val_batches=1",
+                       "checkpoint.every=0", "tracking.run_name=managed-sweep", "train.lr=1e-3,3e-3"],
+                      tmp_path, env, timeout=600)
+        assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+        sid = next(w.rstrip(":") for w in out.stdout.split() if w.startswith("sweep-"))
+
+        from mlflow.tracking import MlflowClient
+
+        mc = MlflowClient(tracking_uri=tracking_server)
+        runs = mc.search_runs([mc.get_experiment_by_name("llmctl").experiment_id],
+                              filter_string=f"tags.`llmctl.sweep_id` = '{sid}'")
+        (parent,) = [r for r in runs if r.data.tags.get("llmctl.kind") == "sweep"]
+        assert parent.info.status == "FINISHED", parent.data.tags.get("llmctl.status")
+        trials = sorted((r for r in runs if r.data.tags.get("llmctl.kind") == "trial"),
+                        key=lambda r: int(r.data.tags["llmctl.trial"]))
+        assert [t.data.tags["llmctl.trial"] for t in trials] == ["0", "1"], "each trial once"
+        assert all(t.data.tags["mlflow.parentRunId"] == parent.info.run_id for t in trials)
+        assert [t.info.status for t in trials] == ["FINISHED"] * 2, [t.data.tags.get("llmctl.status") for t in trials]
+        assert [t.data.params["train.lr"] for t in trials] == ["0.001", "0.003"]
+        job_ids = [t.data.tags.get("llmctl.sky.managed_job_id") for t in trials]
+        assert all(job_ids) and len(set(job_ids)) == 2, "each trial submitted its own managed job"
+        for t, job_id in zip(trials, job_ids):
+            assert "llmctl.sky.cluster" not in t.data.tags, "a managed job, not a cluster launch"
+            task_id = t.data.tags.get("llmctl.sky.task_id", "")  # set by the workload from SKYPILOT_TASK_ID
+            assert task_id.startswith("sky-managed-") and task_id.endswith(f"_{job_id}-0"), (task_id, job_id)
+            assert mc.get_metric_history(t.info.run_id, "val/loss")[-1].step == steps, "trained on the node"
+
+        status = run_cli(["status", sid], tmp_path, env, timeout=120)
+        assert status.returncode == 0, status.stderr
+        assert "2 trials: 2 FINISHED" in status.stdout and "supervisor exited" in status.stdout, status.stdout
+        queue = subprocess.run([sky_bin, "jobs", "queue", "--all"], env=env, capture_output=True, text=True,
+                               timeout=120).stdout
+        assert queue.count("SUCCEEDED") >= 2, queue
+        deadline = time.monotonic() + 120  # the controller tears each job's cluster down after it succeeds
+        while cluster.squeue().strip() and time.monotonic() < deadline:
+            time.sleep(2)
+        assert cluster.squeue().strip() == "", "no Slurm job left behind"
+    finally:
+        subprocess.run([sky_bin, "jobs", "cancel", "--all", "--yes"], env=env, capture_output=True, timeout=120)
+        subprocess.run([sky_bin, "api", "stop"], env=env, capture_output=True, timeout=120)
