@@ -11,6 +11,7 @@ reason, except under CI=true, where they fail it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -133,6 +134,33 @@ def _wait_for(what: str, ok: "callable[[], bool]", timeout: float, proc: subproc
     raise AssertionError(f"{what}: not after {timeout:.0f} s")
 
 
+@contextlib.contextmanager
+def _managed_jobs(cluster: Cluster, cli_env: dict[str, str], tracking_server: str) -> Iterator[tuple[dict[str, str], str]]:
+    """The client side of managed jobs on the harness (SSH config, the jobs controller in the local API
+    server: consolidation mode) and the env for llmctl; every job cancelled and the API server stopped after."""
+    home = Path(cli_env["HOME"])
+    cluster.write_client_config(home, cluster.root / "ssh" / "user_key")
+    (home / ".sky").mkdir(parents=True, exist_ok=True)
+    (home / ".sky" / "config.yaml").write_text("jobs:\n  controller:\n    consolidation_mode: true\n")
+    env = {**cli_env, "MLFLOW_TRACKING_URI": tracking_server, "AWS_EC2_METADATA_DISABLED": "true",
+           # the API server (and the jobs controller in it) inherit this: the internet probe stub only
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(OFFLINE_NETWORK), cli_env.get("PYTHONPATH")]))}
+    sky_bin = str(Path(sys.executable).with_name("sky"))
+    _wait_healthy(tracking_server)
+    try:
+        yield env, sky_bin
+    finally:
+        subprocess.run([sky_bin, "jobs", "cancel", "--all", "--yes"], env=env, capture_output=True, timeout=120)
+        subprocess.run([sky_bin, "api", "stop"], env=env, capture_output=True, timeout=120)
+
+
+def _assert_no_slurm_job_left(cluster: Cluster) -> None:
+    deadline = time.monotonic() + 120  # the controller tears each job's cluster down after it succeeds
+    while cluster.squeue().strip() and time.monotonic() < deadline:
+        time.sleep(2)
+    assert cluster.squeue().strip() == "", "no Slurm job left behind"
+
+
 def _complete_steps(ckpt: Path) -> list[int]:
     return sorted(int(p.parent.name.split("-")[1]) for p in ckpt.glob("step-*/.complete"))
 
@@ -142,19 +170,16 @@ def test_managed_job_recovers_from_scancel_as_one_run(tracking_server: str, clus
     """scancel the managed job's Slurm allocation mid-run: SkyPilot's controller (consolidation mode,
     in the local API server) relaunches it, the workload resumes from its checkpoint on the shared
     filesystem by itself, and the run finishes FINISHED as one MLflow run with two billed attempts."""
-    home = Path(cli_env["HOME"])
-    cluster.write_client_config(home, cluster.root / "ssh" / "user_key")
-    (home / ".sky").mkdir(parents=True, exist_ok=True)
-    (home / ".sky" / "config.yaml").write_text("jobs:\n  controller:\n    consolidation_mode: true\n")
     shared = cluster.root / "shared"  # the cluster's shared filesystem: where checkpoints outlive a node
     shared.mkdir()
     shutil.chown(shared, USER, USER)
     steps = 600  # ~30 s of training on this CPU: the scancel lands mid-run
-    env = {**cli_env, "MLFLOW_TRACKING_URI": tracking_server, "AWS_EC2_METADATA_DISABLED": "true",
-           # the API server (and the jobs controller in it) inherit this: the internet probe stub only
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(OFFLINE_NETWORK), cli_env.get("PYTHONPATH")]))}
-    sky_bin = str(Path(sys.executable).with_name("sky"))
-    _wait_healthy(tracking_server)
+    with _managed_jobs(cluster, cli_env, tracking_server) as (env, sky_bin):
+        _launch_and_recover(cluster, shared, steps, env, sky_bin, tmp_path)
+
+
+def _launch_and_recover(cluster: Cluster, shared: Path, steps: int, env: dict[str, str], sky_bin: str,
+                        tmp_path: Path) -> None:
     log = open(tmp_path / "launch.log", "w+")
     proc = subprocess.Popen(
         [sys.executable, "-m", "llmctl", "launch", "infra=slurm", "infra.managed=true", "experiment=smoke",
@@ -173,7 +198,7 @@ def test_managed_job_recovers_from_scancel_as_one_run(tracking_server: str, clus
 
         from mlflow.tracking import MlflowClient
 
-        mc = MlflowClient(tracking_uri=tracking_server)
+        mc = MlflowClient(tracking_uri=env["MLFLOW_TRACKING_URI"])
         runs = mc.search_runs([mc.get_experiment_by_name("llmctl").experiment_id],
                               filter_string="tags.mlflow.runName = 'managed-recovery'")
         assert len(runs) == 1, "one MLflow run across the recovery"
@@ -204,16 +229,11 @@ def test_managed_job_recovers_from_scancel_as_one_run(tracking_server: str, clus
         queue = subprocess.run([sky_bin, "jobs", "queue", "--all"], env=env, capture_output=True, text=True,
                                timeout=120).stdout
         assert "SUCCEEDED" in queue, queue
-        deadline = time.monotonic() + 120  # the controller tears the job's cluster down after it succeeds
-        while cluster.squeue().strip() and time.monotonic() < deadline:
-            time.sleep(2)
-        assert cluster.squeue().strip() == "", "no Slurm job left behind"
+        _assert_no_slurm_job_left(cluster)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(timeout=60)
-        subprocess.run([sky_bin, "jobs", "cancel", "--all", "--yes"], env=env, capture_output=True, timeout=120)
-        subprocess.run([sky_bin, "api", "stop"], env=env, capture_output=True, timeout=120)
         log.close()
 
 
@@ -229,16 +249,8 @@ def test_sweep_trials_run_as_managed_jobs_on_slurm(tracking_server: str, cluster
     """A grid sweep whose trials are SkyPilot managed jobs on Slurm: each trial's controller submits
     its managed job and follows it, so the sweep ends with one FINISHED child run per trial and no
     Slurm job left behind."""
-    home = Path(cli_env["HOME"])
-    cluster.write_client_config(home, cluster.root / "ssh" / "user_key")
-    (home / ".sky").mkdir(parents=True, exist_ok=True)
-    (home / ".sky" / "config.yaml").write_text("jobs:\n  controller:\n    consolidation_mode: true\n")
-    env = {**cli_env, "MLFLOW_TRACKING_URI": tracking_server, "AWS_EC2_METADATA_DISABLED": "true",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(OFFLINE_NETWORK), cli_env.get("PYTHONPATH")]))}
-    sky_bin = str(Path(sys.executable).with_name("sky"))
     steps = 4
-    _wait_healthy(tracking_server)
-    try:
+    with _managed_jobs(cluster, cli_env, tracking_server) as (env, sky_bin):
         out = run_cli(["launch", "-m", "--wait", "--max-parallel", "1", "infra=slurm", "infra.managed=true",
                        "experiment=smoke", f"infra.region={CLUSTER}", f"infra.zone={PARTITION}",
                        f"infra.node_python={sys.executable}", "infra.cpus=1", "infra.memory=2",
@@ -275,10 +287,4 @@ def test_sweep_trials_run_as_managed_jobs_on_slurm(tracking_server: str, cluster
         queue = subprocess.run([sky_bin, "jobs", "queue", "--all"], env=env, capture_output=True, text=True,
                                timeout=120).stdout
         assert queue.count("SUCCEEDED") >= 2, queue
-        deadline = time.monotonic() + 120  # the controller tears each job's cluster down after it succeeds
-        while cluster.squeue().strip() and time.monotonic() < deadline:
-            time.sleep(2)
-        assert cluster.squeue().strip() == "", "no Slurm job left behind"
-    finally:
-        subprocess.run([sky_bin, "jobs", "cancel", "--all", "--yes"], env=env, capture_output=True, timeout=120)
-        subprocess.run([sky_bin, "api", "stop"], env=env, capture_output=True, timeout=120)
+        _assert_no_slurm_job_left(cluster)
