@@ -78,3 +78,5 @@ def test_bf16_autocast_close_to_fp32():
 def test_default_chunk_bounds_logits_memory():
     assert default_chunk_size(128_256) * 128_256 <= 1 << 25
     assert default_chunk_size(4096) == 8192
+    assert default_chunk_size(4096, "cpu") == 256  # 4 MiB of fp32 logits: stays in cache
+    assert default_chunk_size(32_000, "cpu") == 256  # not 32: each chunk re-streams the [vocab, dim] grad

@@ -14,21 +14,9 @@ from __future__ import annotations
 
 import torch
 
+from workloads.pretrain.loss_chunk import default_chunk_size  # noqa: F401 (re-exported)
+
 IGNORE_INDEX = -100  # targets with this id take no loss (masked, padding, example boundaries)
-
-# Elements of fp32 logits per chunk (2**25 = 128 MiB): big enough for efficient matmuls on GPU,
-# small enough that a 128k vocabulary still processes a few hundred tokens at a time.
-_DEFAULT_CHUNK_ELEMENTS = 1 << 25
-# On CPU the softmax passes are memory-bound: a 4 MiB chunk stays in cache. Measured on the smoke
-# model's head (2048 tokens x 4096 vocab, 1 thread): 256 tokens/chunk 1.53x F.cross_entropy's
-# speed (fwd+bwd), one 8192-token chunk 1.31x.
-_CPU_CHUNK_ELEMENTS = 1 << 20
-
-
-def default_chunk_size(vocab_size: int, device_type: str = "cuda") -> int:
-    """Tokens per chunk: one chunk of fp32 logits under ~128 MiB (GPU) or ~4 MiB (CPU)."""
-    budget = _CPU_CHUNK_ELEMENTS if device_type == "cpu" else _DEFAULT_CHUNK_ELEMENTS
-    return max(1, budget // max(1, vocab_size))
 
 
 def _chunk_logits(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

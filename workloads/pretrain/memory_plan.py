@@ -39,6 +39,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from workloads.pretrain import schema, shape
+from workloads.pretrain.loss_chunk import default_chunk_size
 
 # The parts of a plan, in display order. ``logits`` is the loss's share (logits, log-probs, the
 # fused loss's gradient buffers); ``temporaries`` are backward's transient gradients.
@@ -188,10 +189,9 @@ class Setup:
 
     @property
     def loss_chunk(self) -> int:
-        """Tokens per chunk of the fused loss (``losses.default_chunk_size``: 2**20 fp32 logits on
-        CPU, 2**25 elsewhere), at most the micro-batch's tokens."""
-        budget = 1 << 20 if self.device == "cpu" else 1 << 25
-        return min(self.micro * self.seq, max(1, budget // max(1, self.vocab)))
+        """Tokens per chunk of the fused loss (``losses.default_chunk_size``), at most the
+        micro-batch's tokens."""
+        return min(self.micro * self.seq, default_chunk_size(self.vocab, "cpu" if self.device == "cpu" else "cuda"))
 
 
 def setup(cfg: Any, world_size: int, device: str = "cuda") -> Setup:
