@@ -51,6 +51,10 @@ sys.path.insert(0, str(ts.REPO))
 SEQ_LEN = 4096
 WARMUP, ROUNDS, STEPS = 4, 5, 5
 LR = 3e-4
+# set globally by torchtitan's apply_compile; restored so they do not leak into the next side
+DYNAMO_FLAGS = {k: getattr(torch._dynamo.config, k) for k in
+                ("capture_scalar_outputs", "skip_fwd_side_effects_in_bwd_under_checkpoint")
+                if hasattr(torch._dynamo.config, k)}
 
 
 def settings() -> dict:
@@ -118,6 +122,9 @@ def run_shape(shape: str, s: dict, device, peak) -> dict:
     x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
     results = {}
     for name in ("llmctl", "torchtitan"):
+        torch._dynamo.reset()  # no compiled graphs carried over from the side before
+        for flag, value in DYNAMO_FLAGS.items():
+            setattr(torch._dynamo.config, flag, value)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
         try:
