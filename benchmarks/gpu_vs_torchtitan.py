@@ -26,7 +26,8 @@ steps that include compilation), TFLOP/s and MFU from each side's own FLOPs/toke
 ``workloads/pretrain/metrics.py``, and ``torch.cuda.max_memory_allocated``. Sides run one after
 the other, each freed before the next. A side that fails prints its error; the other still runs.
 
-Needs a CUDA GPU and ``pip install -e ".[bench]"``. Without CUDA it prints why and exits 0.
+Needs a CUDA GPU and ``pip install -e ".[bench,gpu]"`` (torchtitan; Liger for llmctl's loss).
+Without CUDA it prints why and exits 0.
 Run: ``python benchmarks/gpu_vs_torchtitan.py``.
 Last line: ``gpu_vs_torchtitan: <llmctl/torchtitan tokens/s on the 1B shape>x``.
 """
@@ -59,8 +60,8 @@ DYNAMO_FLAGS = {k: getattr(torch._dynamo.config, k) for k in
 
 def settings() -> dict:
     """Environment knobs, checked before anything is built."""
-    s = {"batch": int(os.environ.get("GPU_BENCH_BATCH", "2")),
-         "layers_8b": int(os.environ.get("GPU_BENCH_8B_LAYERS", "10")),
+    s = {"batch": _positive_int("GPU_BENCH_BATCH", "2"),
+         "layers_8b": _positive_int("GPU_BENCH_8B_LAYERS", "10"),
          "precision": os.environ.get("GPU_BENCH_PRECISION", "fsdp"),
          "tt_attn": os.environ.get("GPU_BENCH_TT_ATTN", "flex"),
          "compile_loss": os.environ.get("GPU_BENCH_COMPILE_LOSS", "0") == "1",
@@ -70,6 +71,13 @@ def settings() -> dict:
     if unknown:
         raise ValueError(f"GPU_BENCH_SHAPES: unknown {unknown}; use a comma list of {sorted(ts.SHAPES)}")
     return s
+
+
+def _positive_int(key: str, default: str) -> int:
+    raw = os.environ.get(key, default)
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"{key} must be a positive integer, got {raw!r}")
+    return int(raw)
 
 
 def build(side: str, shape: str, batch: int, layers: int | None, s: dict, device) -> ts.Side:
@@ -132,7 +140,7 @@ def run_shape(shape: str, s: dict, device, peak) -> dict:
             results[name] = measure(side, device, x, y)
         except ImportError as e:
             print(f"gpu_vs_torchtitan |   {name}: import failed ({type(e).__name__}: {e}); "
-                  f'install with: pip install -e ".[bench]"', flush=True)
+                  f'install with: pip install -e ".[bench,gpu]"', flush=True)
         except Exception as e:  # report and go on: the other side's figures are still useful
             traceback.print_exc()
             print(f"gpu_vs_torchtitan |   {name}: failed ({type(e).__name__}: {e})", flush=True)

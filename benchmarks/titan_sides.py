@@ -106,7 +106,8 @@ def ours_side(cfg: Any, seq_len: int, device: torch.device, *, precision: str = 
     if compile_loss:  # the LM head + CE that forward() calls, compiled as torchtitan compiles its CE
         import workloads.pretrain.model as ours
 
-        ours.fused_lm_loss = torch.compile(ours.fused_lm_loss)
+        if not hasattr(ours.fused_lm_loss, "_torchdynamo_orig_callable"):  # once per process
+            ours.fused_lm_loss = torch.compile(ours.fused_lm_loss)
     return Side("llmctl", model, lambda x, y: model(x, y), flops_per_token(cfg, seq_len), _autocast(device, precision))
 
 

@@ -151,7 +151,8 @@ def test_benchmark_knobs_are_checked_up_front(monkeypatch: pytest.MonkeyPatch) -
     import gpu_vs_torchtitan as bench
 
     assert bench.settings()["precision"] == "fsdp" and bench.settings()["tt_attn"] == "flex"
-    for key, bad in (("GPU_BENCH_TT_ATTN", "flash"), ("GPU_BENCH_PRECISION", "fp16"), ("GPU_BENCH_SHAPES", "1b,70b")):
+    for key, bad in (("GPU_BENCH_TT_ATTN", "flash"), ("GPU_BENCH_PRECISION", "fp16"), ("GPU_BENCH_SHAPES", "1b,70b"),
+                     ("GPU_BENCH_BATCH", "0"), ("GPU_BENCH_8B_LAYERS", "ten")):
         with monkeypatch.context() as m:
             m.setenv(key, bad)
             with pytest.raises(ValueError, match=key):
