@@ -1,27 +1,35 @@
-"""llmctl's trainer vs torchtitan 0.3.0 on one GPU: Llama-3.2-1B shape, seq 4096, bf16.
+"""llmctl's trainer vs torchtitan (``titan_sides.TORCHTITAN``) on one GPU, same shape, same step.
 
-Both sides run the same loop on the same random batch: bf16 autocast over fp32 weights (what
-torchtitan's trainer does on one GPU, and what ``train.dtype=bf16`` does here), forward + loss,
-backward, grad-norm clip 1.0, fused AdamW, zero_grad; blocks compiled one by one
-(``torch.compile`` per TransformerBlock, as both trainers do), no activation checkpointing.
+Shapes: (a) Llama-3.2-1B (conf/model/1b.yaml vs torchtitan's "1B"), batch ``GPU_BENCH_BATCH``
+(default 2) x seq 4096; (b) Llama-3.1-8B width/heads/FFN/vocab (conf/model/8b.yaml vs "8B") cut
+to ``GPU_BENCH_8B_LAYERS`` blocks (default 10, what fits 80 GB without activation
+checkpointing), batch 1 x seq 4096. Sides are built in ``titan_sides`` (CPU-tested there).
 
-- llmctl: ``workloads.pretrain.model`` with conf/model/1b.yaml, ``model.kernels=fused`` (SDPA,
-  chunked fused linear-CE, or Liger's when installed) and ``apply_compile``.
-- torchtitan: ``torchtitan.models.llama3.model_registry("1B")`` (same shape: 16 x 2048, 32/8
-  heads, FFN 8192, tied embeddings, vocab 128256), its default FlexAttention with a causal
-  block mask, full-logit cross-entropy in fp32.
+Same step on both sides: bf16 compute over fp32 master weights, no activation checkpointing,
+per-block ``torch.compile``, fwd + loss, bwd, grad-norm clip 1.0, fused AdamW, zero_grad, on the
+same random batch. Precision (``GPU_BENCH_PRECISION``): ``fsdp`` (default; what torchtitan's
+trainer does on one GPU: FSDP2 on a 1-rank mesh with a bf16/fp32 MixedPrecisionPolicy; llmctl's
+side uses its own ``parallelize.apply_fsdp``) or ``autocast`` (bf16 autocast, what llmctl's
+trainer does on one GPU) for both sides.
 
-Figures per side: tokens/s (median of ``ROUNDS`` timed windows of ``STEPS`` steps, after
-``WARMUP`` steps that include compilation), TFLOP/s and MFU with FLOPs/token = 6N + 12·L·H·Q·T
-(N excludes the input embedding; the same count for both sides, same shape) against the peak in
-``workloads/pretrain/metrics.py``, and peak allocated memory. Sides run one after the other,
-each model freed before the next (two 1B models with AdamW state would not both fit comfortably).
+- llmctl: ``model.kernels=fused`` (SDPA flash attention, Liger's fused linear-CE when installed,
+  else the chunked one) and per-block ``apply_compile``; ``GPU_BENCH_COMPILE_LOSS=1`` also
+  compiles its LM head + CE function (off by default: not yet measured).
+- torchtitan: its model config at the same depth, its attention ``GPU_BENCH_TT_ATTN`` (default
+  ``flex``, torchtitan's default; also ``flex_flash``, ``varlen``, and ``sdpa`` = its
+  ScaledDotProductAttention, cuDNN first), its per-block ``apply_compile`` (fullgraph), its
+  ``ChunkedLossWrapper`` with the compiled CE, as its llama3 trainer configs with compile on.
 
-Needs a CUDA GPU and ``pip install torchtitan==0.3.0`` (its import errors are reported, and the
-llmctl side still runs). Without CUDA it prints why and exits 0.
+Figures per side: tokens/s (median of ``ROUNDS`` windows of ``STEPS`` steps after ``WARMUP``
+steps that include compilation), TFLOP/s and MFU from each side's own FLOPs/token count (6N +
+12·L·H·Q·T; the two counts must agree, else the run stops) against the bf16 peak in
+``workloads/pretrain/metrics.py``, and ``torch.cuda.max_memory_allocated``. Sides run one after
+the other, each freed before the next. A side that fails prints its error; the other still runs.
 
+Needs a CUDA GPU and ``pip install -e ".[bench,gpu]"`` (torchtitan; Liger for llmctl's loss).
+Without CUDA it prints why and exits 0.
 Run: ``python benchmarks/gpu_vs_torchtitan.py``.
-Last line: ``gpu_vs_torchtitan: <llmctl/torchtitan tokens/s>x`` (or ``... skipped (...)``).
+Last line: ``gpu_vs_torchtitan: <llmctl/torchtitan tokens/s on the 1B shape>x``.
 """
 
 from __future__ import annotations
@@ -35,87 +43,72 @@ import traceback
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import titan_sides as ts  # noqa: E402
+
+sys.path.insert(0, str(ts.REPO))
 
 SEQ_LEN = 4096
-BATCH = int(os.environ.get("GPU_BENCH_BATCH", "2"))
 WARMUP, ROUNDS, STEPS = 4, 5, 5
 LR = 3e-4
+# set globally by torchtitan's apply_compile; restored so they do not leak into the next side
+DYNAMO_FLAGS = {k: getattr(torch._dynamo.config, k) for k in
+                ("capture_scalar_outputs", "skip_fwd_side_effects_in_bwd_under_checkpoint")
+                if hasattr(torch._dynamo.config, k)}
 
 
-def ours_model(device):
-    from omegaconf import OmegaConf
+def settings() -> dict:
+    """Environment knobs, checked before anything is built."""
+    s = {"batch": _positive_int("GPU_BENCH_BATCH", "2"),
+         "layers_8b": _positive_int("GPU_BENCH_8B_LAYERS", "10"),
+         "precision": os.environ.get("GPU_BENCH_PRECISION", "fsdp"),
+         "tt_attn": os.environ.get("GPU_BENCH_TT_ATTN", "flex"),
+         "compile_loss": os.environ.get("GPU_BENCH_COMPILE_LOSS", "0") == "1",
+         "shapes": os.environ.get("GPU_BENCH_SHAPES", "1b,8b").split(",")}
+    ts.check_settings(s["precision"], s["tt_attn"])
+    unknown = [n for n in s["shapes"] if n not in ts.SHAPES]
+    if unknown:
+        raise ValueError(f"GPU_BENCH_SHAPES: unknown {unknown}; use a comma list of {sorted(ts.SHAPES)}")
+    return s
 
-    from workloads.pretrain.schema import ModelCfg
-    from workloads.pretrain.model import apply_compile, build_model
-    from workloads.pretrain.shape import flops_per_token
 
-    cfg = OmegaConf.merge(OmegaConf.structured(ModelCfg), OmegaConf.load(REPO / "conf/model/1b.yaml"))
-    cfg.kernels = "fused"
+def _positive_int(key: str, default: str) -> int:
+    raw = os.environ.get(key, default)
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"{key} must be a positive integer, got {raw!r}")
+    return int(raw)
+
+
+def build(side: str, shape: str, batch: int, layers: int | None, s: dict, device) -> ts.Side:
+    ours_name, flavor = ts.SHAPES[shape]
     torch.manual_seed(0)
-    model = build_model(cfg, device)
-    flops = flops_per_token(cfg, SEQ_LEN)
-    apply_compile(model)
-
-    def loss_fn(x, y):
-        return model(x, y)
-
-    return model, loss_fn, flops
+    if side == "llmctl":
+        return ts.ours_side(ts.ours_cfg(ours_name, layers), SEQ_LEN, device, precision=s["precision"],
+                            compile_loss=s["compile_loss"])
+    return ts.titan_side(ts.titan_config(flavor, layers, s["tt_attn"]), SEQ_LEN, batch, device,
+                         precision=s["precision"])
 
 
-def torchtitan_model(device):
-    import dataclasses
-
-    from torchtitan.models.llama3 import model_registry
-
-    spec = model_registry("1B")  # default attn_backend: FlexAttention, as torchtitan trains it
-    cfg = spec.model
-    for layer in cfg.layers:  # size the RoPE cache to the sequence, as its trainer does
-        layer.attention.rope = dataclasses.replace(layer.attention.rope, max_seq_len=SEQ_LEN)
-    torch.manual_seed(0)
-    with torch.device("meta"):
-        model = cfg.build()
-    model.to_empty(device=device)
-    with torch.no_grad():
-        model.init_states(buffer_device=device)
-    for block in model.layers.values():  # torchtitan.distributed.compile.apply_compile does this
-        block.compile(fullgraph=True)
-    positions = torch.arange(SEQ_LEN, device=device).expand(BATCH, SEQ_LEN)
-    masks = model.get_attention_masks(positions=positions)
-
-    def loss_fn(x, y):
-        logits = model(x, attention_masks=masks)
-        return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
-
-    return model, loss_fn, None
-
-
-def measure(name, build, device, x, y) -> dict:
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats(device)
-    model, loss_fn, flops = build(device)
-    params = [p for p in model.parameters() if p.requires_grad]
+def measure(side: ts.Side, device, x, y) -> dict:
+    params = [p for p in side.model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
 
     def step():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = loss_fn(x, y)
+        with side.autocast():
+            loss = side.loss(x, y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return loss
+        return loss.detach()
 
     t0 = time.perf_counter()
     for _ in range(WARMUP):
         loss = step()
-    first_loss = float(loss)
     torch.cuda.synchronize(device)
-    print(f"gpu_vs_torchtitan | {name}: warmup (incl. compile) {time.perf_counter() - t0:.1f}s, "
-          f"loss {first_loss:.3f}", flush=True)
+    print(f"gpu_vs_torchtitan |   {side.name}: warmup (incl. compile) {time.perf_counter() - t0:.1f}s, "
+          f"loss {float(loss):.3f}", flush=True)
     rates = []
     for _ in range(ROUNDS):
         torch.cuda.synchronize(device)
@@ -123,13 +116,50 @@ def measure(name, build, device, x, y) -> dict:
         for _ in range(STEPS):
             loss = step()
         torch.cuda.synchronize(device)
-        rates.append(STEPS * BATCH * SEQ_LEN / (time.perf_counter() - t0))
-    out = {"tok_s": statistics.median(rates), "peak_gb": torch.cuda.max_memory_allocated(device) / 1e9,
-           "loss": float(loss), "flops": flops}
-    del model, loss_fn, opt, params
-    gc.collect()
-    torch.cuda.empty_cache()
-    return out
+        rates.append(STEPS * x.numel() / (time.perf_counter() - t0))
+    return {"tok_s": statistics.median(rates), "peak_gb": torch.cuda.max_memory_allocated(device) / 1e9,
+            "loss": float(loss), "flops": side.flops_per_token}
+
+
+def run_shape(shape: str, s: dict, device, peak) -> dict:
+    batch, layers = (s["batch"], None) if shape == "1b" else (1, s["layers_8b"])
+    depth = "full depth" if layers is None else f"cut to {layers} layers"
+    print(f"gpu_vs_torchtitan | shape {shape} ({depth}), batch {batch} x seq {SEQ_LEN}", flush=True)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    tokens = torch.randint(0, 128256, (batch, SEQ_LEN + 1), generator=g).to(device)
+    x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    results = {}
+    for name in ("llmctl", "torchtitan"):
+        torch._dynamo.reset()  # no compiled graphs carried over from the side before
+        for flag, value in DYNAMO_FLAGS.items():
+            setattr(torch._dynamo.config, flag, value)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        try:
+            side = build(name, shape, batch, layers, s, device)
+            results[name] = measure(side, device, x, y)
+        except ImportError as e:
+            print(f"gpu_vs_torchtitan |   {name}: import failed ({type(e).__name__}: {e}); "
+                  f'install with: pip install -e ".[bench,gpu]"', flush=True)
+        except Exception as e:  # report and go on: the other side's figures are still useful
+            traceback.print_exc()
+            print(f"gpu_vs_torchtitan |   {name}: failed ({type(e).__name__}: {e})", flush=True)
+        side = None
+        gc.collect()
+        torch.cuda.empty_cache()
+    counts = {r["flops"] for r in results.values()}
+    if len(counts) > 1:
+        raise RuntimeError(f"FLOPs/token differ between sides ({results}): the shapes do not match")
+    for name, r in results.items():
+        tflops = r["tok_s"] * r["flops"] / 1e12
+        mfu = f"{100 * tflops / peak:.1f}%" if peak else "n/a (unknown peak)"
+        print(f"gpu_vs_torchtitan |   {shape} {name:>10}: {r['tok_s']:>9,.0f} tok/s | {tflops:6.1f} TFLOP/s | "
+              f"MFU {mfu} | peak mem {r['peak_gb']:.1f} GB | loss {r['loss']:.3f} | "
+              f"{r['flops'] / 1e9:.2f} GFLOP/token", flush=True)
+    if len(results) == 2:
+        print(f"gpu_vs_torchtitan |   {shape} llmctl/torchtitan: "
+              f"{results['llmctl']['tok_s'] / results['torchtitan']['tok_s']:.2f}x", flush=True)
+    return results
 
 
 def main() -> int:
@@ -138,52 +168,22 @@ def main() -> int:
               "this benchmark needs one GPU; nothing was measured")
         print("gpu_vs_torchtitan: skipped (no CUDA device)")
         return 0
+    s = settings()
 
     from workloads.pretrain.metrics import peak_tflops
 
     device = torch.device("cuda", 0)
-    torch.backends.cuda.matmul.allow_tf32 = True
-    name = torch.cuda.get_device_name(device)
+    torch.cuda.set_device(device)
     peak = peak_tflops(device, "bf16")
-    print(f"gpu_vs_torchtitan | {name} | torch {torch.__version__} | Llama-3.2-1B shape, batch {BATCH} x seq "
-          f"{SEQ_LEN}, bf16 autocast, per-block compile | peak {peak or 'unknown'} TFLOP/s bf16", flush=True)
-    g = torch.Generator(device="cpu").manual_seed(0)
-    tokens = torch.randint(0, 128256, (BATCH, SEQ_LEN + 1), generator=g).to(device)
-    x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-
-    results = {}
-    for side, build in (("llmctl", ours_model), ("torchtitan", torchtitan_model)):
-        try:
-            results[side] = measure(side, build, device, x, y)
-        except ImportError as e:
-            print(f"gpu_vs_torchtitan | {side}: import failed ({type(e).__name__}: {e}); "
-                  f"install with: pip install torchtitan==0.3.0", flush=True)
-        except Exception as e:  # report and go on: the other side's figures are still useful
-            traceback.print_exc()
-            print(f"gpu_vs_torchtitan | {side}: failed ({type(e).__name__}: {e})", flush=True)
-            gc.collect()
-            torch.cuda.empty_cache()
-
-    flops = results.get("llmctl", {}).get("flops")
-    if flops is None:  # llmctl side failed: count from a meta-built model (no memory)
-        from omegaconf import OmegaConf
-
-        from workloads.pretrain.schema import ModelCfg
-        from workloads.pretrain.shape import flops_per_token
-
-        cfg = OmegaConf.merge(OmegaConf.structured(ModelCfg), OmegaConf.load(REPO / "conf/model/1b.yaml"))
-        flops = flops_per_token(cfg, SEQ_LEN)
-    print(f"gpu_vs_torchtitan | FLOPs/token {flops / 1e9:.2f} GFLOP (6N + 12*L*H*Q*T, same for both sides)")
-    for side, r in results.items():
-        tflops = r["tok_s"] * flops / 1e12
-        mfu = f"{100 * tflops / peak:.1f}%" if peak else "n/a (unknown peak)"
-        print(f"{side:>10}: {r['tok_s']:,.0f} tok/s | {tflops:.1f} TFLOP/s | MFU {mfu} | "
-              f"peak mem {r['peak_gb']:.1f} GB | loss {r['loss']:.3f}")
-    if "llmctl" in results and "torchtitan" in results:
-        print(f"gpu_vs_torchtitan: {results['llmctl']['tok_s'] / results['torchtitan']['tok_s']:.2f}x")
+    print(f"gpu_vs_torchtitan | {torch.cuda.get_device_name(device)} | torch {torch.__version__} | "
+          f"{ts.TORCHTITAN} | precision {s['precision']} | torchtitan attention {s['tt_attn']} | "
+          f"llmctl loss compiled: {s['compile_loss']} | peak {peak or 'unknown'} TFLOP/s bf16", flush=True)
+    results = {shape: run_shape(shape, s, device, peak) for shape in s["shapes"]}
+    one_b = results.get("1b", {})
+    if "llmctl" in one_b and "torchtitan" in one_b:
+        print(f"gpu_vs_torchtitan: {one_b['llmctl']['tok_s'] / one_b['torchtitan']['tok_s']:.2f}x")
         return 0
-    missing = ", ".join(s for s in ("llmctl", "torchtitan") if s not in results)
-    print(f"gpu_vs_torchtitan: failed ({missing} did not run)")
+    print("gpu_vs_torchtitan: failed (the 1b shape did not run on both sides)")
     return 1
 
 

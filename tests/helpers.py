@@ -30,6 +30,13 @@ def run_cli(args: list[str], cwd: Path, env: dict[str, str], timeout: float = 60
                           capture_output=True, timeout=timeout, **kwargs)
 
 
+def pip_target(target: Path, *requirements: str) -> subprocess.CompletedProcess[str]:
+    """``pip install --no-deps --target``: packages the venv must not hold (pins that clash with it,
+    or heavy dependency trees a test does not import), for a test to put first on ``sys.path``."""
+    return subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target),
+                           *requirements], capture_output=True, text=True, timeout=900)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -85,7 +85,8 @@ def apply_rope_complex(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
 
     Same pairs, same math as ``apply_rope``; 3.5x faster fwd+bwd on CPU (one kernel, not ~8).
     """
-    freqs = torch.complex(_per_token(cos, x), _per_token(sin, x))
+    # .float(): FSDP2's bf16 policy casts a block's floating inputs, these tables included
+    freqs = torch.complex(_per_token(cos, x).float(), _per_token(sin, x).float())
     xc = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
     return torch.view_as_real(xc * freqs).flatten(-2).type_as(x)
 
