@@ -1,24 +1,29 @@
-"""Fused vs reference kernel path: training tokens/s on CPU, from one run.
+"""llmctl's fused kernel path vs plain PyTorch and Hugging Face's Llama: training tokens/s on CPU.
 
-Model: conf/model/smoke.yaml (4 x 128, vocab 4096); batch 16 x seq 128 (conf/train/default.yaml),
-fp32, ONE intra-op thread (``KERNELS_CPU_THREADS`` to change). Why one: these 2 cores are shared,
-and when another process holds a core, every 2-thread OpenMP region waits for the descheduled
-thread: a 2048x352 elementwise mul measured 0.9 ms on 1 thread vs 12 ms on 2, a matmul 61 vs
-7.5 GFLOP/s. With 2 threads the figure measures the neighbours' load, not the kernels.
+Three contenders, same weights, same random batch, fp32, full training step (forward + loss,
+backward, grad-norm clip 1.0, fused AdamW step, zero_grad), eager (no ``torch.compile``):
 
-One timed unit is a real training step, as ``workloads/pretrain/train.py`` runs it: forward +
-loss, backward, grad-norm clip, fused AdamW step, zero_grad. Both models start from the same weights and see the same (random) batch.
+- ``fused``: ``workloads.pretrain.model`` with ``model.kernels=fused`` (SDPA, ``F.rms_norm``,
+  complex RoPE, chunked fused linear-CE), what ``llmctl launch`` runs by default;
+- ``plain``: ``benchmarks/plain_llama.py``, the same model written with stock PyTorch ops (SDPA
+  with ``is_causal``, ``F.rms_norm``, complex RoPE, ``F.cross_entropy`` on full fp32 logits);
+- ``hf``: transformers' ``LlamaForCausalLM`` (``attn_implementation="sdpa"``) with the weights
+  converted by ``workloads.pretrain.export_hf`` and its own causal-LM loss.
 
-Timing: warmup steps excluded (both paths); then ``ROUNDS`` rounds, each timing ``STEPS`` step(s)
-of one path and then the other, alternating which goes first, so load from other processes on
-these shared cores falls on both. tokens/s per path is the median over rounds; the ratio is the
-median of the per-round ratios (paired, so a noisy round cancels out).
+Shapes (``KERNELS_CPU_SHAPES``, default both): ``smoke`` (conf/model/smoke.yaml, batch 16 x seq 128)
+and ``125m`` (conf/model/125m.yaml: 12 x 768, vocab 32000; batch 8 x seq 256). Before timing, the
+first step's losses must agree within 1e-4 (else exit 1: the contenders would not compute the same thing).
 
-``model.compile`` is off on both paths: the fused path is eager PyTorch (SDPA, F.rms_norm,
-complex-multiply RoPE, chunked fused linear-CE with CPU-sized chunks), so the figure needs no
-Inductor build (~30 s per block here) and is what ``model.kernels=fused`` gives by default.
+ONE intra-op thread (``KERNELS_CPU_THREADS`` to change): these 2 cores are shared, and when another
+process holds a core every 2-thread OpenMP region waits for the descheduled thread (a matmul
+measured 61 vs 7.5 GFLOP/s), so a 2-thread figure measures the neighbours' load.
 
-Run: ``python benchmarks/kernels_cpu.py``. Last line: ``kernels_cpu: <fused/reference>x``.
+Timing: warmup steps excluded; then rounds, each timing every contender for a window of steps,
+the order rotating from round to round, so load from other processes falls on all of them. A
+contender's tokens/s is its median over rounds; a ratio is the median of the per-round ratios.
+
+Run: ``python benchmarks/kernels_cpu.py`` (about 7 minutes on the 2-core CI machine, most of it 125m).
+Last line: ``kernels_cpu: <fused/plain at smoke>x smoke, <fused/plain at 125m>x 125m (fused / plain)``.
 """
 
 from __future__ import annotations
@@ -34,23 +39,26 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
 
+import plain_llama  # noqa: E402
 from workloads.pretrain.model import build_model  # noqa: E402
 from workloads.pretrain.optim import build_optimizer  # noqa: E402
 from workloads.pretrain.shape import num_params  # noqa: E402
 
-BATCH, SEQ_LEN = 16, 128
-WARMUP, ROUNDS, STEPS = 3, 15, 2
 THREADS = int(os.environ.get("KERNELS_CPU_THREADS", "1"))
+# shape -> (batch, seq, warmup steps, rounds, steps per window)
+SHAPES = {"smoke": (16, 128, 3, 15, 2), "125m": (8, 256, 1, 5, 1)}
+CONTENDERS = ("fused", "plain", "hf")
 
 
-def model_cfg(kernels: str):
+def model_cfg(shape: str):
     from omegaconf import OmegaConf
 
     from workloads.pretrain.schema import ModelCfg
 
-    cfg = OmegaConf.merge(OmegaConf.structured(ModelCfg), OmegaConf.load(REPO / "conf/model/smoke.yaml"))
-    cfg.kernels = kernels
+    cfg = OmegaConf.merge(OmegaConf.structured(ModelCfg), OmegaConf.load(REPO / f"conf/model/{shape}.yaml"))
+    cfg.kernels = "fused"
     return cfg
 
 
@@ -62,66 +70,99 @@ def train_cfg():
     return OmegaConf.merge(OmegaConf.structured(TrainCfg), OmegaConf.load(REPO / "conf/train/default.yaml"))
 
 
-class Path_:
-    """One kernel path: its model, optimizer and a ``steps(n)`` that returns seconds taken."""
+def build_contenders(cfg) -> dict[str, tuple[torch.nn.Module, object]]:
+    """name -> (model, loss_fn(x, y)), all holding the fused model's initial weights."""
+    torch.manual_seed(0)
+    fused = build_model(cfg)
+    state = fused.state_dict()
+    plain = plain_llama.from_model_cfg(cfg)
+    plain.load_state_dict(state)
 
-    def __init__(self, kernels: str, x: torch.Tensor, y: torch.Tensor):
-        torch.manual_seed(0)
-        self.name = kernels
-        self.model = build_model(model_cfg(kernels))
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from workloads.pretrain.export_hf import hf_config, to_hf_state_dict
+
+    hf = LlamaForCausalLM(LlamaConfig(**hf_config(cfg), attn_implementation="sdpa"))
+    missing, unexpected = hf.load_state_dict(to_hf_state_dict(state, cfg), strict=False)
+    if unexpected or set(missing) - ({"lm_head.weight"} if cfg.tie_embeddings else set()):
+        sys.exit(f"kernels_cpu: HF weights do not line up (missing {missing}, unexpected {unexpected})")
+    return {
+        "fused": (fused, lambda x, y: fused(x, y)),
+        "plain": (plain, lambda x, y: plain(x, y)),
+        "hf": (hf, lambda x, y: hf(input_ids=x, labels=y, shift_labels=y).loss),  # HF's own loss, unshifted
+    }
+
+
+class Contender:
+    """One model with its optimizer; ``timed(n)`` runs n training steps and records tokens/s."""
+
+    def __init__(self, name: str, model: torch.nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor):
         tc = train_cfg()
-        self.opt = build_optimizer(self.model, tc)
+        self.name, self.model, self.loss_fn, self.x, self.y = name, model, loss_fn, x, y
+        self.opt = build_optimizer(model, tc)
         self.clip = float(tc.grad_clip) if tc.grad_clip else math.inf
-        self.x, self.y = x, y
         self.tok_s: list[float] = []
 
     def step(self) -> float:
-        loss = self.model(self.x, self.y)
+        loss = self.loss_fn(self.x, self.y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         return loss.item()
 
-    def timed(self, n: int) -> float:
+    def timed(self, n: int) -> None:
         t0 = time.perf_counter()
         for _ in range(n):
             self.step()
-        tok_s = n * BATCH * SEQ_LEN / (time.perf_counter() - t0)
-        self.tok_s.append(tok_s)
-        return tok_s
+        self.tok_s.append(n * self.x.numel() / (time.perf_counter() - t0))
+
+
+def run_shape(shape: str) -> dict[str, float]:
+    """Median tokens/s of each contender and the median paired ratios fused/plain, fused/hf."""
+    batch, seq, warmup, rounds, steps = SHAPES[shape]
+    cfg = model_cfg(shape)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, cfg.vocab_size, (batch, seq + 1), generator=g)
+    x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    cs = [Contender(name, m, f, x, y) for name, (m, f) in build_contenders(cfg).items()]
+    print(f"kernels_cpu | {shape}: {num_params(cfg) / 1e6:.1f}M params ({cfg.n_layers} x {cfg.dim}, vocab "
+          f"{cfg.vocab_size}) | batch {batch} x seq {seq} fp32 | {warmup} warmup + {rounds} rounds x {steps} "
+          f"step(s) per contender", flush=True)
+
+    first = {c.name: c.step() for c in cs}  # same weights, same batch: the same loss
+    print(f"kernels_cpu | {shape}: step-1 loss " + ", ".join(f"{k} {v:.6f}" for k, v in first.items()), flush=True)
+    if max(first.values()) - min(first.values()) > 1e-4:
+        sys.exit(f"kernels_cpu: {shape}: the contenders' first losses differ: {first}")
+    for _ in range(warmup - 1):
+        for c in cs:
+            c.step()
+
+    by = {c.name: c for c in cs}
+    ratios: dict[str, list[float]] = {"plain": [], "hf": []}
+    for r in range(rounds):
+        for c in cs[r % len(cs):] + cs[: r % len(cs)]:
+            c.timed(steps)
+        for base in ratios:
+            ratios[base].append(by["fused"].tok_s[-1] / by[base].tok_s[-1])
+        print(f"kernels_cpu | {shape} round {r + 1}: " + ", ".join(f"{c.name} {c.tok_s[-1]:,.0f}" for c in cs)
+              + " tok/s", flush=True)
+    out = {f"{c.name}_tok_s": statistics.median(c.tok_s) for c in cs}
+    out.update({f"fused/{base}": statistics.median(v) for base, v in ratios.items()})
+    print(f"kernels_cpu | {shape}: " + ", ".join(f"{c.name} {out[c.name + '_tok_s']:,.0f} tok/s" for c in cs)
+          + f" (medians) | fused/plain {out['fused/plain']:.2f}x, fused/hf {out['fused/hf']:.2f}x", flush=True)
+    return out
 
 
 def main() -> int:
     torch.set_num_threads(THREADS)
-    cfg = model_cfg("fused")
-    g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, cfg.vocab_size, (BATCH, SEQ_LEN + 1), generator=g)
-    x, y = tokens[:, :-1], tokens[:, 1:]
-    ref, fused = Path_("reference", x, y), Path_("fused", x, y)
-    n_params = num_params(cfg)
-    print(f"kernels_cpu | model smoke ({n_params / 1e6:.2f}M params, {cfg.n_layers}x{cfg.dim}, vocab {cfg.vocab_size}) "
-          f"| batch {BATCH} x seq {SEQ_LEN} fp32 | torch {torch.__version__}, {torch.get_num_threads()} thread(s) "
-          f"| compile off | {WARMUP} warmup + {ROUNDS} rounds x {STEPS} steps per path", flush=True)
-
-    l_ref, l_fused = ref.step(), fused.step()  # first step: same weights, same batch -> same loss
-    print(f"kernels_cpu | step-1 loss reference {l_ref:.6f} fused {l_fused:.6f}", flush=True)
-    for _ in range(WARMUP - 1):
-        ref.step(), fused.step()
-
-    ratios = []
-    for r in range(ROUNDS):
-        order = (ref, fused) if r % 2 == 0 else (fused, ref)
-        for p in order:
-            p.timed(STEPS)
-        ratios.append(fused.tok_s[-1] / ref.tok_s[-1])
-        print(f"kernels_cpu | round {r + 1}: reference {ref.tok_s[-1]:,.0f} tok/s, fused {fused.tok_s[-1]:,.0f} "
-              f"tok/s, ratio {ratios[-1]:.3f}", flush=True)
-
-    med_ref, med_fused = statistics.median(ref.tok_s), statistics.median(fused.tok_s)
-    print(f"reference: {med_ref:,.0f} tok/s (median)")
-    print(f"fused:     {med_fused:,.0f} tok/s (median, eager, no compile)")
-    print(f"kernels_cpu: {statistics.median(ratios):.2f}x")
+    shapes = [s for s in os.environ.get("KERNELS_CPU_SHAPES", ",".join(SHAPES)).split(",") if s]
+    unknown = [s for s in shapes if s not in SHAPES]
+    if unknown:
+        sys.exit(f"KERNELS_CPU_SHAPES: unknown shape(s) {unknown}; choose from {sorted(SHAPES)}")
+    print(f"kernels_cpu | torch {torch.__version__}, {torch.get_num_threads()} thread(s), eager", flush=True)
+    results = {s: run_shape(s) for s in shapes}
+    print("kernels_cpu: " + ", ".join(f"{r['fused/plain']:.2f}x {s}" for s, r in results.items()) + " (fused / plain)")
     return 0
 
 
