@@ -102,3 +102,27 @@ def test_the_trainer_exits_2_on_cpu_with_one_line(write_tiny_config, workload_en
     assert "Traceback" not in proc.stderr
     assert "config error: train.fp8=tensorwise needs an FP8 GPU" in proc.stderr and "train.fp8=none" in proc.stderr
     assert "pretrain | model" not in proc.stdout  # refused before the model or data
+
+
+def test_fsdp_with_fp8_all_gather_trains_on_two_ranks(workload_env) -> None:
+    """Under FSDP2 (2 gloo ranks) tensorwise shards its weights as torchao's FP8-all-gather tensor
+    and steps with the scale precompute; rowwise keeps plain shards. Same init and batches: each
+    recipe's losses stay within 2% of bf16's (FP8 rounding, no more)."""
+    pytest.importorskip("torchao.float8", reason="torchao not installed (pip install 'llmctl[fp8]')")
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(Path(__file__).with_name("fp8_fsdp_worker.py")), "none", "tensorwise", "rowwise"],
+                          cwd=repo, env={**workload_env, "PYTHONPATH": str(repo)}, text=True, capture_output=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = {r["recipe"]: r for r in map(json.loads, (l for l in proc.stdout.splitlines() if l.startswith("{")))}
+    assert runs["tensorwise"]["local_weight"] == "WeightWithDynamicFloat8CastTensor"
+    assert runs["rowwise"]["local_weight"] == runs["none"]["local_weight"] == "Tensor"
+    for recipe in ("tensorwise", "rowwise"):
+        for a, b in zip(runs[recipe]["losses"], runs["none"]["losses"]):
+            assert abs(a - b) < 0.02 * b, (recipe, runs[recipe]["losses"], runs["none"]["losses"])
