@@ -23,3 +23,16 @@ def test_fp8_without_a_local_gpu_is_refused(command: str, cli_env: dict[str, str
                        "L40S, L4...); this run targets CPU (no CUDA device). Fix: train.fp8=none"), message
     assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "mlruns").exists()
     assert not (tmp_path / "llmctl-runs").exists()
+
+
+def test_fp8_runs_are_their_own_shape_for_measured_throughput() -> None:
+    """The cost estimate only reuses a measured tokens/s from a run of the same shape key: an FP8
+    run must not price a bf16 plan (nor the reverse), and the key keeps its dash-separated fields."""
+    from llmctl.config import compose
+    from llmctl.cost.estimate import shape_key
+
+    cfg = compose(["model=tiny", "train.dtype=bf16"]).cfg
+    keys = {r: shape_key({**cfg, "train": {**cfg["train"], "fp8": r}}) for r in ("none", "tensorwise", "rowwise")}
+    assert len(set(keys.values())) == 3, keys
+    assert "-bf16-" in keys["none"] and "-bf16+fp8rowwise-" in keys["rowwise"]
+    assert {len(k.split("-")) for k in keys.values()} == {len(keys["none"].split("-"))}
