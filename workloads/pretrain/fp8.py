@@ -55,13 +55,12 @@ def _torchao() -> Any:
     return float8
 
 
-def module_filter(module: torch.nn.Module, fqn: str) -> bool:
-    """Convert every linear but the LM head whose in/out features are multiples of 16."""
+def module_filter(module: torch.nn.Linear, fqn: str) -> bool:
+    """torchao asks this of each ``nn.Linear``: convert all but the LM head whose in/out features
+    are multiples of 16."""
     if fqn == "output" or fqn.endswith(".output"):
         return False
-    if isinstance(module, torch.nn.Linear):
-        return module.in_features % 16 == 0 and module.out_features % 16 == 0
-    return True  # containers: torchao recurses into them
+    return module.in_features % 16 == 0 and module.out_features % 16 == 0
 
 
 def convert(model: torch.nn.Module, name: str, fsdp: bool) -> list[str]:

@@ -1,4 +1,4 @@
-"""How the Transformer is distributed: mesh degrees, then TP -> AC -> compile -> FSDP2.
+"""How the Transformer is distributed: mesh degrees, then FP8 -> TP -> AC -> compile -> FSDP2.
 
 ``ParallelDims`` validates ``parallel.*`` against the world size (``validate``, the same rules
 llmctl applies when it composes the config) before any process-group work, then builds a named DeviceMesh

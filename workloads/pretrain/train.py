@@ -7,7 +7,7 @@ not compose presets: it runs under plain torchrun with its own dependencies.
 
 Order of work, top to bottom in ``train``: layout validation -> devices, process group and
 DeviceMesh -> data -> model (built on meta, materialised, initialised from ``train.seed``, the
-same on every rank) -> ``parallelize`` (TP -> AC -> compile -> FSDP2) -> optimizer -> resume from
+same on every rank) -> ``parallelize`` (FP8 -> TP -> AC -> compile -> FSDP2) -> optimizer -> resume from
 the newest complete checkpoint -> loop (val at step 0, every ``val_every`` and at the end; logs
 every ``log_every``; checkpoints every ``checkpoint.every`` and at the end).
 
