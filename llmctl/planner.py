@@ -14,11 +14,15 @@ from llmctl.tracking import resolve_uri
 
 
 def make_plan(composed: Composed) -> Plan:
-    """The backend's plan for ``composed`` plus its memory plan per device (``memory``) and its cost
+    """The backend's plan for ``composed`` (refused with ConfigError where its hardware cannot run the
+    config) plus its memory plan per device (``memory``) and its cost
     estimate (earlier runs in MLflow, read-only)."""
     from llmctl.backends import backend_for
 
+    from llmctl.validate import check_hardware
+
     plan = backend_for(composed.cfg["infra"]["kind"]).plan(composed)
+    check_hardware(plan.cfg, plan.hardware)  # e.g. train.fp8 on a GPU without FP8: refused, nothing created
     plan.tracking_uri = resolve_uri(composed.cfg["tracking"]["uri"])
     try:
         from llmctl import memory

@@ -26,6 +26,19 @@ def validate(cfg: dict[str, Any]) -> None:
         raise ConfigError("Bad value for 'infra.nproc_per_node': must be >= 0 (0 = automatic)")
 
 
+def check_hardware(cfg: dict[str, Any], hardware: Any) -> None:
+    """What the config asks of the devices the plan targets (``llmctl.hardware.Hardware``): FP8
+    matmuls need an FP8 GPU, refused here rather than after a cluster is up (the trainer checks the
+    real device again when it starts; a GPU whose name llmctl does not know is left to that check)."""
+    from workloads.pretrain.hardware import capability_for, fp8_refusal
+
+    recipe = str(getattr(cfg["train"].get("fp8"), "value", cfg["train"].get("fp8")) or "none")
+    gpu = hardware.gpu if hardware.gpus_per_node else None
+    refusal = fp8_refusal(recipe, gpu, capability_for(gpu) if gpu else None)
+    if refusal:
+        raise ConfigError(refusal)
+
+
 def pretrained(cfg: dict[str, Any]) -> dict[str, Any]:
     """``model.init_from``: the shape (and tokenizer) are the checkpoint's, as the trainer will see them."""
     from workloads.pretrain import hf_config

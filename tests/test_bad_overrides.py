@@ -30,6 +30,8 @@ BAD = [
     ("=5", ["'=5'", "key=value"]),
     ("~model", ["model", "cannot be removed"]),
     ("hydra.run.dir=/tmp", ["hydra"]),
+    ("train.fp8=fp4", ["train.fp8", "none|tensorwise|rowwise"]),
+    ("train.fp8=rowwise", ["train.fp8", "Fix: add train.dtype=bf16"]),
 ]
 
 

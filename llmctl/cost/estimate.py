@@ -47,12 +47,14 @@ def val_passes(steps: int, val_every: int) -> int:
 
 
 def shape_key(cfg: Mapping[str, Any]) -> str:
-    """What makes two runs' tokens/s comparable (tag ``llmctl.shape``): the model, T, dtype, kernels, tp, ac."""
+    """What makes two runs' tokens/s comparable (tag ``llmctl.shape``): the model, T, dtype (and fp8
+    recipe, as ``bf16+fp8rowwise``: no dash, so the key's fields stay put), kernels, tp, ac."""
     m, t, p = cfg["model"], cfg["train"], cfg["parallel"]
     hidden = hidden_dim(m)
+    fp8 = _plain(t.get("fp8") or "none")
     return (f"d{m['dim']}-L{m['n_layers']}-H{m['n_heads']}-KV{m.get('n_kv_heads') or m['n_heads']}"
             f"-V{m['vocab_size']}-F{hidden}-tie{int(bool(m['tie_embeddings']))}-T{t['seq_len']}"
-            f"-{_plain(t['dtype'])}-{_plain(m['kernels'])}{'-compiled' if m.get('compile') else ''}"
+            f"-{_plain(t['dtype'])}{'' if fp8 == 'none' else '+fp8' + fp8}-{_plain(m['kernels'])}{'-compiled' if m.get('compile') else ''}"
             f"-tp{p.get('tp', 1)}-ac{_plain(p.get('ac', 'none'))}")
 
 

@@ -1,4 +1,4 @@
-"""How the Transformer is distributed: mesh degrees, then TP -> AC -> compile -> FSDP2.
+"""How the Transformer is distributed: mesh degrees, then FP8 -> TP -> AC -> compile -> FSDP2.
 
 ``ParallelDims`` validates ``parallel.*`` against the world size (``validate``, the same rules
 llmctl applies when it composes the config) before any process-group work, then builds a named DeviceMesh
@@ -71,6 +71,8 @@ class ParallelDims:
 def parallelize(model: Transformer, dims: ParallelDims, mesh: DeviceMesh | None, cfg: Any) -> Transformer:
     """Apply the configured parallelisms in place, in this fixed order:
 
+    0. FP8 (``train.fp8``) swaps eligible linears for torchao's Float8Linear before anything
+       wraps, compiles or shards them (``fp8.py``; refused with TP by ``validate``).
     1. TP first: it swaps parameters for tp-sharded DTensors, which everything after must see.
     2. AC wraps whole blocks, so it comes after TP has rewritten the modules inside them.
     3. compile each (checkpointed) block: the graph then contains the recomputation and TP's
@@ -78,6 +80,10 @@ def parallelize(model: Transformer, dims: ParallelDims, mesh: DeviceMesh | None,
     4. FSDP2 last: it shards whatever parameters exist (on the dp mesh; 2-D with TP) and
        registers its all-gather / reduce-scatter hooks around the final modules.
     """
+    from workloads.pretrain import fp8
+
+    if fp8.recipe(cfg) != "none":
+        fp8.convert(model, fp8.recipe(cfg), fsdp=dims.dp_enabled)
     if dims.tp_enabled:
         apply_tp(model, mesh["tp"])
     ac = _value(cfg.parallel.ac)

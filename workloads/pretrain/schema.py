@@ -56,6 +56,15 @@ class DType(str, enum.Enum):
     bf16 = "bf16"
 
 
+class Fp8(str, enum.Enum):
+    """FP8 matmuls through torchao's float8 training (``fp8.py``): ``tensorwise`` (one scale per
+    tensor: fastest, FP8 all-gather under FSDP) or ``rowwise`` (a scale per row: more accurate)."""
+
+    none = "none"
+    tensorwise = "tensorwise"
+    rowwise = "rowwise"
+
+
 class Schedule(str, enum.Enum):
     cosine = "cosine"
     linear = "linear"
@@ -137,6 +146,8 @@ class TrainCfg:
     grad_clip: float = 1.0
     seed: int = 0
     dtype: DType = DType.fp32
+    # FP8 linears on an FP8 GPU (compute capability >= 8.9), over train.dtype=bf16 (docs/scale.md)
+    fp8: Fp8 = Fp8.none
     log_every: int = 10
     val_every: int = 50
     val_batches: int = 4

@@ -7,7 +7,7 @@ not compose presets: it runs under plain torchrun with its own dependencies.
 
 Order of work, top to bottom in ``train``: layout validation -> devices, process group and
 DeviceMesh -> data -> model (built on meta, materialised, initialised from ``train.seed``, the
-same on every rank) -> ``parallelize`` (TP -> AC -> compile -> FSDP2) -> optimizer -> resume from
+same on every rank) -> ``parallelize`` (FP8 -> TP -> AC -> compile -> FSDP2) -> optimizer -> resume from
 the newest complete checkpoint -> loop (val at step 0, every ``val_every`` and at the end; logs
 every ``log_every``; checkpoints every ``checkpoint.every`` and at the end).
 
@@ -50,7 +50,7 @@ from workloads.pretrain.metrics import MetricSink, format_train_line, peak_memor
 from workloads.pretrain.model import Transformer
 from workloads.pretrain.optim import build_optimizer, lr_factor
 from workloads.pretrain.parallelize import ParallelDims, local_loss, loss_context, parallelize, set_gradient_sync
-from workloads.pretrain import preempt, shape, system_metrics
+from workloads.pretrain import fp8, preempt, shape, system_metrics
 from workloads.pretrain.validate import ConfigError
 
 FAIL_AT_STEP_ENV = "LLMCTL_FAIL_AT_STEP"
@@ -228,6 +228,8 @@ def train(cfg: Any) -> dict:
     tc, mc = cfg.train, cfg.model
     say = (lambda *a: print(*a, flush=True)) if env.is_main else (lambda *a: None)
     dtype = _value(tc.dtype)
+    fp8_recipe = fp8.recipe(cfg)
+    fp8.check_device(fp8_recipe, env.device)  # an FP8 GPU and torchao, before data or model work
 
     corpus = prepare_corpus(cfg.data)
     if corpus.vocab_size > mc.vocab_size:
@@ -265,6 +267,7 @@ def train(cfg: Any) -> dict:
 
     say(f"pretrain | model {mc.name}: {n_params / 1e6:.2f}M params (non-embedding), {mc.n_layers} layers, "
         f"dim {mc.dim}, {mc.n_heads}/{mc.n_kv_heads} heads, {_value(mc.kernels)} kernels, {dtype}"
+        f"{f', fp8 {fp8_recipe}' if fp8_recipe != 'none' else ''}"
         f"{', compiled' if mc.compile else ''}")
     say(f"pretrain | data {cfg.data.name}: {_describe(train_seqs, val_seqs)}, "
         f"vocab {corpus.vocab_size} ({'cached' if corpus.cache_hit else 'built'} {corpus.path}) | "
@@ -315,6 +318,7 @@ def train(cfg: Any) -> dict:
         max_norm = float(tc.grad_clip) if tc.grad_clip and tc.grad_clip > 0 else math.inf
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         optimizer.step()
+        fp8.after_optimizer_step(model, fp8_recipe, fsdp=env.dims.dp_enabled)
         optimizer.zero_grad(set_to_none=True)
         loss_count += 1
         steps_in_interval += 1

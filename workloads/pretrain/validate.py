@@ -55,6 +55,14 @@ def validate(cfg: dict[str, Any]) -> None:
                  f"the tokenizer's {data['vocab_size']} tokens must fit model.vocab_size={model['vocab_size']}")
         _require(data["vocab_size"] <= 65535 or data["source"] != "builtin:pydoc", "data.vocab_size",
                  "the bundled corpus supports at most 65535 tokens")
+    fp8 = getattr(train.get("fp8"), "value", train.get("fp8")) or "none"
+    if fp8 != "none":
+        dtype = getattr(train["dtype"], "value", train["dtype"])
+        _require(dtype == "bf16", "train.fp8",
+                 f"{fp8} runs the matmuls in FP8 over bf16 autocast, but train.dtype={dtype}. Fix: add train.dtype=bf16")
+        _require(cfg["parallel"]["tp"] == 1, "train.fp8",
+                 f"FP8 with tensor parallelism (parallel.tp={cfg['parallel']['tp']}) is not supported yet. "
+                 "Fix: parallel.tp=1 (FSDP shards any size), or train.fp8=none")
     ckpt = cfg["checkpoint"]
     _require(ckpt["every"] >= 0, "checkpoint.every", "must be >= 0 (0 saves only at the end)")
     _require(ckpt["keep"] >= 1, "checkpoint.keep", "must keep at least 1 checkpoint")

@@ -1,0 +1,128 @@
+"""``train.fp8`` on CPU: which devices are refused and with what message, which linears torchao
+converts (its float8 matmul is emulated on CPU, so the converted model also trains a step here),
+and the trainer's own refusal when started on a machine without an FP8 GPU. The FP8 numerics on a
+real GPU are tests/gpu/test_gpu.py's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from workloads.pretrain import fp8
+from workloads.pretrain.hardware import capability_for, fp8_refusal
+from workloads.pretrain.validate import ConfigError, validate
+
+
+@pytest.mark.parametrize("name, capable", [
+    ("H100", True), ("NVIDIA H100 80GB HBM3", True), ("H200", True), ("GH200", True), ("B200", True),
+    ("GB200", True), ("L4", True), ("L40S", True), ("NVIDIA GeForce RTX 4090", True), ("RTX6000-Ada", True),
+    ("A100", False), ("A100-80GB", False), ("NVIDIA A100-SXM4-80GB", False), ("A10G", False), ("V100", False),
+    ("T4", False), ("RTX A6000", False),
+])
+def test_fp8_capable_devices_by_name(name: str, capable: bool) -> None:
+    refusal = fp8_refusal("tensorwise", name, capability_for(name))
+    assert (refusal is None) == capable, refusal
+    if not capable:
+        assert refusal.startswith("train.fp8=tensorwise needs an FP8 GPU (compute capability >= 8.9")
+        assert f"this run targets {name}" in refusal and "Fix: train.fp8=none" in refusal
+
+
+def test_cpu_is_refused_and_none_is_never_refused() -> None:
+    assert "this run targets CPU" in fp8_refusal("rowwise", None, None)
+    assert fp8_refusal("none", None, None) is None and fp8_refusal("none", "T4", (7, 5)) is None
+    assert fp8_refusal("rowwise", "SomeFutureGPU", None) is None  # unknown: the trainer checks the device
+
+
+def test_the_trainer_refuses_a_cpu_device_before_importing_torchao() -> None:
+    with pytest.raises(ConfigError, match=r"train.fp8=rowwise needs an FP8 GPU .* targets CPU"):
+        fp8.check_device("rowwise", torch.device("cpu"))
+    fp8.check_device("none", torch.device("cpu"))  # no-op
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    ({"train.fp8": "tensorwise"}, "Fix: add train.dtype=bf16"),
+    ({"train.fp8": "rowwise", "train.dtype": "bf16", "parallel.tp": 2}, "Fix: parallel.tp=1"),
+])
+def test_validate_refuses_fp8_without_bf16_or_with_tp(make_tiny_cfg, overrides: dict, needle: str) -> None:
+    from workloads.pretrain.config import plain
+
+    with pytest.raises(ConfigError, match="train.fp8") as info:
+        validate(plain(make_tiny_cfg(**overrides)))
+    assert needle in str(info.value)
+    validate(plain(make_tiny_cfg(**{"train.fp8": "rowwise", "train.dtype": "bf16"})))  # the fixed one passes
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_conversion_skips_the_head_and_dims_not_multiple_of_16(make_tiny_cfg, recipe: str) -> None:
+    pytest.importorskip("torchao.float8", reason="torchao not installed (pip install 'llmctl[fp8]')")
+    from torchao.float8.float8_linear import Float8Linear
+
+    from workloads.pretrain.model import Transformer
+
+    cfg = make_tiny_cfg(**{"model.hidden_dim": 40})  # FFN 64 -> 40 -> 64: not FP8-able; attention is
+    with torch.device("meta"):
+        model = Transformer(cfg.model)
+    converted = fp8.convert(model, recipe, fsdp=False)
+    attention = {f"layers.{i}.attention.{w}" for i in range(cfg.model.n_layers) for w in ("wq", "wk", "wv", "wo")}
+    assert set(converted) == attention
+    assert all(isinstance(model.get_submodule(n), Float8Linear) for n in attention)
+    assert not isinstance(model.output, Float8Linear)
+    assert not isinstance(model.layers["0"].feed_forward.w1, Float8Linear)
+    assert model.layers["0"].attention.wq.config.cast_config_weight.scaling_granularity.value == (
+        "tensorwise" if recipe == "tensorwise" else "axiswise")
+
+
+def test_a_converted_model_trains_a_step_close_to_bf16_on_cpu(make_tiny_cfg) -> None:
+    """torchao emulates the FP8 matmul on CPU: the first loss matches bf16 to FP8's precision and
+    every converted weight gets a gradient."""
+    pytest.importorskip("torchao.float8", reason="torchao not installed (pip install 'llmctl[fp8]')")
+    from workloads.pretrain.model import build_model
+
+    cfg = make_tiny_cfg().model
+    torch.manual_seed(0)
+    reference = build_model(cfg)
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    fp8.convert(model, "tensorwise", fsdp=False)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 65), generator=torch.Generator().manual_seed(0))
+    losses = []
+    for m in (reference, model):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            losses.append(m(tokens[:, :-1], tokens[:, 1:]))
+        losses[-1].backward()
+    assert abs(losses[0].item() - losses[1].item()) < 0.02 * losses[0].item(), losses
+    grad = model.layers["1"].attention.wq.weight.grad
+    assert grad is not None and grad.abs().sum() > 0
+
+
+def test_the_trainer_exits_2_on_cpu_with_one_line(write_tiny_config, workload_env, workload) -> None:
+    proc = workload.run(["--config", str(write_tiny_config(**{"train.dtype": "bf16"})), "train.fp8=tensorwise"],
+                        workload_env)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert "config error: train.fp8=tensorwise needs an FP8 GPU" in proc.stderr and "train.fp8=none" in proc.stderr
+    assert "pretrain | model" not in proc.stdout  # refused before the model or data
+
+
+def test_fsdp_with_fp8_all_gather_trains_on_two_ranks(workload_env) -> None:
+    """Under FSDP2 (2 gloo ranks) tensorwise shards its weights as torchao's FP8-all-gather tensor
+    and steps with the scale precompute; rowwise keeps plain shards. Same init and batches: each
+    recipe's losses stay within 2% of bf16's (FP8 rounding, no more)."""
+    pytest.importorskip("torchao.float8", reason="torchao not installed (pip install 'llmctl[fp8]')")
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(Path(__file__).with_name("fp8_fsdp_worker.py")), "none", "tensorwise", "rowwise"],
+                          cwd=repo, env={**workload_env, "PYTHONPATH": str(repo)}, text=True, capture_output=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = {r["recipe"]: r for r in map(json.loads, (l for l in proc.stdout.splitlines() if l.startswith("{")))}
+    assert runs["tensorwise"]["local_weight"] == "WeightWithDynamicFloat8CastTensor"
+    assert runs["rowwise"]["local_weight"] == runs["none"]["local_weight"] == "Tensor"
+    for recipe in ("tensorwise", "rowwise"):
+        for a, b in zip(runs[recipe]["losses"], runs["none"]["losses"]):
+            assert abs(a - b) < 0.02 * b, (recipe, runs[recipe]["losses"], runs["none"]["losses"])
