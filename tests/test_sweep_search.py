@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import run_cli
+from helpers import pip_target, run_cli
 from llmctl.errors import ConfigError
 from llmctl.sweep import search
 from llmctl.sweep.expand import expand
@@ -46,7 +46,6 @@ ORACLE = "hydra-optuna-sweeper==1.3.0"
 @pytest.fixture(scope="module")
 def oracle(tmp_path_factory: pytest.TempPathFactory) -> object:
     import importlib
-    import subprocess
     import sys
 
     try:
@@ -54,8 +53,7 @@ def oracle(tmp_path_factory: pytest.TempPathFactory) -> object:
     except ImportError:
         pass
     target = tmp_path_factory.mktemp("oracle")
-    got = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), ORACLE],
-                         capture_output=True, text=True, timeout=600)
+    got = pip_target(target, ORACLE)
     if got.returncode != 0:
         pytest.skip(f"could not fetch the oracle ({ORACLE} from PyPI): {got.stderr[-500:]}")
     sys.path.insert(0, str(target))  # hydra_plugins is a namespace package: its path picks this up
