@@ -2,9 +2,9 @@
 contenders window by window (so clock, thermal and neighbour drift hits each alike) and keep the
 median tokens/s of each, plus the transient memory a step adds on top of what stays resident.
 
-Note: written for benchmarks/gpu_fp8.py; benchmarks/gpu_vs_torchtitan.py has its own
-one-after-the-other loop (``measure``) and was left untouched while it is being rewritten; it can
-move onto ``alternate`` when its contenders fit on the device together.
+Used by benchmarks/gpu_fp8.py (``warm_up`` and ``alternate``) and benchmarks/gpu_vs_torchtitan.py
+(``warm_up``; its sides run one after the other, since two 1B models with AdamW state do not both
+fit beside each other comfortably, and it reports each side's whole peak, not the per-step one).
 """
 
 from __future__ import annotations

@@ -46,6 +46,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import titan_sides as ts  # noqa: E402
+from gpu_timing import warm_up  # noqa: E402
 
 sys.path.insert(0, str(ts.REPO))
 
@@ -103,12 +104,7 @@ def measure(side: ts.Side, device, x, y) -> dict:
         opt.zero_grad(set_to_none=True)
         return loss.detach()
 
-    t0 = time.perf_counter()
-    for _ in range(WARMUP):
-        loss = step()
-    torch.cuda.synchronize(device)
-    print(f"gpu_vs_torchtitan |   {side.name}: warmup (incl. compile) {time.perf_counter() - t0:.1f}s, "
-          f"loss {float(loss):.3f}", flush=True)
+    warm_up(side.name, step, WARMUP, device, "gpu_vs_torchtitan")
     rates = []
     for _ in range(ROUNDS):
         torch.cuda.synchronize(device)

@@ -191,7 +191,7 @@ class Setup:
     def loss_chunk(self) -> int:
         """Tokens per chunk of the fused loss (``losses.default_chunk_size``), at most the
         micro-batch's tokens."""
-        return min(self.micro * self.seq, default_chunk_size(self.vocab, "cpu" if self.device == "cpu" else "cuda"))
+        return min(self.micro * self.seq, default_chunk_size(self.vocab, self.device))
 
 
 def setup(cfg: Any, world_size: int, device: str = "cuda") -> Setup:
