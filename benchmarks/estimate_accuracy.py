@@ -16,11 +16,13 @@ Prints both ratios (predicted / actual) of every round, and last their medians o
 (goals 0.90-1.10 for (a), 0.75-1.25 for (b) on a quiet machine):
 ``estimate_accuracy: <a> (4x length), <b> (4x FLOPs/token)``.
 
-Why rounds: on the 2-core CI machine the same matmul loop runs anywhere between 111 and 153 GFLOP/s
-from one 4-second window to the next with nothing else running (docs/benchmarks.md), so one
-6-second calibration is one draw of that noise; the median of three rounds is the estimator's
-accuracy, one round is mostly the machine's.
-Everything lives in temp dirs; takes about six minutes on a 2-core machine.
+Why rounds: on these 2-core VMs a process draws its speed when it starts. Identical 60-step
+launches, one after another with nothing else running, held 4,100 and 5,260 tok/s (each flat within
+itself) while a matmul loop beside nothing held 61-68 GFLOP/s the whole time (docs/benchmarks.md):
+per-process placement, not load, and no software setting changed it (glibc malloc thresholds did
+not). So one round's ratio is mostly two draws of that noise, calibration and actual; the median
+of five rounds is the estimator's own error.
+Everything lives in temp dirs; takes about seventeen minutes on a 2-core machine.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CALIB_STEPS, LONGER_STEPS, BIGGER_STEPS = 30, 120, 30
-ROUNDS = 3
+ROUNDS = 5
 BIGGER = ["model.dim=256", "model.n_layers=6"]  # 4.3x the smoke shape's training FLOPs per token at seq 128
 COMMON = ["model=smoke", "train.batch_size=16", "train.seq_len=128", "train.log_every=5", "train.val_every=25",
           "checkpoint.every=0", "infra.price_per_gpu_hour=1.0"]
