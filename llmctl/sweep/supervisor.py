@@ -234,10 +234,19 @@ class Supervisor:
             for step, value in new:
                 trial.report(value, step)
                 self.reported[index] = step
-            if trial.should_prune():
+            if new[-1][0] < self.last_step(index) and trial.should_prune():  # a last-step report: nothing left to save
                 self.pruned[index] = new[-1]
                 proc.send_signal(signal.SIGTERM)  # as a preemption: the workers save, then stop
                 _say(f"trial {index} pruned at step {new[-1][0]} ({self.spec['metric']} {new[-1][1]:.4f})")
+
+    def last_step(self, index: int) -> float:
+        """The trial's final step: a report there comes from a trial that has done all its work, so
+        pruning it would only turn a complete trial into a KILLED one (a race with its own exit)."""
+        entry = next((t for t in self.spec["trials"] if t["index"] == index), None)
+        try:
+            return int(entry["cfg"]["train"]["steps"])
+        except (TypeError, KeyError, ValueError):
+            return float("inf")
 
     def tell(self, index: int) -> None:
         """Tell the study how trial ``index`` ended (once): its metric, pruned, or failed."""
