@@ -181,3 +181,50 @@ def test_pruners_wait_for_a_quarter_of_the_steps(kind: str) -> None:
     assert judged_at(search.pruner(kind, sp.search["grace_steps"]))[0] == 4
     if kind == "asha":
         assert judged_at(search.pruner(kind, None))[0] == 2  # Optuna's default: a rung at step 1
+
+
+def test_a_report_at_the_final_step_is_never_pruned(tmp_path: Path) -> None:
+    """A trial reporting its last step has done all its work: pruning it would race its own exit and
+    record a complete trial as KILLED (seen in CI). Real store, real Optuna trial, a real child
+    process, and a pruner that always says prune: the report before the last step stops the process,
+    the last-step report leaves it alone."""
+    import signal
+    import subprocess
+    import sys
+
+    import optuna
+
+    from llmctl import tracking
+    from llmctl.sweep.supervisor import Supervisor
+
+    class AlwaysPrune(optuna.pruners.BasePruner):
+        def prune(self, study: object, trial: object) -> bool:
+            return True
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    mc = tracking.client(uri)
+    eid = mc.create_experiment("prune")
+    study = optuna.create_study(pruner=AlwaysPrune())
+    sup = Supervisor.__new__(Supervisor)  # the state check_pruning reads, without a sweep directory
+    sup.mc, sup.study, sup.pruned, sup.reported = mc, study, {}, {}
+    sup.search, sup.spec = {"prune": "asha"}, {"metric": "val/loss", "trials": []}
+    procs, run_ids = [], {}
+    for index, (final, reported) in enumerate([(12, 12), (12, 10)]):
+        study.ask()
+        run_id = mc.create_run(eid).info.run_id
+        for step in range(2, reported + 1, 2):
+            mc.log_metric(run_id, "val/loss", 9.0 - step / 10, step=step)
+        sup.spec["trials"].append({"index": index, "cfg": {"train": {"steps": final}}})
+        procs.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"]))
+        run_ids[index] = run_id
+    sup.run_ids = run_ids
+    sup.running = {i: (p, i) for i, p in enumerate(procs)}
+    try:
+        sup.check_pruning()
+        assert procs[1].wait(timeout=60) == -signal.SIGTERM and sup.pruned == {1: (10, 8.0)}
+        assert procs[0].poll() is None, "the trial that reported its final step was signalled"
+        assert sup.reported == {0: 12, 1: 10}  # both reports reached Optuna
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()

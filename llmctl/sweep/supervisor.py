@@ -51,6 +51,11 @@ def _say(message: str) -> None:
 # ----------------------------------------------------------------------------- one trial
 
 
+def trial_entry(spec: dict[str, Any], index: int) -> Optional[dict[str, Any]]:
+    """Trial ``index`` of the spec (a search sweep's trials are appended as they are asked)."""
+    return next((t for t in spec["trials"] if t["index"] == index), None)
+
+
 def run_trial(d: Path, index: int, run_id: str) -> int:
     """Run trial ``index`` into its (already created) child run; the lifecycle's exit code."""
     from llmctl import lifecycle
@@ -61,7 +66,7 @@ def run_trial(d: Path, index: int, run_id: str) -> int:
     signal.signal(signal.SIGTERM, raise_interrupted)  # the supervisor may cancel before the workers start
     signal.signal(signal.SIGINT, raise_interrupted)
     spec = state.read_json(d / state.SPEC_FILE)
-    trial = next(t for t in spec["trials"] if t["index"] == index)
+    trial = trial_entry(spec, index)
 
     def say(text: str, err: bool = False) -> None:
         print(f"trial {index}: {text}", file=sys.stderr if err else sys.stdout, flush=True)
@@ -203,7 +208,7 @@ class Supervisor:
         from llmctl.sweep import search
         from llmctl.sweep.expand import compose_trials
 
-        entry = next((t for t in self.spec["trials"] if t["index"] == number), None)
+        entry = trial_entry(self.spec, number)
         if entry is None:
             overrides = self.space.fixed + [search.as_override(k, params[k]) for k in self.space.dists]
             [composed] = compose_trials([overrides], self.spec.get("config_dir"))  # its ends were checked at launch
@@ -242,7 +247,7 @@ class Supervisor:
     def last_step(self, index: int) -> float:
         """The trial's final step: a report there comes from a trial that has done all its work, so
         pruning it would only turn a complete trial into a KILLED one (a race with its own exit)."""
-        entry = next((t for t in self.spec["trials"] if t["index"] == index), None)
+        entry = trial_entry(self.spec, index)
         try:
             return int(entry["cfg"]["train"]["steps"])
         except (TypeError, KeyError, ValueError):
