@@ -18,6 +18,20 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                      help="skip the test that brings up Slurm on localhost (needs root and apt packages)")
 
 
+# Test files that take minutes, longest first (CI's durations). With addopts' `--dist loadfile
+# --no-loadscope-reorder` the xdist workers take files in this collection order, so these start first
+# and the many short files fill in around them; xdist's own reorder (most tests first) left the
+# Slurm file, with 3 tests and 15 minutes, for last.
+LONGEST_FIRST = ("tests/test_docs.py", "tests/sky/test_slurm_launch.py", "tests/test_sweep_search_e2e.py",
+                 "tests/test_lifecycle.py", "tests/test_resume.py", "tests/test_sweep_e2e.py",
+                 "tests/test_eval_e2e.py", "tests/test_runs_local.py", "tests/test_schedule_extend.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))  # stable: files keep their order
+
+
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One tokenizer/corpus cache per test session (training the BPE takes a few seconds)."""

@@ -92,6 +92,9 @@ def _forward_sigterm(proc: subprocess.Popen[Any], grace_s: float) -> Any:
         note_stop_request(signum)
         if state:
             raise Interrupted(signal.SIGTERM)
+        # before anything else: a second SIGTERM can run this handler again inside this call, and
+        # must then find the first one recorded (else it only repeats the forward)
+        state["first"] = time.monotonic()
         try:
             os.killpg(proc.pid, signal.SIGTERM)
         except ProcessLookupError:
