@@ -32,6 +32,22 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))  # stable: files keep their order
 
 
+def _split_cores_between_workers() -> None:
+    """xdist workers share the cores: every torch they start (in-process or a child) takes its share.
+
+    Without this each training a test starts takes every core: two 80-step smoke launches at once
+    took 49-65 s with 2 threads each on a 2-core machine, 27 s with 1 each (alone: 23 s). The trainer
+    and torch both honour an explicit ``OMP_NUM_THREADS``; a value the caller set is kept.
+    """
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1 and "OMP_NUM_THREADS" not in os.environ:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        os.environ["OMP_NUM_THREADS"] = str(max(1, cores // workers))
+
+
+_split_cores_between_workers()
+
+
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One tokenizer/corpus cache per test session (training the BPE takes a few seconds)."""

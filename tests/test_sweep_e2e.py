@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -46,8 +47,9 @@ def _processes_mentioning(*needles: str) -> list[str]:
 
 def test_sweep_of_four_trials_two_at_a_time(cli_env: dict[str, str], tmp_path: Path) -> None:
     t0 = time.monotonic()
+    env = {k: v for k, v in cli_env.items() if k != "OMP_NUM_THREADS"}  # the supervisor splits the cores
     out = run_cli(["launch", "-m", "--max-parallel", "2", "--wait", *TINY, "train.lr=1e-3,3e-4", "train.seed=0,1"],
-                  tmp_path, cli_env)
+                  tmp_path, env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     sid = _sweep_id(out.stdout)
     parent, children = _sweep_runs(tmp_path)
@@ -69,6 +71,12 @@ def test_sweep_of_four_trials_two_at_a_time(cli_env: dict[str, str], tmp_path: P
         assert sorted(m.step for m in train) == list(range(LOG_EVERY, STEPS + 1, LOG_EVERY))
         assert sorted(m.step for m in val) == list(range(0, STEPS + 1, VAL_EVERY))
         assert len(tok) == STEPS // LOG_EVERY
+
+    # two trials at once each took half the cores (the trainer once ignored the supervisor's split)
+    share = max(1, (os.cpu_count() or 1) // 2)
+    for c in children:
+        log = (tmp_path / "llmctl-runs" / c.info.run_id / "output.log").read_text()
+        assert f"world 1 on cpu ({share} threads/proc)" in log, log[-2000:]
 
     # at most two trials trained at once (first and last metric timestamps of each)
     spans = []

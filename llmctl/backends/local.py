@@ -94,7 +94,7 @@ def _forward_sigterm(proc: subprocess.Popen[Any], grace_s: float) -> Any:
             raise Interrupted(signal.SIGTERM)
         # before anything else: a second SIGTERM can run this handler again inside this call, and
         # must then find the first one recorded (else it only repeats the forward)
-        state["first"] = time.monotonic()
+        state["forwarded"] = True
         try:
             os.killpg(proc.pid, signal.SIGTERM)
         except ProcessLookupError:

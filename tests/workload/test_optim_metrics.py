@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from workloads.pretrain.hardware import cpu_threads
 from workloads.pretrain.schema import TrainCfg
 from workloads.pretrain.metrics import MetricSink, format_train_line, peak_memory_gb, peak_tflops
 from workloads.pretrain.optim import build_optimizer, lr_factor
@@ -40,6 +41,18 @@ def test_no_mfu_on_cpu_and_peak_table_order():
                                        "perf/tokens_per_s": 12345.0, "perf/tflops": 0.1, "perf/mfu": None})
     assert line.startswith("step  10/100 | loss 6.1234 | lr 3.00e-03") and "12,345 tok/s" in line
     assert line.endswith("MFU n/a (cpu)")
+
+
+def test_cpu_threads_honours_omp_num_threads_else_splits_the_cores(monkeypatch):
+    """A set OMP_NUM_THREADS wins (sweeps and parallel tests split the cores with it); else a share."""
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert [cpu_threads(n) for n in (1, 2, 3, 8, 16)] == [8, 4, 2, 1, 1]
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert cpu_threads(1) == cpu_threads(2) == 3
+    for junk in ("", "0", "two", "-1"):
+        monkeypatch.setenv("OMP_NUM_THREADS", junk)
+        assert cpu_threads(2) == 4, junk
 
 
 def test_peak_table_resolves_real_device_names():

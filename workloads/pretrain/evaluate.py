@@ -50,6 +50,7 @@ from workloads.pretrain.checkpoint_layout import MARKER, fs_and_path, join, late
 from workloads.pretrain.config import parse_args
 from workloads.pretrain.contract import EXPORT_INFO
 from workloads.pretrain.data import EOT, Corpus, load_texts, prepare_corpus, val_batches
+from workloads.pretrain.hardware import cpu_threads
 from workloads.pretrain.losses import IGNORE_INDEX
 from workloads.pretrain.model import Transformer, build_model
 
@@ -230,8 +231,7 @@ def _init() -> tuple[int, int, torch.device]:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+        torch.set_num_threads(cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(minutes=10))
     return rank, world, device

@@ -6,6 +6,7 @@ run and the throughput assumed before it ran share one source.
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 # (device-name substring, dense bf16 TFLOP/s, fp32 non-tensor-core TFLOP/s). First match wins,
@@ -28,6 +29,20 @@ PEAK_TFLOPS: list[tuple[str, float, float]] = [
     ("RTX 4090", 165.0, 82.6),
     ("RTX 3090", 71.0, 35.6),
 ]
+
+
+def cpu_threads(local_world: int) -> int:
+    """Intra-op threads for one of ``local_world`` processes sharing this machine's CPUs.
+
+    An explicit ``OMP_NUM_THREADS`` wins, as in any PyTorch program: concurrent sweep trials and a
+    parallel test suite set it to split the cores, and two jobs that each took every core would thrash.
+    Without it each process takes its share of the cores it may run on.
+    """
+    explicit = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if explicit.isdigit() and int(explicit) > 0:
+        return int(explicit)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // local_world)
 
 
 def peak_for(name: str, dtype: str) -> Optional[float]:

@@ -46,6 +46,7 @@ from workloads.pretrain.config import parse_args
 from workloads.pretrain.contract import EXIT_CONFIG, EXIT_PREEMPTED
 from workloads.pretrain.data import Sampler, prepare_corpus, val_batches
 from workloads.pretrain.dataset_input import log_training_corpus
+from workloads.pretrain.hardware import cpu_threads
 from workloads.pretrain.metrics import MetricSink, format_train_line, peak_memory_gb, peak_tflops
 from workloads.pretrain.model import Transformer
 from workloads.pretrain.optim import build_optimizer, lr_factor
@@ -118,9 +119,7 @@ def init_distributed(cfg: Any) -> DistEnv:
     else:
         device = torch.device("cpu")
         backend = "gloo"
-        # Processes sharing a CPU would otherwise each spawn a thread per core and thrash.
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        torch.set_num_threads(max(1, cores // local_world))
+        torch.set_num_threads(cpu_threads(local_world))  # processes sharing a CPU would otherwise thrash
     mesh = None
     if world > 1:
         if not dist.is_initialized():
