@@ -5,7 +5,8 @@ within 15% of torch's memory tracker); the device's memory comes from SkyPilot's
 (``device_memory``) for cloud GPUs, ``nvidia-smi`` for local GPUs, and this machine's RAM shared by
 its processes on CPU. ``launch`` and ``resume`` refuse a job whose plan exceeds the usable memory
 (``RESERVE``: CUDA context, workspaces and allocator slack that no tensor accounts for), naming
-the cheapest change that fits.
+the cheapest change that fits. ``parallel.grad_sync=auto`` is decided here: gradients reduced once
+per step where that fits, else after every micro-batch (FSDP keeps them sharded).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ _AC_COST = {"none": 0.0, "selective": 0.10, "full": 0.33}
 _HALVING_COST = 0.02
 _TP_COST = 0.08
 _UNREPLICATE_COST = 0.03
+_SYNC_EACH_COST = 0.02  # a reduce-scatter per micro-batch instead of per step, mostly overlapped
 
 
 @dataclass
@@ -117,14 +119,29 @@ def _device_type(plan: Any) -> str:
     return "cuda" if plan.hardware.gpu else "cpu"
 
 
+def _with_grad_sync(cfg: dict[str, Any], mode: str) -> dict[str, Any]:
+    return {**cfg, "parallel": {**cfg["parallel"], "grad_sync": mode}}
+
+
 def check(plan: Any) -> MemoryFit:
-    """The memory plan of ``plan`` against its device, with the cheapest fix when it does not fit."""
+    """The memory plan of ``plan`` against its device, with the cheapest fix when it does not fit.
+
+    Resolves ``parallel.grad_sync=auto`` in ``plan.cfg`` (what the trainer is given): ``step``, one
+    reduction per optimizer step, unless only reducing after each micro-batch fits."""
     from workloads.pretrain.memory_plan import plan_memory
 
     device = _device_type(plan)
+    auto = str(plan.cfg["parallel"].get("grad_sync", "auto")) == "auto"
+    if auto:
+        plan.cfg = _with_grad_sync(plan.cfg, "step")
     mem = plan_memory(plan.cfg, plan.world_size, device)
     capacity, label = device_memory(plan)
     fit = MemoryFit(mem, capacity, label)
+    if auto and fit.fits is False:
+        each = plan_memory(_with_grad_sync(plan.cfg, "micro_batch"), plan.world_size, device)
+        if each.total < mem.total:
+            plan.cfg = _with_grad_sync(plan.cfg, "micro_batch")
+            fit = MemoryFit(each, capacity, label)
     if fit.fits is False:
         found = cheapest_fix(plan.cfg, plan.world_size, device, fit.usable, plan.hardware.gpus_per_node or 1)
         if found:
@@ -135,6 +152,7 @@ def check(plan: Any) -> MemoryFit:
 def _candidates(cfg: dict[str, Any], world: int, gpus_per_node: int):
     """(cost, overrides, cfg) for each combination of the changes that lower memory."""
     import copy
+    import itertools
 
     from workloads.pretrain.validate import ConfigError, resolve_layout
 
@@ -144,38 +162,41 @@ def _candidates(cfg: dict[str, Any], world: int, gpus_per_node: int):
     tps = [t for t in (1, 2, 4, 8) if t >= par["tp"] and t <= gpus_per_node and model["n_heads"] % t == 0
            and model["n_kv_heads"] % t == 0]
     replicate = [False, True] if par["dp_replicate"] > 1 else [False]
-    for unrep in replicate:
-        for tp in tps:
-            for ac in acs:
-                c = copy.deepcopy(cfg)
-                c["parallel"].update(ac=ac, tp=tp)
-                over, cost = [], _AC_COST[ac] - _AC_COST.get(ac_now, 0)
-                if ac != ac_now:
-                    over.append(f"parallel.ac={ac}")
-                if tp != par["tp"]:
-                    over.append(f"parallel.tp={tp}")
-                    cost += _TP_COST * (tp // par["tp"]).bit_length()
-                if unrep:
-                    c["parallel"].update(dp_replicate=1, dp_shard=-1)
-                    over += ["parallel.dp_replicate=1", "parallel.dp_shard=-1"]
-                    cost += _UNREPLICATE_COST
-                elif tp != par["tp"] and par["dp_shard"] != -1:
-                    c["parallel"]["dp_shard"] = -1
-                    over.append("parallel.dp_shard=-1")
-                try:
-                    layout = resolve_layout(c, world)
-                except ConfigError:
-                    continue
-                local = train["batch_size"] // (layout["dp_replicate"] * layout["dp_shard"])
-                micro, halvings = train.get("micro_batch_size") or local, 0
-                while micro >= 1 and local % micro == 0:
-                    m = copy.deepcopy(c)
-                    m["train"]["micro_batch_size"] = micro
-                    extra = [f"train.micro_batch_size={micro}"] if halvings else []
-                    yield cost + _HALVING_COST * halvings, over + extra, m
-                    if micro == 1:
-                        break
-                    micro, halvings = micro // 2, halvings + 1
+    sync_now = str(par.get("grad_sync", "auto"))
+    syncs = [sync_now, "micro_batch"] if sync_now != "micro_batch" else [sync_now]
+    for unrep, tp, ac, sync in itertools.product(replicate, tps, acs, syncs):
+        c = copy.deepcopy(cfg)
+        c["parallel"].update(ac=ac, tp=tp, grad_sync=sync)
+        over, cost = [], _AC_COST[ac] - _AC_COST.get(ac_now, 0)
+        if ac != ac_now:
+            over.append(f"parallel.ac={ac}")
+        if sync != sync_now:
+            over.append(f"parallel.grad_sync={sync}")
+            cost += _SYNC_EACH_COST
+        if tp != par["tp"]:
+            over.append(f"parallel.tp={tp}")
+            cost += _TP_COST * (tp // par["tp"]).bit_length()
+        if unrep:
+            c["parallel"].update(dp_replicate=1, dp_shard=-1)
+            over += ["parallel.dp_replicate=1", "parallel.dp_shard=-1"]
+            cost += _UNREPLICATE_COST
+        elif tp != par["tp"] and par["dp_shard"] != -1:
+            c["parallel"]["dp_shard"] = -1
+            over.append("parallel.dp_shard=-1")
+        try:
+            layout = resolve_layout(c, world)
+        except ConfigError:
+            continue
+        local = train["batch_size"] // (layout["dp_replicate"] * layout["dp_shard"])
+        micro, halvings = train.get("micro_batch_size") or local, 0
+        while micro >= 1 and local % micro == 0:
+            m = copy.deepcopy(c)
+            m["train"]["micro_batch_size"] = micro
+            extra = [f"train.micro_batch_size={micro}"] if halvings else []
+            yield cost + _HALVING_COST * halvings, over + extra, m
+            if micro == 1:
+                break
+            micro, halvings = micro // 2, halvings + 1
 
 
 def cheapest_fix(cfg: dict[str, Any], world: int, device: str, usable: int,

@@ -1,9 +1,10 @@
 """Gradient accumulation (``train.micro_batch_size``): micro-batches reproduce the whole batch.
 
 The step's loss is the sum over its micro-batches of (sum of their losses / the global batch's
-count of targets), and FSDP reduces gradients once, after the last micro-batch. So 2 micro-batches
-of 8 give the losses of 1 batch of 16, in one process and with FSDP over 2 ranks, and a run resumed
-with another accumulation setting continues the curve it left.
+count of targets), and FSDP reduces gradients once, after the last micro-batch (or after each, with
+``parallel.grad_sync=micro_batch``). So 2 micro-batches of 8 give the losses of 1 batch of 16, in one
+process and with FSDP over 2 ranks either way, and a run resumed with another accumulation setting
+continues the curve it left.
 """
 
 from __future__ import annotations
@@ -52,8 +53,13 @@ def test_micro_batches_reproduce_the_whole_batch(workload, tmp_path: Path, cache
     _assert_same(micro, whole)
 
     out, fsdp = run("fsdp", "parallel.dp_shard=2", "train.micro_batch_size=4", nproc=2)
-    assert "(2 micro-batches of 4 per rank)" in out and "dp_shard 2" in out, out
+    assert "(2 micro-batches of 4 per rank, gradients reduced once)" in out and "dp_shard 2" in out, out
     _assert_same(fsdp, whole)
+    # reduce-scattered after every micro-batch (parallel.grad_sync=micro_batch): the same sums
+    out, each = run("each", "parallel.dp_shard=2", "train.micro_batch_size=4", "parallel.grad_sync=micro_batch",
+                    nproc=2)
+    assert "(2 micro-batches of 4 per rank, gradients reduced after each)" in out, out
+    _assert_same(each, whole)
 
     # killed after step 5's checkpoint; resumed with 4 micro-batches of 4 instead of 2 of 8
     shutil.rmtree(ckpt / "step-10")

@@ -43,7 +43,8 @@ def test_cases_cover_the_layouts_and_modes():
     assert layouts == {True, False}
     assert {c["cfg"]["parallel"].get("ac", "none") for c in CASES} == {"none", "selective", "full"}
     assert {c["world_size"] for c in CASES} >= {1, 2, 4, 8}
-    assert any(c["cfg"]["train"].get("micro_batch_size") for c in CASES)
+    micro_batched = [c for c in CASES if c["world_size"] > 1 and c["cfg"]["train"].get("micro_batch_size")]
+    assert {c["cfg"]["parallel"].get("grad_sync", "auto") for c in micro_batched} >= {"step", "micro_batch"}
     assert any(c["world_size"] > 1 and c["cfg"]["parallel"].get("tp", 1) == 1 for c in CASES)  # FSDP only
     assert any(c["world_size"] > c["cfg"]["parallel"].get("tp", 1) > 1 for c in CASES)  # FSDP + TP
 
@@ -110,8 +111,14 @@ def test_plan_moves_the_right_way():
     # keeps [tokens, vocab/2] fp32 log-probs where the fused loss keeps one chunk)
     fsdp, fsdp_tp = plan(world=8), plan(world=16, parallel__tp=2)
     assert fsdp_tp.activations < fsdp.activations and fsdp_tp.logits > fsdp.logits
-    # FSDP with micro-batches keeps every gradient gathered (fp32) until the last one reduces them
+    # FSDP with micro-batches keeps every gradient gathered (fp32) until the last one reduces them ...
     assert plan(train__micro_batch_size=1).unsharded > plan().unsharded
+    # ... unless it reduces after each (parallel.grad_sync=micro_batch): sharded gradients, less memory
+    each = plan(train__micro_batch_size=1, parallel__grad_sync="micro_batch")
+    once = plan(train__micro_batch_size=1, parallel__grad_sync="step")
+    assert each.unsharded < once.unsharded and each.grads > once.grads == 0 and each.total < once.total
+    assert plan(train__micro_batch_size=1, parallel__grad_sync="auto").total == once.total  # unresolved: once
+    assert plan(parallel__grad_sync="micro_batch").total == plan().total  # one micro-batch: nothing to choose
 
 
 def test_describe_is_a_short_table():

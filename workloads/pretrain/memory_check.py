@@ -107,14 +107,14 @@ def _private_propagation_fake_mode():
         _sharding_prop.detect_fake_mode = saved
 
 
-def _train_step(model, optimizer, micro_batches, dims, autocast, grad_clip: float, tracker) -> None:
+def _train_step(model, optimizer, micro_batches, dims, autocast, grad_clip: float, grad_sync: Any, tracker) -> None:
     """One optimizer step as ``train.train`` runs it (same helpers, same order)."""
-    from workloads.pretrain.parallelize import loss_context, set_gradient_sync
+    from workloads.pretrain.parallelize import gradient_sync_due, loss_context, set_gradient_sync
     from workloads.pretrain.train import step_loss
 
     for i, micro in enumerate(micro_batches):
         tracker.reset_mod_stats()  # module stats only: each forward is an "iteration" to the tracker
-        set_gradient_sync(model, i == len(micro_batches) - 1)
+        set_gradient_sync(model, gradient_sync_due(i, len(micro_batches), grad_sync))
         with loss_context(dims)():
             with autocast():
                 loss, _ = step_loss(model, micro, dims.dp)
@@ -177,7 +177,8 @@ def tracked_peak(cfg: Any, world_size: int, device: str = "cpu", steps: int = 2,
                 tracker.track_external(model, optimizer, inputs, targets)
             for _ in range(steps):
                 with tracker:  # entering resets the peak to the current use: the peak of this step
-                    _train_step(model, optimizer, micro_batches, dims, autocast, float(tc.grad_clip or 0), tracker)
+                    _train_step(model, optimizer, micro_batches, dims, autocast, float(tc.grad_clip or 0),
+                                cfg.parallel.grad_sync, tracker)
             return _by_part(tracker.get_tracker_snapshot("peak"))
 
 
@@ -218,7 +219,9 @@ CASES = [
     _case("fsdp8 d1024 selective bf16", 8, _D1024, {"batch_size": 8, "seq_len": 2048, "dtype": "bf16"},
           {"ac": "selective"}),
     _case("fsdp4 d1024 full mb1x2", 4, _D1024, {"batch_size": 8, "seq_len": 2048, "micro_batch_size": 1},
-          {"ac": "full"}, slow=True),
+          {"ac": "full", "grad_sync": "step"}, slow=True),
+    _case("fsdp4 d768 none mb1x4 sync each", 4, _D768, {"batch_size": 16, "seq_len": 512, "micro_batch_size": 1},
+          {"grad_sync": "micro_batch"}),
     _case("tp4 d1024 full fp32", 4, _D1024, {"batch_size": 4, "seq_len": 1024}, {"ac": "full", "tp": 4}, slow=True),
     _case("dp2xtp2 d768 none bf16 mb2x2", 4, _D768, {"batch_size": 8, "seq_len": 1024, "dtype": "bf16",
                                                       "micro_batch_size": 2}, {"tp": 2}),

@@ -17,6 +17,9 @@ The plan walks one optimizer step the way ``train.py`` runs it and keeps the lar
 * backward, block by block from the last: the block's recomputation (AC), its gradient
   temporaries, its weight gradients (FSDP: gathered, reduce-scattered, then sharded), the next
   block's prefetched all-gather; the saved activations of the blocks behind it;
+* between micro-batches, FSDP keeps every gathered fp32 gradient until the last micro-batch reduces
+  them (``parallel.grad_sync=step``, and ``auto`` when not resolved), or only the shards when it
+  reduces after each (``micro_batch``);
 * the optimizer step (fused AdamW: no temporaries beyond its states).
 
 Each quantity is counted in bytes on rank 0 (the rank that gets the rounded-up shards). What it
@@ -86,10 +89,18 @@ class MemoryPlan:
         head = (f"memory per device (plan): {_gib(self.total)} at the peak, {self.phase}\n"
                 f"  layout dp_replicate {lay.get('dp_replicate')} x dp_shard {lay.get('dp_shard')} x tp "
                 f"{lay.get('tp')}, {lay.get('micro_batches')} micro-batch(es) of {lay.get('micro_batch')} "
-                f"sequence(s), ac {lay.get('ac')}, {lay.get('dtype')} on {lay.get('device')}")
+                f"sequence(s){_sync_words(lay)}, ac {lay.get('ac')}, {lay.get('dtype')} on {lay.get('device')}")
         rows = [f"  {_LABELS[p]:<40s} {_gib(getattr(self, p)):>10s}" for p in PARTS if getattr(self, p)]
         note = "  (tensors only: add the CUDA context, workspaces and allocator slack, ~0.5-2 GiB)"
         return "\n".join([head, *rows, f"  {'total':<40s} {_gib(self.total):>10s}", note])
+
+
+def _sync_words(lay: dict) -> str:
+    """When FSDP reduces the gradients, where micro-batching makes it a choice (parallel.grad_sync)."""
+    if (lay.get("micro_batches") or 1) < 2 or (lay.get("dp_replicate") or 1) * (lay.get("dp_shard") or 1) < 2:
+        return ""
+    return (" (gradients reduced after each)" if lay.get("grad_sync") == "micro_batch"
+            else " (gradients reduced once, after the last)")
 
 
 def _gib(n: int) -> str:
@@ -143,11 +154,17 @@ class Setup:
     fused_kernels: bool
     rope_interleaved: bool
     packed: bool  # data.format=sft: per-token RoPE positions and a block-causal attention mask
+    grad_sync: str = "step"  # parallel.grad_sync resolved: "step" or "micro_batch" ("auto" plans as "step")
 
     @property
     def fsdp(self) -> bool:
         """``parallelize`` applies FSDP2 whenever there is more than one data-parallel rank."""
         return self.dp_replicate * self.dp_shard > 1
+
+    @property
+    def reduce_each_micro_batch(self) -> bool:
+        """FSDP reduce-scatters after every micro-batch (gradients stay sharded), not only the last."""
+        return self.fsdp and self.grad_sync == "micro_batch"
 
     @property
     def compute_bytes(self) -> int:
@@ -217,6 +234,7 @@ def setup(cfg: Any, world_size: int, device: str = "cuda") -> Setup:
         ac=str(par["ac"]), dtype=str(train["dtype"]), device=device,
         fused_kernels=str(model["kernels"]) == "fused", rope_interleaved=str(model["rope_layout"]) == "interleaved",
         packed=str(data["format"]) == "sft",
+        grad_sync="micro_batch" if str(par["grad_sync"]) == "micro_batch" else "step",
     )
 
 
@@ -409,7 +427,7 @@ def plan_memory(cfg: Any, world_size: int, device: str = "cuda") -> MemoryPlan:
     s = setup(cfg, world_size, device)
     ledger = _walk_step(s)
     layout = {"dp_replicate": s.dp_replicate, "dp_shard": s.dp_shard, "tp": s.tp, "micro_batch": s.micro,
-              "micro_batches": s.micro_batches, "ac": s.ac, "dtype": s.dtype, "device": s.device}
+              "micro_batches": s.micro_batches, "grad_sync": s.grad_sync, "ac": s.ac, "dtype": s.dtype, "device": s.device}
     return MemoryPlan(**{p: round(ledger.best[p]) for p in PARTS}, phase=ledger.phase, layout=layout)
 
 
@@ -449,10 +467,12 @@ def _walk_step(s: Setup) -> _Peak:
     # Micro-batches between the second and the last repeat the second exactly: walk 1, 2 and the last.
     for k in sorted({0, 1, s.micro_batches - 1} & set(range(s.micro_batches))):
         first, last = k == 0, k == s.micro_batches - 1
+        reduce = last or s.reduce_each_micro_batch  # FSDP reduce-scatters this backward's gradients
         tag = f"(micro-batch {k + 1}/{s.micro_batches})"
         # Gradients a backward allocates: all of them in the first micro-batch; later ones add into
-        # the kept fp32 gradients in place, except FSDP's bf16 ones (cast to fp32 after each backward).
-        new_grads = first or pb != 4
+        # the kept fp32 gradients in place, except FSDP's bf16 ones (cast to fp32 after each backward)
+        # and any FSDP reduced after the previous micro-batch (its gathered gradients were freed).
+        new_grads = first or pb != 4 or s.reduce_each_micro_batch
         # forward: FSDP gathers the root unit first; it stays gathered until the end of its backward
         if s.fsdp:
             now["unsharded"] += pb * full_root
@@ -476,7 +496,7 @@ def _walk_step(s: Setup) -> _Peak:
             if s.fsdp:
                 moment["unsharded"] = pb * full_block + (pb * w2 if new_grads else 0)  # parameters, first gradient
                 moment["comm"] = prefetch if i > 0 else 0  # the next block's all-gather
-                if last and i < L - 1:
+                if reduce and i < L - 1:
                     moment["comm"] += 4 * full_block  # the previous block's reduce-scatter input (fp32)
             elif new_grads:
                 moment["grads"] = 4 * w2
@@ -484,6 +504,8 @@ def _walk_step(s: Setup) -> _Peak:
             now["activations"] -= saved
             if not s.fsdp:
                 now["grads"] += 4 * shard_block if new_grads else 0
+            elif s.reduce_each_micro_batch:  # reduce-scattered, then added into the fp32 shard
+                now["grads"] += 4 * shard_block if first else 0
             elif last:  # reduce-scattered into this rank's fp32 shard; the kept gradient goes
                 now["grads"] += 4 * shard_block
                 now["unsharded"] -= 0 if first else 4 * full_block
@@ -498,11 +520,13 @@ def _walk_step(s: Setup) -> _Peak:
             ledger.moment(f"end of backward {tag}")
             continue
         now["unsharded"] -= pb * (full_root + (head if new_grads else 0))
-        if last:
+        if s.reduce_each_micro_batch:
+            now["grads"] += 4 * shard_root if first else 0
+        elif last:
             now["grads"] += 4 * shard_root
             now["unsharded"] -= 0 if first else 4 * root_grads
         elif first:
             now["unsharded"] += 4 * root_grads
-        ledger.moment(f"end of backward {tag}", comm=4 * full_root if last else 0)
+        ledger.moment(f"end of backward {tag}", comm=4 * full_root if reduce else 0)
     ledger.moment("optimizer step")
     return ledger

@@ -207,9 +207,16 @@ def apply_fsdp(model: Transformer, dp_mesh: DeviceMesh, param_dtype: torch.dtype
     fully_shard(model, mesh=dp_mesh, mp_policy=mp)
 
 
+def gradient_sync_due(index: int, count: int, grad_sync: Any) -> bool:
+    """Whether micro-batch ``index`` of ``count`` reduces its gradients: every one with
+    ``parallel.grad_sync=micro_batch`` (they stay sharded), else only the last (``step``, and
+    ``auto`` when llmctl did not resolve it: one reduction per step, full gradients kept between)."""
+    return index == count - 1 or _value(grad_sync) == "micro_batch"
+
+
 def set_gradient_sync(model: torch.nn.Module, enabled: bool) -> None:
-    """FSDP2: reduce-scatter gradients in this backward (the last micro-batch of a step) or keep
-    accumulating them unsharded (the others); one reduction per step instead of one per micro-batch."""
+    """FSDP2: reduce-scatter gradients in this backward, or keep accumulating them unsharded
+    (``gradient_sync_due`` says which)."""
     from torch.distributed.fsdp import FSDPModule
 
     if isinstance(model, FSDPModule):

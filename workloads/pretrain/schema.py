@@ -51,6 +51,19 @@ class ActivationCheckpointing(str, enum.Enum):
     full = "full"
 
 
+class GradSync(str, enum.Enum):
+    """When FSDP reduce-scatters gradients under gradient accumulation. ``step``: once, after the
+    last micro-batch (one reduction per step, but every rank keeps its blocks' full fp32 gradients
+    between micro-batches: 4 bytes per parameter / tp); ``micro_batch``: after every micro-batch
+    (torchtitan's way: gradients stay sharded, one reduction per micro-batch); ``auto``: ``step``
+    where the memory plan says it fits, else ``micro_batch`` (llmctl decides before launch; the
+    trainer alone reads ``auto`` as ``step``)."""
+
+    auto = "auto"
+    step = "step"
+    micro_batch = "micro_batch"
+
+
 class DType(str, enum.Enum):
     fp32 = "fp32"
     bf16 = "bf16"
@@ -161,6 +174,7 @@ class ParallelCfg:
     dp_shard: int = -1
     tp: int = 1
     ac: ActivationCheckpointing = ActivationCheckpointing.none
+    grad_sync: GradSync = GradSync.auto  # FSDP with micro-batches: reduce per step or per micro-batch
 
 
 @dataclass

@@ -50,7 +50,9 @@ from workloads.pretrain.hardware import cpu_threads
 from workloads.pretrain.metrics import MetricSink, format_train_line, peak_memory_gb, peak_tflops
 from workloads.pretrain.model import Transformer
 from workloads.pretrain.optim import build_optimizer, lr_factor
-from workloads.pretrain.parallelize import ParallelDims, local_loss, loss_context, parallelize, set_gradient_sync
+from workloads.pretrain.parallelize import (
+    ParallelDims, gradient_sync_due, local_loss, loss_context, parallelize, set_gradient_sync,
+)
 from workloads.pretrain import fp8, preempt, shape, system_metrics
 from workloads.pretrain.validate import ConfigError
 
@@ -178,11 +180,17 @@ def step_loss(model: torch.nn.Module, batch: Any, dp_size: int) -> tuple[torch.T
     return share * dp_size, share.detach()
 
 
-def _accumulation(tc: Any, env: DistEnv) -> str:
+def _accumulation(cfg: Any, env: DistEnv) -> str:
+    tc = cfg.train
     local = tc.batch_size // env.dp_size
     if not tc.micro_batch_size or tc.micro_batch_size >= local:
         return ""
-    return f" ({local // tc.micro_batch_size} micro-batches of {tc.micro_batch_size} per rank)"
+    n = local // tc.micro_batch_size
+    sync = ""
+    if env.dims.dp_enabled:
+        each = gradient_sync_due(0, n, cfg.parallel.grad_sync)  # the first of several: only if after each
+        sync = ", gradients reduced after each" if each else ", gradients reduced once"
+    return f" ({n} micro-batches of {tc.micro_batch_size} per rank{sync})"
 
 
 def _describe(train_seqs: Any, val_seqs: Any) -> str:
@@ -270,7 +278,7 @@ def train(cfg: Any) -> dict:
         f"{', compiled' if mc.compile else ''}")
     say(f"pretrain | data {cfg.data.name}: {_describe(train_seqs, val_seqs)}, "
         f"vocab {corpus.vocab_size} ({'cached' if corpus.cache_hit else 'built'} {corpus.path}) | "
-        f"{tc.batch_size} x {tc.seq_len} = {tokens_per_step:,} tokens/step{_accumulation(tc, env)} | world {env.world_size} on "
+        f"{tc.batch_size} x {tc.seq_len} = {tokens_per_step:,} tokens/step{_accumulation(cfg, env)} | world {env.world_size} on "
         f"{env.device.type}" + (f" ({torch.get_num_threads()} threads/proc)" if env.device.type == "cpu" else ""))
     d = env.dims
     say(f"pretrain | mesh dp_replicate {d.dp_replicate} x dp_shard {d.dp_shard} x tp {d.tp} | "
@@ -308,7 +316,7 @@ def train(cfg: Any) -> dict:
 
         micro_batches = sampler.next_batch(env.device).split(tc.micro_batch_size)
         for i, micro in enumerate(micro_batches):
-            set_gradient_sync(model, i == len(micro_batches) - 1)  # FSDP reduces once, after the last
+            set_gradient_sync(model, gradient_sync_due(i, len(micro_batches), cfg.parallel.grad_sync))
             with step_context():  # loss_parallel under TP; FSDP reduce-scatters grads inside backward
                 with autocast():
                     loss, share = step_loss(model, micro, env.dp_size)
