@@ -33,6 +33,7 @@ from llmctl.checkpoint_models import URI_PREFIX
 from llmctl.checkpoint_models import resolve as resolve_model
 from llmctl.errors import ConfigError, LaunchError
 from workloads.pretrain.contract import EXPORT_INFO
+from workloads.pretrain.hardware import cpu_threads
 
 LM_EVAL_HINT = "lm-eval is not installed: `pip install lm-eval` (lm-evaluation-harness), then run again"
 # ``data.*`` overrides of an existing run would change how its tokenizer was built; for eval they
@@ -145,9 +146,8 @@ def resolve_target(target: str, overrides: list[str], tracking_uri: Optional[str
 def _env(nproc: int) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_RUN")}
     env["PYTHONUNBUFFERED"] = "1"
-    cores = os.cpu_count() or 1
-    if nproc > 1 and "OMP_NUM_THREADS" not in env:
-        env["OMP_NUM_THREADS"] = str(max(1, cores // nproc))
+    if nproc > 1:
+        env.setdefault("OMP_NUM_THREADS", str(cpu_threads(nproc)))
     root = str(Path(__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     return env

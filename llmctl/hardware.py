@@ -13,6 +13,8 @@ import subprocess
 from dataclasses import dataclass
 from typing import Optional
 
+from workloads.pretrain.hardware import cpu_cores
+
 
 @dataclass(frozen=True)
 class Hardware:
@@ -57,11 +59,6 @@ def local_gpu_name() -> Optional[str]:
         return None
     first = out.strip().splitlines()
     return first[0].strip() if first else None
-
-
-def cpu_cores() -> int:
-    """Cores this process may use."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def this_machine() -> Hardware:

@@ -29,6 +29,7 @@ from llmctl.procs import Interrupted, note_stop_request, same_process, signal_tr
 from llmctl.tracking import RunHandle
 from llmctl.validate import resolve_layout
 from llmctl.workdir import run_dir
+from workloads.pretrain.hardware import cpu_threads
 
 CONFIG_PLACEHOLDER = "<run-dir>/config.yaml"
 STOP_GRACE_S = 15.0
@@ -60,8 +61,8 @@ def _worker_env(plan: Plan, handle: RunHandle, rdir: Path) -> dict[str, str]:
     env.update(handle.env())
     env["PYTHONUNBUFFERED"] = "1"
     env["LLMCTL_RUN_DIR"] = str(rdir)
-    if plan.nproc_per_node > 1 and "OMP_NUM_THREADS" not in env and not local_gpu_count():
-        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // plan.nproc_per_node))
+    if plan.nproc_per_node > 1 and not local_gpu_count():  # torchrun would set 1 thread each
+        env.setdefault("OMP_NUM_THREADS", str(cpu_threads(plan.nproc_per_node)))
     # the workload imports `workloads` from the same tree as this llmctl, installed or not
     root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)

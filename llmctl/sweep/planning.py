@@ -15,11 +15,12 @@ from llmctl.errors import ConfigError
 from llmctl.hardware import local_gpu_count
 from llmctl.sweep import table
 from llmctl.tracking import redact
+from workloads.pretrain.hardware import cpu_cores
 
 
 def default_max_parallel() -> int:
     """Local: one trial per GPU, else half the CPU cores (at least 1)."""
-    return local_gpu_count() or max(1, (os.cpu_count() or 1) // 2)
+    return local_gpu_count() or max(1, cpu_cores() // 2)
 
 
 def gpu_slots(max_parallel: int) -> list[Optional[str]]:

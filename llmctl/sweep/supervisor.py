@@ -31,6 +31,7 @@ from typing import Any, Optional
 from llmctl.errors import ConfigError, LaunchError
 from llmctl.procs import Interrupted, raise_interrupted, same_process
 from llmctl.sweep import state
+from workloads.pretrain.hardware import cpu_threads
 
 POLL_S = 0.5
 STOP_GRACE_S = 45.0  # the local backend's own stop escalation takes up to ~25 s
@@ -73,9 +74,9 @@ def run_trial(d: Path, index: int, run_id: str) -> int:
 
     try:
         plan = make_plan(Composed(cfg=trial["cfg"], choices=trial["choices"], overrides=trial["overrides"]))
-        if plan.backend == "local" and "OMP_NUM_THREADS" not in os.environ and "GPU" not in plan.device:
-            share = (os.cpu_count() or 1) // (int(spec["max_parallel"]) * plan.nproc_per_node)
-            os.environ["OMP_NUM_THREADS"] = str(max(1, share))  # concurrent trials split the cores
+        if plan.backend == "local" and "GPU" not in plan.device:  # concurrent trials split the cores
+            share = cpu_threads(int(spec["max_parallel"]) * plan.nproc_per_node)
+            os.environ.setdefault("OMP_NUM_THREADS", str(share))
         handle = RunHandle(spec["uri"], run_id, spec["experiment_id"])
         return lifecycle.trial(plan, handle, max_cost=trial.get("max_cost"), say=say, workload_out=_Null())
     except Interrupted as exc:  # before the lifecycle took over: nothing ran
@@ -340,7 +341,7 @@ class Supervisor:
             env["CUDA_VISIBLE_DEVICES"] = gpus
         if index in self.resuming:  # its controller died with the last supervisor: from its checkpoint
             self.resuming.discard(index)
-            env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // int(self.spec["max_parallel"]))))
+            env.setdefault("OMP_NUM_THREADS", str(cpu_threads(int(self.spec["max_parallel"]))))
             cmd = [sys.executable, "-m", "llmctl", "resume", self.run_ids[index], "--tracking-uri", self.spec["uri"]]
         else:
             cmd = [sys.executable, "-m", "llmctl.sweep.supervisor", "--trial", str(self.dir), str(index),

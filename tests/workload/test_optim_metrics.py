@@ -55,6 +55,22 @@ def test_cpu_threads_honours_omp_num_threads_else_splits_the_cores(monkeypatch):
         assert cpu_threads(2) == 4, junk
 
 
+def test_launcher_thread_shares_follow_the_affinity_mask_not_the_host(monkeypatch):
+    """A container or Slurm job may run on 8 of a host's 64 cores: llmctl's shares (eval processes,
+    concurrent sweep trials) come from the trainer's rule over those 8."""
+    from llmctl import eval as llmctl_eval
+    from llmctl.sweep import planning
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    monkeypatch.setattr("os.cpu_count", lambda: 64)
+    monkeypatch.setattr(planning, "local_gpu_count", lambda: 0)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert planning.default_max_parallel() == 4
+    assert llmctl_eval._env(2)["OMP_NUM_THREADS"] == "4"
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert llmctl_eval._env(2)["OMP_NUM_THREADS"] == "3"
+
+
 def test_peak_table_resolves_real_device_names():
     from workloads.pretrain.hardware import PEAK_TFLOPS
 

@@ -31,6 +31,12 @@ PEAK_TFLOPS: list[tuple[str, float, float]] = [
 ]
 
 
+def cpu_cores() -> int:
+    """Cores this process may run on: its affinity mask (a container's or a Slurm job's share),
+    which ``os.cpu_count()`` (the whole host) overstates."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def cpu_threads(local_world: int) -> int:
     """Intra-op threads for one of ``local_world`` processes sharing this machine's CPUs.
 
@@ -41,8 +47,7 @@ def cpu_threads(local_world: int) -> int:
     explicit = os.environ.get("OMP_NUM_THREADS", "").strip()
     if explicit.isdigit() and int(explicit) > 0:
         return int(explicit)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores // local_world)
+    return max(1, cpu_cores() // local_world)
 
 
 def peak_for(name: str, dtype: str) -> Optional[float]:
