@@ -125,9 +125,10 @@ def test_max_cost_seam(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_max_parallel_default_and_validation(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    monkeypatch.setattr("os.cpu_count", lambda: 64)  # the host; the cores this process may use:
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(2)), raising=False)
     assert planning.default_max_parallel() == 1
-    monkeypatch.setattr("os.cpu_count", lambda: 16)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(16)), raising=False)
     assert planning.default_max_parallel() == 8
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
     assert planning.default_max_parallel() == 4
