@@ -173,7 +173,7 @@ def test_managed_job_recovers_from_scancel_as_one_run(tracking_server: str, clus
     shared = cluster.root / "shared"  # the cluster's shared filesystem: where checkpoints outlive a node
     shared.mkdir()
     shutil.chown(shared, USER, USER)
-    steps = 600  # ~30 s of training on this CPU: the scancel lands mid-run
+    steps = 300  # ~20 s of training on this CPU: the scancel (right after the first checkpoint, step 40) lands mid-run
     with _managed_jobs(cluster, cli_env, tracking_server) as (env, sky_bin):
         _launch_and_recover(cluster, shared, steps, env, sky_bin, tmp_path)
 
