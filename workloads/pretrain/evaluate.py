@@ -49,7 +49,7 @@ import torch.nn.functional as F
 from workloads.pretrain.checkpoint_layout import MARKER, fs_and_path, join, latest_complete, split_step_dir, step_dir
 from workloads.pretrain.config import parse_args
 from workloads.pretrain.contract import EXPORT_INFO
-from workloads.pretrain.data import EOT, Corpus, load_texts, prepare_corpus, val_batches
+from workloads.pretrain.data import EOT, Corpus, Windows, load_texts, prepare_corpus, val_batches
 from workloads.pretrain.hardware import cpu_threads
 from workloads.pretrain.losses import IGNORE_INDEX
 from workloads.pretrain.model import Transformer, build_model
@@ -141,11 +141,12 @@ def eval_batches(cfg: Any, corpus: Corpus, rank: int, world: int, device: torch.
     if ec.source:
         n = ec.val_batches if ec.val_batches is not None else 10**9
         need = None if ec.val_batches is None else n * tc.batch_size * tc.seq_len + 1
-        tokens = source_tokens(corpus, ec.source, ec.text_field, need)
+        eos = corpus.tokenizer.token_to_id(corpus.eos_token) if cfg.data.document_mask else None
+        sequences = Windows(source_tokens(corpus, ec.source, ec.text_field, need), tc.seq_len, eos)
     else:
         n = ec.val_batches if ec.val_batches is not None else tc.val_batches
-        tokens = corpus.sequences(float(cfg.data.val_fraction), tc.seq_len)[1]
-    return val_batches(tokens, tc.seq_len, tc.batch_size, n, rank, world, device)
+        sequences = corpus.sequences(float(cfg.data.val_fraction), tc.seq_len, bool(cfg.data.document_mask))[1]
+    return val_batches(sequences, tc.seq_len, tc.batch_size, n, rank, world, device)
 
 
 # ----------------------------------------------------------------------------- metrics

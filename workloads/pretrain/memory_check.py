@@ -166,7 +166,7 @@ def tracked_peak(cfg: Any, world_size: int, device: str = "cpu", steps: int = 2,
             inputs = torch.randint(0, vocab, (local_batch, seq), device=device)
             targets = torch.randint(0, vocab, (local_batch, seq), device=device)
             packed = {}
-            if getattr(cfg.data.format, "value", cfg.data.format) == "sft":  # per-token positions, block mask
+            if getattr(cfg.data.format, "value", cfg.data.format) == "sft" or cfg.data.document_mask:  # block mask
                 packed = {"positions": torch.zeros_like(inputs), "doc_ids": torch.zeros_like(inputs)}
             micro_batches = Batch(inputs, targets, int(tc.batch_size) * seq, **packed).split(tc.micro_batch_size)
             if isinstance(model, FSDPModule):
@@ -227,6 +227,8 @@ CASES = [
                                                       "micro_batch_size": 2}, {"tp": 2}),
     _case("hsdp2x2xtp2 d1024 selective", 8, _D1024, {"batch_size": 8, "seq_len": 1024}, {"ac": "selective",
                                                                                         "tp": 2, "dp_replicate": 2}),
+    _case("fsdp2 d512 document mask none", 2, _D512, {"batch_size": 4, "seq_len": 1024}, {"ac": "none"},
+          {"document_mask": True}),
     _case("fsdp2 d768 qwen2 tied none", 2, {**_D768, "arch": "qwen2", "tie_embeddings": True, "n_kv_heads": 2},
           {"batch_size": 4, "seq_len": 1024}),
 ]

@@ -153,7 +153,7 @@ class Setup:
     device: str
     fused_kernels: bool
     rope_interleaved: bool
-    packed: bool  # data.format=sft: per-token RoPE positions and a block-causal attention mask
+    packed: bool  # sft or data.document_mask: per-token RoPE positions and a block-causal attention mask
     grad_sync: str = "step"  # parallel.grad_sync resolved: "step" or "micro_batch" ("auto" plans as "step")
 
     @property
@@ -233,7 +233,7 @@ def setup(cfg: Any, world_size: int, device: str = "cuda") -> Setup:
         dp_replicate=layout["dp_replicate"], dp_shard=layout["dp_shard"], tp=layout["tp"],
         ac=str(par["ac"]), dtype=str(train["dtype"]), device=device,
         fused_kernels=str(model["kernels"]) == "fused", rope_interleaved=str(model["rope_layout"]) == "interleaved",
-        packed=str(data["format"]) == "sft",
+        packed=str(data["format"]) == "sft" or bool(data["document_mask"]),
         grad_sync="micro_batch" if str(par["grad_sync"]) == "micro_batch" else "step",
     )
 
@@ -291,7 +291,7 @@ def block_saved(s: Setup, ac: str | None = None) -> float:
       composite, off CUDA); the matmuls keep the norm output (one bf16 cast per matmul under
       autocast over fp32 weights: 3 for q/k/v, 2 for w1/w3); SDPA keeps q, k, v (k/v copied to all
       heads for GQA, unless a rank has one kv head: then a view), its output and log-sum-exp (and
-      for packed examples the mask, made additive); SwiGLU keeps w1 x, w3 x, silu(w1 x) and their
+      for packed examples with reference kernels the mask); SwiGLU keeps w1 x, w3 x, silu(w1 x) and their
       product.
     * selective (``parallelize._SAC_SAVE``): the block input, every matmul output (q, k, v, wo,
       w1, w3, w2; wo/w2 before TP's reduce-scatter, so full width), SDPA's outputs and TP's
@@ -313,7 +313,7 @@ def block_saved(s: Setup, ac: str | None = None) -> float:
     matmul_inputs = (3 + 2) * c * d if s.autocast_casts else 2 * r * d
     # repeat_kv copies k and v to all query heads, unless this rank has a single kv head (a view)
     kv = dkv if s.kv_heads // t <= 1 else d
-    mask = c * s.seq if s.packed else 0  # SDPA's additive copy of the [b, 1, s, s] bool mask
+    mask = c * s.seq if s.packed and not s.fused_kernels else 0  # reference: each layer's ~mask and masked scores
     return 2 * norm + matmul_inputs + c * (d + 2 * kv) / t + c * d / t + lse + 4 * c * H / t + mask
 
 
@@ -459,9 +459,12 @@ def _walk_step(s: Setup) -> _Peak:
     backward_extra = block_backward_extra(s) * tokens + (cast_cache + rope_tables(s) if s.ac != "none" else 0)
     loss_fwd, loss_bwd = loss_memory(s)
     norm_saved = final_norm_saved(s) * tokens
-    # packed examples: the bool mask [b, 1, s, s] and the RoPE tables gathered at each position,
-    # alive through the forward; AC's checkpoints keep them (block inputs) until the backward ends
-    packed_inputs = s.micro * s.seq * (s.seq + 4 * s.head_dim) if s.packed else 0
+    # packed examples: the bool [b, 1, s, s] mask (reference kernels) and the RoPE tables gathered
+    # at each position, alive through the forward; AC's checkpoints keep them (block inputs) until
+    # the backward ends. Fused kernels turn the mask into one additive mask in the compute dtype,
+    # which every layer's SDPA keeps for its backward: alive until the backward ends
+    packed_inputs = s.micro * s.seq * ((0 if s.fused_kernels else s.seq) + 4 * s.head_dim) if s.packed else 0
+    shared_mask = s.micro * s.seq * s.seq * s.compute_bytes if s.packed and s.fused_kernels else 0
     prefetch = pb * full_block if s.fsdp else 0  # one block's all-gather output, ahead of its use
 
     # Micro-batches between the second and the last repeat the second exactly: walk 1, 2 and the last.
@@ -476,7 +479,7 @@ def _walk_step(s: Setup) -> _Peak:
         # forward: FSDP gathers the root unit first; it stays gathered until the end of its backward
         if s.fsdp:
             now["unsharded"] += pb * full_root
-        now["activations"] += packed_inputs
+        now["activations"] += packed_inputs + shared_mask
         for i in range(L):
             if s.fsdp:  # this block's all-gather output and its copy-out into the parameters
                 ledger.moment(f"forward of layer {i} {tag}", unsharded=pb * full_block, comm=pb * full_block)
@@ -511,8 +514,7 @@ def _walk_step(s: Setup) -> _Peak:
                 now["unsharded"] -= 0 if first else 4 * full_block
             elif first:  # no sync before the last micro-batch: the gradient stays gathered, in fp32
                 now["unsharded"] += 4 * full_block
-        if s.ac != "none":
-            now["activations"] -= packed_inputs
+        now["activations"] -= shared_mask + (packed_inputs if s.ac != "none" else 0)
         # embedding backward, then (FSDP) the root unit reshards and reduce-scatters
         if not s.fsdp:
             if new_grads:

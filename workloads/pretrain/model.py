@@ -155,8 +155,8 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
-        """``mask``: None for plain causal attention, else [b, 1, s, s] bool, True where a query may
-        attend (block-causal for packed examples)."""
+        """``mask``: None for plain causal attention, else [b, 1, s, s]: bool, True where a query may
+        attend (block-causal for packed examples), or for fused kernels its ``additive_mask``."""
         bs, seqlen, _ = x.shape
         q = self.wq(x).view(bs, seqlen, -1, self.head_dim)
         k = self.wk(x).view(bs, seqlen, -1, self.head_dim)
@@ -177,6 +177,21 @@ class Attention(nn.Module):
             probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
             out = probs.to(v.dtype) @ v
         return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
+
+
+def attention_dtype(h: torch.Tensor) -> torch.dtype:
+    """The dtype q, k and v will have: autocast's, else the residual stream's (bf16 under FSDP's
+    bf16 policy, whose block input casts then leave a mask of this dtype alone)."""
+    device = h.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else h.dtype
+
+
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The [b, 1, s, s] bool mask as SDPA's additive form (0 where allowed, -inf elsewhere), made
+    once per forward: given the bool mask, SDPA would convert it in every layer, and each layer's
+    autograd would keep its own s x s copy until the backward (16 layers x 128 MiB per sequence at
+    seq 8192 in bf16); this one is shared by all layers."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
 
 
 class FeedForward(nn.Module):
@@ -290,6 +305,8 @@ class Transformer(nn.Module):
             causal = torch.ones(seqlen, seqlen, dtype=torch.bool, device=tokens.device).tril()
             mask = ((doc_ids.unsqueeze(2) == doc_ids.unsqueeze(1)) & causal).unsqueeze(1)
         h = self.tok_embeddings(tokens)
+        if mask is not None and self.kernels == "fused":
+            mask = additive_mask(mask, attention_dtype(h))
         for block in self.layers.values():
             h = block(h, cos, sin, mask)
         return self.norm(h)

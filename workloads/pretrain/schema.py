@@ -124,6 +124,10 @@ class DataCfg:
     source: str = "builtin:pydoc"
     text_field: str = "text"  # the text of a .jsonl record / .parquet row (format text)
     format: DataFormat = DataFormat.text
+    # format text: attention stays inside each document (the end-of-text token closes one) and RoPE
+    # positions restart at each, as Llama 3 pretrained; False lets every token see the whole window.
+    # sft always keeps attention inside each example.
+    document_mask: bool = False
     vocab_size: int = 4096
     val_fraction: float = 0.05
     # None: $LLMCTL_CACHE_DIR, else ~/.cache/llmctl

@@ -196,7 +196,8 @@ def _accumulation(cfg: Any, env: DistEnv) -> str:
 def _describe(train_seqs: Any, val_seqs: Any) -> str:
     """What the trainer reads: windows of the token stream, or packed fine-tuning examples."""
     if not hasattr(train_seqs, "bins"):
-        return f"{len(train_seqs.tokens):,} train / {len(val_seqs.tokens):,} val tokens"
+        masked = ", attention within documents" if train_seqs.eos_id is not None else ""
+        return f"{len(train_seqs.tokens):,} train / {len(val_seqs.tokens):,} val tokens{masked}"
     cut = f", {train_seqs.truncated + val_seqs.truncated} truncated to seq_len" if train_seqs.truncated + val_seqs.truncated else ""
     return (f"{len(train_seqs.starts):,} train / {len(val_seqs.starts):,} val examples packed into "
             f"{len(train_seqs):,} / {len(val_seqs):,} sequences ({train_seqs.fill:.0%} filled{cut})")
@@ -241,7 +242,7 @@ def train(cfg: Any) -> dict:
     corpus = prepare_corpus(cfg.data)
     if corpus.vocab_size > mc.vocab_size:
         raise ValueError(f"tokenizer has {corpus.vocab_size} tokens but model.vocab_size={mc.vocab_size}")
-    train_seqs, val_seqs = corpus.sequences(float(cfg.data.val_fraction), tc.seq_len)
+    train_seqs, val_seqs = corpus.sequences(float(cfg.data.val_fraction), tc.seq_len, bool(cfg.data.document_mask))
     sampler = Sampler(train_seqs, tc.seq_len, tc.batch_size, tc.seed, env.dp_rank, env.dp_size)
     val_set = val_batches(val_seqs, tc.seq_len, tc.batch_size, tc.val_batches, env.dp_rank, env.dp_size, env.device)
 

@@ -7,9 +7,9 @@
 """
 
 from workloads.pretrain.data.cache import Corpus, cache_key, prepare_corpus
-from workloads.pretrain.data.sampler import Sampler, val_batches
+from workloads.pretrain.data.sampler import Sampler, Windows, val_batches
 from workloads.pretrain.data.sources import BUILTIN_SOURCE, list_source_files, load_texts
 from workloads.pretrain.data.tokenizer import EOT, train_tokenizer
 
-__all__ = ["BUILTIN_SOURCE", "EOT", "Corpus", "Sampler", "cache_key", "list_source_files", "load_texts",
+__all__ = ["BUILTIN_SOURCE", "EOT", "Corpus", "Sampler", "Windows", "cache_key", "list_source_files", "load_texts",
            "prepare_corpus", "train_tokenizer", "val_batches"]

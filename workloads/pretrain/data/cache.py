@@ -135,13 +135,15 @@ class Corpus:
             raise ValueError(f"data.val_fraction={val_fraction} leaves no validation tokens")
         return self.tokens[:-n_val], self.tokens[-n_val:]
 
-    def sequences(self, val_fraction: float, seq_len: int):
-        """(train, val) training sequences: windows of the token stream (text), or the examples
-        packed into sequences (sft; val is the last ``val_fraction`` of the examples)."""
+    def sequences(self, val_fraction: float, seq_len: int, document_mask: bool = False):
+        """(train, val) training sequences: windows of the token stream (text; ``document_mask``:
+        attention inside each document), or the examples packed into sequences (sft; val is the
+        last ``val_fraction`` of the examples)."""
         from workloads.pretrain.data.sampler import PackedExamples, Windows
 
         if self.offsets is None:
-            return tuple(Windows(part, seq_len) for part in self.split(val_fraction))
+            eos = self.tokenizer.token_to_id(self.eos_token) if document_mask else None
+            return tuple(Windows(part, seq_len, eos) for part in self.split(val_fraction))
         n = len(self.offsets) - 1
         n_val = int(n * val_fraction)
         if n_val <= 0 or n_val >= n:

@@ -3,7 +3,10 @@
 Two kinds of sequences (``data.format``):
 
 * ``Windows`` (text): consecutive ``seq_len + 1``-token windows of the token stream; documents run
-  together, separated by the end-of-text token, every position is a target (pretraining).
+  together, separated by the end-of-text token, every position is a target (pretraining). With
+  ``data.document_mask`` each token also carries its document's index and its position in it, as
+  packed examples do: attention stays inside the document (its end-of-text token included, the
+  first token of the next one predicted from it) and RoPE restarts at each.
 * ``PackedExamples`` (sft): whole fine-tuning examples packed into sequences of ``seq_len``
   positions, in order, as many as fit (next-fit). Each packed token carries its position within its
   example (RoPE restarts at 0) and its example's index, and attention stays inside the example
@@ -53,10 +56,11 @@ class Batch:
 
 
 class Windows:
-    """Non-overlapping ``seq_len + 1``-token windows of a token stream: every position a target."""
+    """Non-overlapping ``seq_len + 1``-token windows of a token stream: every position a target.
+    ``eos_id`` (``data.document_mask``): attention and positions stay inside each document."""
 
-    def __init__(self, tokens: np.ndarray, seq_len: int):
-        self.tokens, self.seq_len = tokens, seq_len
+    def __init__(self, tokens: np.ndarray, seq_len: int, eos_id: Optional[int] = None):
+        self.tokens, self.seq_len, self.eos_id = tokens, seq_len, eos_id
         self.n = (len(tokens) - 1) // seq_len
 
     def __len__(self) -> int:
@@ -68,7 +72,23 @@ class Windows:
     def batch(self, indices, global_targets: int, device) -> Batch:
         rows = np.stack([self.tokens[i * self.seq_len : i * self.seq_len + self.seq_len + 1] for i in indices])
         rows = torch.from_numpy(rows.astype(np.int64))
-        return Batch(rows[:, :-1].to(device), rows[:, 1:].to(device), global_targets)
+        inputs, targets = rows[:, :-1], rows[:, 1:]
+        if self.eos_id is None:
+            return Batch(inputs.to(device), targets.to(device), global_targets)
+        positions, doc_ids = documents(inputs, self.eos_id)
+        return Batch(inputs.to(device), targets.to(device), global_targets, positions.to(device), doc_ids.to(device))
+
+
+def documents(inputs: torch.Tensor, eos_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per token of ``inputs`` [b, s]: its position within its document and the document's index in
+    the row. An end-of-text token is the last token of its document; a row starts a document."""
+    ends = inputs == eos_id
+    starts = torch.zeros_like(ends)
+    starts[:, 1:] = ends[:, :-1]
+    starts[:, 0] = True
+    index = torch.arange(inputs.shape[1]).expand_as(inputs)
+    first = torch.cummax(torch.where(starts, index, 0), dim=1).values  # where each token's document began
+    return index - first, torch.cumsum(starts, dim=1) - 1
 
 
 class PackedExamples:
