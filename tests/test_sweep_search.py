@@ -192,22 +192,8 @@ def test_a_report_at_the_final_step_is_never_pruned(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    import optuna
-
-    from llmctl import tracking
-    from llmctl.sweep.supervisor import Supervisor
-
-    class AlwaysPrune(optuna.pruners.BasePruner):
-        def prune(self, study: object, trial: object) -> bool:
-            return True
-
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    mc = tracking.client(uri)
-    eid = mc.create_experiment("prune")
-    study = optuna.create_study(pruner=AlwaysPrune())
-    sup = Supervisor.__new__(Supervisor)  # the state check_pruning reads, without a sweep directory
-    sup.mc, sup.study, sup.pruned, sup.reported = mc, study, {}, {}
-    sup.search, sup.spec = {"prune": "asha"}, {"metric": "val/loss", "trials": []}
+    mc, eid, study = _store_and_study(tmp_path)
+    sup = _bare_supervisor(mc, study, eid, tmp_path)
     procs, run_ids = [], {}
     for index, (final, reported) in enumerate([(12, 12), (12, 10)]):
         study.ask()
@@ -228,3 +214,75 @@ def test_a_report_at_the_final_step_is_never_pruned(tmp_path: Path) -> None:
         for p in procs:
             p.kill()
             p.wait()
+
+
+def _store_and_study(tmp_path: Path) -> tuple:
+    """A real sqlite MLflow store with an experiment, and an Optuna study whose pruner always prunes."""
+    import optuna
+
+    from llmctl import tracking
+
+    class AlwaysPrune(optuna.pruners.BasePruner):
+        def prune(self, study: object, trial: object) -> bool:
+            return True
+
+    mc = tracking.client(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    return mc, mc.create_experiment("prune"), optuna.create_study(pruner=AlwaysPrune())
+
+
+def _bare_supervisor(mc: object, study: object, experiment_id: str, directory: Path) -> object:
+    """A supervisor's state as ``Supervisor.__init__`` sets it, without a sweep spec on disk."""
+    from collections import deque
+
+    from llmctl.sweep.supervisor import Supervisor
+
+    sup = Supervisor.__new__(Supervisor)
+    sup.mc, sup.study, sup.dir, sup.id = mc, study, directory, "sweep-test"
+    sup.search = {"prune": "asha"}
+    sup.spec = {"metric": "val/loss", "trials": [], "uri": mc.tracking_uri, "experiment_id": experiment_id}
+    sup.run_ids, sup.pending, sup.running, sup.outcome = {}, deque(), {}, {}
+    sup.pruned, sup.reported, sup.resuming, sup.slots = {}, {}, set(), [0, 1]
+    sup.cancelled, sup.stop_deadline = False, None
+    return sup
+
+
+def test_a_trial_pruned_just_before_its_supervisor_died_ends_pruned(tmp_path: Path) -> None:
+    """The pruner stops a trial; the supervisor dies before the trial has exited; the trial's
+    controller then closes its run as preempted (KILLED). The restarted supervisor must tell the
+    study PRUNED (not FAIL, which TPE would learn nothing from) and mark the run pruned, not resume
+    it. Real store, real Optuna trial, a real child process for the controller."""
+    import signal
+    import subprocess
+    import sys
+
+    from llmctl import lifecycle
+    from llmctl.sweep import state
+    from llmctl.sweep.supervisor import Supervisor
+
+    mc, eid, study = _store_and_study(tmp_path)
+    first = _bare_supervisor(mc, study, eid, tmp_path)
+    study.ask()
+    run_id = mc.create_run(eid, tags={state.TAG_SWEEP_ID: "sweep-test", state.TAG_KIND: "trial",
+                                      state.TAG_TRIAL: "0"}).info.run_id
+    for step in (2, 4):
+        mc.log_metric(run_id, "val/loss", 9.0 - step / 10, step=step)
+    first.spec["trials"].append({"index": 0, "cfg": {"train": {"steps": 12}}})
+    controller = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    first.run_ids, first.running = {0: run_id}, {0: (controller, 0)}
+    try:
+        first.check_pruning()
+        assert controller.wait(timeout=60) == -signal.SIGTERM and first.pruned == {0: (4, 8.6)}
+    finally:
+        controller.kill()
+    # the first supervisor is gone (never reaped the trial); the controller closed the run as it does on SIGTERM
+    lifecycle.close_run(first.spec["uri"], run_id, lifecycle.Outcome.PREEMPTED, "stopped by SIGTERM")
+    assert mc.get_run(run_id).info.status == "KILLED"
+
+    second = _bare_supervisor(mc, study, eid, tmp_path)
+    assert isinstance(second, Supervisor)
+    second.adopt()
+    assert [t.state.name for t in study.trials] == ["PRUNED"]
+    run = mc.get_run(run_id)
+    assert run.data.tags.get(state.TAG_PRUNED) == "4" and "pruned at step 4" in run.data.tags["llmctl.status"]
+    assert second.outcome == {0: "KILLED"} and not second.pending and not second.resuming
+    assert {t["state"] for t in state.read_json(tmp_path / state.STATE_FILE)["trials"].values()} == {"KILLED"}

@@ -34,6 +34,9 @@ TAG_TRIAL = "llmctl.trial"
 TAG_TRIAL_OVERRIDES = "llmctl.trial.overrides"
 TAG_PARENT = "mlflow.parentRunId"
 TAG_PRUNED = "llmctl.pruned"  # the val step a search's pruner stopped the trial at (its run ends KILLED)
+# "STEP VALUE": the pruner's decision, recorded before the trial is stopped, so a supervisor that
+# dies before the trial has stopped leaves it for the next one to finish as pruned
+TAG_PRUNE_DECIDED = "llmctl.prune_decided"
 KEY_METRICS = ("train/loss", "val/loss", "perf/tokens_per_s")
 TERMINAL = ("FINISHED", "FAILED", "KILLED", "PRUNED")  # PRUNED: KILLED with TAG_PRUNED
 GOOD = ("FINISHED", "PRUNED")  # a sweep whose trials all ended so has done its job

@@ -242,6 +242,7 @@ class Supervisor:
                 self.reported[index] = step
             if new[-1][0] < self.last_step(index) and trial.should_prune():  # a last-step report: nothing left to save
                 self.pruned[index] = new[-1]
+                self.mc.set_tag(self.run_ids[index], state.TAG_PRUNE_DECIDED, f"{new[-1][0]} {new[-1][1]!r}")
                 proc.send_signal(signal.SIGTERM)  # as a preemption: the workers save, then stop
                 _say(f"trial {index} pruned at step {new[-1][0]} ({self.spec['metric']} {new[-1][1]:.4f})")
 
@@ -306,6 +307,10 @@ class Supervisor:
                 self.create_run(t)  # skips those that exist
         for index, run in sorted(runs.items()):
             status, was = run.info.status, previous.get(str(index), {})
+            decided = run.data.tags.get(state.TAG_PRUNE_DECIDED)
+            if decided:  # the pruner stopped it; the last supervisor may have died before it stopped
+                step, value = decided.split()
+                self.pruned[index] = (int(step), float(value))
             if status == "SCHEDULED":
                 self.pending.append(index)
             elif status == "RUNNING":
@@ -313,13 +318,23 @@ class Supervisor:
                 if followed.backend.alive(run, self.spec["uri"]):
                     self.running[index] = (followed, self.slots.pop(0))
                     _say(f"trial {index} followed (its job outlived the last supervisor)")
+                elif index in self.pruned:  # stopped by the pruner: never resumed
+                    self.end_pruned(index)
                 else:  # nothing of it runs: continue it from its last checkpoint, in the same run
                     self.pending.appendleft(index)
                     self.resuming.add(index)
+            elif index in self.pruned:
+                self.end_pruned(index)
             else:
                 self.outcome[index] = status
                 self.tell(index)
         self.save()
+
+    def end_pruned(self, index: int) -> None:
+        """A pruned trial whose controller has exited: marked pruned (unless it had finished) and told."""
+        self.mark_pruned(index)
+        self.outcome[index] = self.mc.get_run(self.run_ids[index]).info.status
+        self.tell(index)
 
     def save(self, done: bool = False) -> None:
         from llmctl.procs import start_time
