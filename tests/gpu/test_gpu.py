@@ -2,7 +2,8 @@
 
 - bf16 under FSDP2 (the trainer's ``apply_fsdp`` mixed precision: bf16 params, fp32 reduce)
   against plain fp32, same init and batches;
-- the fused kernels (SDPA, F.rms_norm, complex RoPE, fused linear-CE) against the reference path;
+- the fused kernels (SDPA, F.rms_norm, complex RoPE, fused linear-CE) against the reference path,
+  with and without the document mask;
 - Liger's fused linear-CE against our chunked one (skips without ``liger-kernel``);
 - MFU as the trainer logs it, on a short real run;
 - FP8 (tensorwise, rowwise) against bf16: the trainer on real text for 300 steps.
@@ -108,12 +109,16 @@ def test_bf16_fsdp_tracks_fp32(single_rank_group) -> None:
     assert losses["fp32"][-1] < losses["fp32"][0] - 0.5  # it trained: the comparison is not of two flat lines
 
 
+@pytest.mark.parametrize("masked", [False, True], ids=["causal", "document-mask"])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_fused_kernels_match_reference_on_cuda(dtype: str) -> None:
+def test_fused_kernels_match_reference_on_cuda(dtype: str, masked: bool) -> None:
     """Same weights, one forward and backward through each path. fp32 (TF32 off): loss within
     1e-5 and gradients within 1e-3 relative (different summation orders only). bf16 autocast: loss
     within 0.5% and gradients within 5% (flash/efficient SDPA and the chunked CE round at
-    different points than the explicit softmax and full logits)."""
+    different points than the explicit softmax and full logits). ``document-mask``: windows cut
+    into documents (``data.document_mask``): the fused path's shared additive mask through SDPA's
+    masked kernel against the reference path's boolean mask."""
+    from workloads.pretrain.data.sampler import documents
     from workloads.pretrain.model import build_model
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -123,10 +128,16 @@ def test_fused_kernels_match_reference_on_cuda(dtype: str) -> None:
         torch.manual_seed(0)
         models[kernels] = build_model(_model_cfg("tiny", dim=256, n_heads=8, n_kv_heads=2, kernels=kernels), "cuda")
     x, y = _tokens(4096, 4, 512, seed=0)
+    kwargs = {}
+    if masked:  # an end-of-text token (id 3) every ~60 tokens: documents of varying length per row
+        x[torch.rand(x.shape, generator=torch.Generator().manual_seed(1)).cuda() < 1 / 60] = 3
+        positions, doc_ids = documents(x, 3)
+        kwargs = {"positions": positions, "doc_ids": doc_ids}
+        assert int(doc_ids.max()) >= 3
     losses = {}
     for kernels, model in models.items():
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dtype == "bf16"):
-            losses[kernels] = model(x, y)
+            losses[kernels] = model(x, y, **kwargs)
         losses[kernels].backward()
     loss_tol, grad_tol = (1e-5, 1e-3) if dtype == "fp32" else (5e-3, 5e-2)
     assert abs(losses["fused"].item() - losses["reference"].item()) < loss_tol * losses["reference"].item(), losses

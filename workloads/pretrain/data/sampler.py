@@ -86,7 +86,7 @@ def documents(inputs: torch.Tensor, eos_id: int) -> tuple[torch.Tensor, torch.Te
     starts = torch.zeros_like(ends)
     starts[:, 1:] = ends[:, :-1]
     starts[:, 0] = True
-    index = torch.arange(inputs.shape[1]).expand_as(inputs)
+    index = torch.arange(inputs.shape[1], device=inputs.device).expand_as(inputs)
     first = torch.cummax(torch.where(starts, index, 0), dim=1).values  # where each token's document began
     return index - first, torch.cumsum(starts, dim=1) - 1
 
