@@ -124,7 +124,7 @@ def source_tokens(corpus: Corpus, source: str, text_field: str, max_tokens: Opti
     """``source``'s documents tokenized with the run's tokenizer (EOT after each), in file order."""
     from types import SimpleNamespace
 
-    eot = corpus.tokenizer.token_to_id(corpus.eos_token)
+    eot = corpus.eos_id
     ids: list[int] = []
     for text in load_texts(SimpleNamespace(source=source, text_field=text_field)):
         ids.extend(corpus.tokenizer.encode(text).ids + [eot])
@@ -141,7 +141,7 @@ def eval_batches(cfg: Any, corpus: Corpus, rank: int, world: int, device: torch.
     if ec.source:
         n = ec.val_batches if ec.val_batches is not None else 10**9
         need = None if ec.val_batches is None else n * tc.batch_size * tc.seq_len + 1
-        eos = corpus.tokenizer.token_to_id(corpus.eos_token) if cfg.data.document_mask else None
+        eos = corpus.eos_id if cfg.data.document_mask else None
         sequences = Windows(source_tokens(corpus, ec.source, ec.text_field, need), tc.seq_len, eos)
     else:
         n = ec.val_batches if ec.val_batches is not None else tc.val_batches
@@ -211,7 +211,7 @@ def samples(model: Transformer, corpus: Corpus, ec: Any, device: torch.device) -
     tok, out = corpus.tokenizer, []
     gen = torch.Generator(device=device).manual_seed(int(ec.seed))
     for prompt in ec.prompts:
-        ids = tok.encode(prompt).ids or [tok.token_to_id(corpus.eos_token)]
+        ids = tok.encode(prompt).ids or [corpus.eos_id]
         n = max(0, min(int(ec.max_new_tokens), model.max_seq_len - len(ids)))
         x = torch.tensor([ids], device=device)
         greedy = generate(model, x, n, temperature=0.0, use_cache=True)[0].tolist()

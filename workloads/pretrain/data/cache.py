@@ -128,6 +128,11 @@ class Corpus:
     def vocab_size(self) -> int:
         return self.tokenizer.get_vocab_size()
 
+    @property
+    def eos_id(self) -> int:
+        """The id of the end-of-text token that closes each document."""
+        return self.tokenizer.token_to_id(self.eos_token)
+
     def split(self, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
         """(train, val): val is the last ``val_fraction`` of tokens, never seen in training."""
         n_val = int(len(self.tokens) * val_fraction)
@@ -142,14 +147,14 @@ class Corpus:
         from workloads.pretrain.data.sampler import PackedExamples, Windows
 
         if self.offsets is None:
-            eos = self.tokenizer.token_to_id(self.eos_token) if document_mask else None
+            eos = self.eos_id if document_mask else None
             return tuple(Windows(part, seq_len, eos) for part in self.split(val_fraction))
         n = len(self.offsets) - 1
         n_val = int(n * val_fraction)
         if n_val <= 0 or n_val >= n:
             raise ValueError(f"data.val_fraction={val_fraction} of {n} examples leaves no validation or no "
                              f"training examples")
-        pad = self.tokenizer.token_to_id(self.eos_token)
+        pad = self.eos_id
         cut = n - n_val
         return (PackedExamples(self.tokens, self.mask, self.offsets[: cut + 1], seq_len, pad),
                 PackedExamples(self.tokens, self.mask, self.offsets[cut:], seq_len, pad))
