@@ -46,27 +46,61 @@ def raise_interrupted(signum: int, frame: Any) -> None:
     raise Interrupted(signum)
 
 
+def _stat_fields(pid: int) -> Optional[tuple[str, list[str]]]:
+    """``(comm, fields after comm)`` of /proc/<pid>/stat, or None when there is no such process.
+    comm may hold spaces and parentheses, so it is cut at the first "(" and the last ")"."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    head, _, tail = stat.rpartition(")")
+    return head.partition("(")[2], tail.split()
+
+
+def _looks_like_ours(pid: int, comm: str) -> bool:
+    """A python or llmctl program. The command line is empty between exec's point of no return,
+    when the parent's ``Popen`` already returns, and the moment the new program's arguments are
+    laid out; the kernel names the task (comm) before that window opens, so it is read then."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    text = cmdline if cmdline else comm.encode()
+    return b"python" in text or b"llmctl" in text
+
+
+def _reaped(pid: int) -> bool:
+    """True when ``pid`` is our own child that has exited (and is reaped now)."""
+    try:
+        return os.waitpid(pid, os.WNOHANG)[0] == pid
+    except ChildProcessError:
+        return False
+
+
+def _live(pid: int) -> Optional[tuple[str, list[str]]]:
+    """/proc's view of ``pid`` if it is running (not exited, not a zombie); None otherwise."""
+    if _reaped(pid):
+        return None
+    stat = _stat_fields(pid)
+    if stat is None or not stat[1] or stat[1][0] == "Z":
+        return None
+    return stat
+
+
 def pid_alive(pid: Optional[int]) -> bool:
     """A live (not zombie) python/llmctl process; reaps it first if it is our exited child."""
     if not pid:
         return False
-    try:
-        if os.waitpid(pid, os.WNOHANG)[0] == pid:
+    if not Path("/proc/self/stat").exists():  # no /proc: only the kernel's word is left
+        if _reaped(pid):
             return False
-    except ChildProcessError:
-        pass
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        if stat.rsplit(")", 1)[1].split()[0] == "Z":
-            return False
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-        return b"python" in cmdline or b"llmctl" in cmdline
-    except OSError:
         try:
             os.kill(pid, 0)
         except (ProcessLookupError, PermissionError):
             return False
         return True
+    stat = _live(pid)
+    return stat is not None and _looks_like_ours(pid, stat[0])
 
 
 def start_time(pid: Optional[int]) -> Optional[int]:
@@ -74,18 +108,25 @@ def start_time(pid: Optional[int]) -> Optional[int]:
     process, no /proc). A pid is reused; a pid and its start time name one process."""
     if not pid:
         return None
+    stat = _stat_fields(pid)
     try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
+        return int(stat[1][19]) if stat else None
+    except (IndexError, ValueError):
         return None
 
 
 def same_process(pid: Optional[int], started: Optional[int]) -> bool:
-    """``pid`` is alive and is still the process that started at ``started`` (see ``start_time``);
-    without a recorded start time (an older record, no /proc) only ``pid_alive`` can be checked."""
-    if not pid_alive(pid):
+    """``pid`` is alive and is still the process that started at ``started`` (see ``start_time``).
+    A pid and its start time name one process, so with a recorded start time a live, non-zombie
+    pid that matches it is ours whatever its command line reads (it is empty for a moment after
+    exec). Without one (an older record, no /proc) only ``pid_alive`` can be checked."""
+    if started is None or not pid or not Path("/proc/self/stat").exists():
+        return pid_alive(pid)
+    stat = _live(pid)
+    try:
+        return stat is not None and int(stat[1][19]) == started
+    except (IndexError, ValueError):
         return False
-    return started is None or start_time(pid) == started
 
 
 def descendants(pid: int) -> list[int]:
