@@ -34,7 +34,7 @@ ROUNDS, STEPS, WARMUP = 6, 3, 2
 def config(cuda: bool):
     from omegaconf import OmegaConf
 
-    from workloads.pretrain.schema import TrainerCfg
+    from workloads.pretrain.contract.schema import TrainerCfg
 
     cfg = OmegaConf.structured(TrainerCfg)
     model = "1b" if cuda else "smoke"
@@ -48,8 +48,8 @@ def main() -> None:
     from contextlib import nullcontext
 
     from workloads.pretrain.data import prepare_corpus
-    from workloads.pretrain.optim import build_optimizer
-    from workloads.pretrain.parallelize import ParallelDims
+    from workloads.pretrain.components.optim import build_optimizer
+    from workloads.pretrain.parallel.parallelize import ParallelDims
     from workloads.pretrain.train import DistEnv, init_sharded
 
     cuda = torch.cuda.is_available()

@@ -52,7 +52,7 @@ def llmctl(args: list[str], cwd: Path, env: dict[str, str]) -> str:
 def prime_cache(cwd: Path, env: dict[str, str]) -> None:
     """The corpus built, the store created (its schema migrations take seconds): one-off costs that
     the first run would otherwise be charged for and the estimator would learn as overhead."""
-    code = ("from omegaconf import OmegaConf; from llmctl.config import compose;"
+    code = ("from omegaconf import OmegaConf; from llmctl.config.compose import compose;"
             "from workloads.pretrain.data import prepare_corpus;"
             f"prepare_corpus(OmegaConf.create(compose({COMMON!r}).cfg['data']));"
             "import mlflow; mlflow.MlflowClient().search_experiments()")

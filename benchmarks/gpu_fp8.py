@@ -11,7 +11,7 @@ Two models at a time (bf16 stays, each FP8 recipe is built, measured and freed i
 included), ``ROUNDS`` windows of ``STEPS`` steps alternate between bf16 and the FP8 recipe
 (``gpu_timing.alternate``); tokens/s is the median over windows, the ratio is against the bf16
 windows of the same alternation. TFLOP/s and MFU use FLOPs/token = 6N + 12·L·H·Q·T and the
-**bf16** dense peak (workloads/pretrain/hardware.py), as torchtitan reports FP8 MFU, so FP8's MFU
+**bf16** dense peak (workloads/pretrain/contract/hardware.py), as torchtitan reports FP8 MFU, so FP8's MFU
 can be read as "fraction of the bf16 roofline". Memory: what the contender keeps resident (weights,
 AdamW state) plus the most one step adds.
 
@@ -44,7 +44,7 @@ TAG = "gpu_fp8"
 def config(recipe: str):
     from omegaconf import OmegaConf
 
-    from workloads.pretrain.schema import TrainerCfg
+    from workloads.pretrain.contract.schema import TrainerCfg
 
     cfg = OmegaConf.structured(TrainerCfg)
     cfg.model = OmegaConf.merge(cfg.model, OmegaConf.load(REPO / "conf/model/1b.yaml"))
@@ -57,9 +57,9 @@ class Contender:
     """One model + optimizer built and stepped the way the trainer does it."""
 
     def __init__(self, recipe: str, device: torch.device, x: torch.Tensor, y: torch.Tensor):
-        from workloads.pretrain import fp8
-        from workloads.pretrain.optim import build_optimizer
-        from workloads.pretrain.parallelize import ParallelDims
+        from workloads.pretrain.parallel import fp8
+        from workloads.pretrain.components.optim import build_optimizer
+        from workloads.pretrain.parallel.parallelize import ParallelDims
         from workloads.pretrain.train import DistEnv, init_sharded
 
         self.recipe, self.cfg = recipe, config(recipe)
@@ -100,8 +100,8 @@ def main() -> int:
         return 0
     from gpu_timing import alternate
 
-    from workloads.pretrain.metrics import peak_tflops
-    from workloads.pretrain.shape import flops_per_token
+    from workloads.pretrain.components.metrics import peak_tflops
+    from workloads.pretrain.contract.shape import flops_per_token
 
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)

@@ -23,7 +23,7 @@ trainer does on one GPU) for both sides.
 Figures per side: tokens/s (median of ``ROUNDS`` windows of ``STEPS`` steps after ``WARMUP``
 steps that include compilation), TFLOP/s and MFU from each side's own FLOPs/token count (6N +
 12·L·H·Q·T; the two counts must agree, else the run stops) against the bf16 peak in
-``workloads/pretrain/metrics.py``, and ``torch.cuda.max_memory_allocated``. Sides run one after
+``workloads/pretrain/components/metrics.py``, and ``torch.cuda.max_memory_allocated``. Sides run one after
 the other, each freed before the next. A side that fails prints its error; the other still runs.
 
 Needs a CUDA GPU and ``pip install -e ".[bench,gpu]"`` (torchtitan; Liger for llmctl's loss).
@@ -166,7 +166,7 @@ def main() -> int:
         return 0
     s = settings()
 
-    from workloads.pretrain.metrics import peak_tflops
+    from workloads.pretrain.components.metrics import peak_tflops
 
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)

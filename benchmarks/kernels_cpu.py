@@ -3,12 +3,12 @@
 Three contenders, same weights, same random batch, fp32, full training step (forward + loss,
 backward, grad-norm clip 1.0, fused AdamW step, zero_grad), eager (no ``torch.compile``):
 
-- ``fused``: ``workloads.pretrain.model`` with ``model.kernels=fused`` (SDPA, ``F.rms_norm``,
+- ``fused``: ``workloads.pretrain.model.transformer`` with ``model.kernels=fused`` (SDPA, ``F.rms_norm``,
   complex RoPE, chunked fused linear-CE), what ``llmctl launch`` runs by default;
 - ``plain``: ``benchmarks/plain_llama.py``, the same model written with stock PyTorch ops (SDPA
   with ``is_causal``, ``F.rms_norm``, complex RoPE, ``F.cross_entropy`` on full fp32 logits);
 - ``hf``: transformers' ``LlamaForCausalLM`` (``attn_implementation="sdpa"``) with the weights
-  converted by ``workloads.pretrain.export_hf`` and its own causal-LM loss.
+  converted by ``workloads.pretrain.checkpoint.hf_export`` and its own causal-LM loss.
 
 Shapes (``KERNELS_CPU_SHAPES``, default both): ``smoke`` (conf/model/smoke.yaml, batch 16 x seq 128)
 and ``125m`` (conf/model/125m.yaml: 12 x 768, vocab 32000; batch 8 x seq 256). Before timing, the
@@ -42,9 +42,9 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import plain_llama  # noqa: E402
-from workloads.pretrain.model import build_model  # noqa: E402
-from workloads.pretrain.optim import build_optimizer  # noqa: E402
-from workloads.pretrain.shape import num_params  # noqa: E402
+from workloads.pretrain.model.transformer import build_model  # noqa: E402
+from workloads.pretrain.components.optim import build_optimizer  # noqa: E402
+from workloads.pretrain.contract.shape import num_params  # noqa: E402
 
 THREADS = int(os.environ.get("KERNELS_CPU_THREADS", "1"))
 # shape -> (batch, seq, warmup steps, rounds, steps per window)
@@ -55,7 +55,7 @@ CONTENDERS = ("fused", "plain", "hf")
 def model_cfg(shape: str):
     from omegaconf import OmegaConf
 
-    from workloads.pretrain.schema import ModelCfg
+    from workloads.pretrain.contract.schema import ModelCfg
 
     cfg = OmegaConf.merge(OmegaConf.structured(ModelCfg), OmegaConf.load(REPO / f"conf/model/{shape}.yaml"))
     cfg.kernels = "fused"
@@ -65,7 +65,7 @@ def model_cfg(shape: str):
 def train_cfg():
     from omegaconf import OmegaConf
 
-    from workloads.pretrain.schema import TrainCfg
+    from workloads.pretrain.contract.schema import TrainCfg
 
     return OmegaConf.merge(OmegaConf.structured(TrainCfg), OmegaConf.load(REPO / "conf/train/default.yaml"))
 
@@ -80,7 +80,7 @@ def build_contenders(cfg) -> dict[str, tuple[torch.nn.Module, object]]:
 
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from workloads.pretrain.export_hf import hf_config, to_hf_state_dict
+    from workloads.pretrain.checkpoint.hf_export import hf_config, to_hf_state_dict
 
     hf = LlamaForCausalLM(LlamaConfig(**hf_config(cfg), attn_implementation="sdpa"))
     missing, unexpected = hf.load_state_dict(to_hf_state_dict(state, cfg), strict=False)

@@ -39,7 +39,7 @@ def main() -> None:
     import logging
 
     from workloads.pretrain.memory_check import CASES, TRACKER_PARTS, compare
-    from workloads.pretrain.memory_plan import PARTS
+    from workloads.pretrain.contract.memory_plan import PARTS
 
     warnings.filterwarnings("ignore")
     logging.getLogger("torch.distributed").setLevel(logging.ERROR)  # DTensor's 2-D grad-norm notice

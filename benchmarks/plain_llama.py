@@ -76,7 +76,7 @@ class PlainLlama(nn.Module):
 
 def from_model_cfg(cfg) -> PlainLlama:
     """The plain model for a workload ``ModelCfg`` (same shape; load the weights separately)."""
-    from workloads.pretrain.shape import hidden_dim
+    from workloads.pretrain.contract.shape import hidden_dim
 
     return PlainLlama(int(cfg.vocab_size), int(cfg.dim), int(cfg.n_layers), int(cfg.n_heads),
                       int(cfg.n_kv_heads or cfg.n_heads), hidden_dim(cfg), int(cfg.max_seq_len),

@@ -8,7 +8,7 @@ tests/fixtures, a private HOME) run alternately; each output must name a measure
 
     .venv/bin/python benchmarks/plan_latency.py [--rounds 7]
 
-SkyPilot's answers are remembered on disk (``llmctl/backends/sky_facts.py``); the same cloud plan with
+SkyPilot's answers are remembered on disk (``llmctl/backends/sky/facts.py``); the same cloud plan with
 SkyPilot asked afresh (``LLMCTL_SKY_FACTS=0``) runs alongside, for the ratio.
 
 Last line: ``plan_latency_median_s: <seconds>``, the larger of the local and the cloud median (goal: <= 1.5 s each).
@@ -40,10 +40,10 @@ def populate(uri: str) -> None:
     from mlflow.entities import Metric, Param
     from mlflow.tracking import MlflowClient
 
-    from llmctl.config import compose
+    from llmctl.config.compose import compose
     from llmctl.cost import history
     from llmctl.cost.estimate import shape_key
-    from llmctl.planner import make_plan
+    from llmctl.plan.make import make_plan
 
     mc = MlflowClient(tracking_uri=uri)
     exp = mc.create_experiment("history")

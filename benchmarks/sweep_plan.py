@@ -36,7 +36,7 @@ def cli_once(cwd: str) -> float:
 
 def naive_per_trial(sample: int) -> float:
     sys.path.insert(0, str(ROOT))
-    from llmctl.config import compose
+    from llmctl.config.compose import compose
     from llmctl.sweep.expand import expand
 
     trials = expand(SWEEP)

@@ -76,7 +76,7 @@ def ours_cfg(name: str, n_layers: int | None = None, **overrides: Any):
     """conf/model/<name>.yaml as a structured ``ModelCfg``, optionally cut to ``n_layers``."""
     from omegaconf import OmegaConf
 
-    from workloads.pretrain.schema import ModelCfg
+    from workloads.pretrain.contract.schema import ModelCfg
 
     cfg = OmegaConf.merge(OmegaConf.structured(ModelCfg), OmegaConf.load(REPO / f"conf/model/{name}.yaml"))
     if n_layers is not None:
@@ -90,8 +90,8 @@ def ours_side(cfg: Any, seq_len: int, device: torch.device, *, precision: str = 
               compile_model: bool = True, compile_loss: bool = False) -> Side:
     """llmctl: ``model.kernels=fused`` (SDPA, fused linear-CE), per-block ``apply_compile``, and for
     ``fsdp`` the trainer's own ``parallelize.apply_fsdp`` (bf16 params, fp32 reduce) on 1 rank."""
-    from workloads.pretrain.model import apply_compile, build_model
-    from workloads.pretrain.shape import flops_per_token
+    from workloads.pretrain.model.transformer import apply_compile, build_model
+    from workloads.pretrain.contract.shape import flops_per_token
 
     check_settings(precision)
     cfg.kernels = "fused"
@@ -100,11 +100,11 @@ def ours_side(cfg: Any, seq_len: int, device: torch.device, *, precision: str = 
     if compile_model:
         apply_compile(model)
     if precision == "fsdp":
-        from workloads.pretrain.parallelize import apply_fsdp
+        from workloads.pretrain.parallel.parallelize import apply_fsdp
 
         apply_fsdp(model, one_rank_mesh(device), param_dtype=torch.bfloat16)
     if compile_loss:  # the LM head + CE that forward() calls, compiled as torchtitan compiles its CE
-        import workloads.pretrain.model as ours
+        import workloads.pretrain.model.transformer as ours
 
         if not hasattr(ours.fused_lm_loss, "_torchdynamo_orig_callable"):  # once per process
             ours.fused_lm_loss = torch.compile(ours.fused_lm_loss)

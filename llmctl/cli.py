@@ -38,8 +38,8 @@ app.add_typer(data_app, name="data")
 
 def complete_override(incomplete: str) -> list[str]:
     """Complete group options and schema keys without importing Hydra."""
-    from llmctl.config import GROUPS, group_options
-    from llmctl.schema import schema_keys
+    from llmctl.config.compose import GROUPS, group_options
+    from llmctl.config.root_schema import schema_keys
 
     if "=" in incomplete:
         key, _, partial = incomplete.partition("=")
@@ -73,8 +73,8 @@ def _main(
 
 
 def _compose_and_plan(overrides: Optional[List[str]], config_dir: Optional[str]) -> Any:
-    from llmctl.config import compose
-    from llmctl.planner import make_plan
+    from llmctl.config.compose import compose
+    from llmctl.plan.make import make_plan
 
     try:
         return make_plan(compose(overrides or [], config_dir))
@@ -98,7 +98,7 @@ def plan(overrides: Optional[List[str]] = OverridesArg, config_dir: Optional[str
          dry_run: bool = typer.Option(False, "--dry-run", help="Also build the real model on meta at the target world size (fake process group) and report each rank's parameters: seconds, no GPU.")) -> None:
     """Show the config, how it runs, memory and cost; changes nothing."""
     if multirun:
-        from llmctl.sweep import planning
+        from llmctl.sweep import trial_plans as planning
 
         try:
             typer.echo(planning.plan_text(overrides or [], config_dir, max_parallel, search=search, n_trials=trials,
@@ -111,9 +111,12 @@ def plan(overrides: Optional[List[str]] = OverridesArg, config_dir: Optional[str
         the_plan.estimate.max_cost = max_cost
     typer.echo(the_plan.describe())
     if dry_run:
-        from llmctl import memory
+        from llmctl.plan import memory_fit as memory
 
-        typer.echo("\n" + memory.dry_run(the_plan))
+        try:
+            typer.echo("\n" + memory.dry_run(the_plan))
+        except LaunchError as exc:
+            raise _fail(str(exc), EXIT_FAILED) from None
 
 
 @app.command()
@@ -137,7 +140,7 @@ def launch(overrides: Optional[List[str]] = OverridesArg, config_dir: Optional[s
     if search != "grid" or trials is not None or prune != "none" or seed is not None:
         raise _fail("--search, --trials, --prune and --seed are for sweeps. Fix: add -m", EXIT_CONFIG)
     the_plan = _compose_and_plan(overrides, config_dir)
-    from llmctl import lifecycle
+    from llmctl.run import lifecycle
 
     try:
         code = lifecycle.launch(the_plan, max_cost=max_cost, say=typer.echo)
@@ -170,7 +173,7 @@ def resume(run_id: str = typer.Argument(..., help="MLflow run id (or a unique pr
         except ConfigError as exc:
             raise _fail(str(exc), EXIT_CONFIG) from None
         return
-    from llmctl import resume as resume_mod
+    from llmctl.run import resume as resume_mod
 
     try:
         code = resume_mod.resume(run_id, overrides or [], config_dir, tracking_uri, max_cost, typer.echo)
@@ -185,7 +188,7 @@ TrackingUriOpt = typer.Option(None, "--tracking-uri", help="MLflow store of the 
 
 
 def _run_and_backend(run_id: str, tracking_uri: Optional[str]) -> Any:
-    from llmctl import runs
+    from llmctl.tracking import runs
     from llmctl.backends import backend_of
 
     uri = runs.tracking_uri(tracking_uri)
@@ -203,7 +206,7 @@ def status(run_id: Optional[str] = typer.Argument(None, help="MLflow run id (or 
 
     Without RUN_ID, lists recent runs.
     """
-    from llmctl import runs
+    from llmctl.tracking import runs
 
     if run_id is None:
         typer.echo(runs.table(runs.recent(runs.tracking_uri(tracking_uri))))
@@ -221,7 +224,7 @@ def status(run_id: Optional[str] = typer.Argument(None, help="MLflow run id (or 
     job = backend.status(run, uri)
     lines = job.lines
     if run.info.status == "RUNNING" and job.ended:  # the job ended while nobody was watching
-        from llmctl import lifecycle
+        from llmctl.run import lifecycle
 
         outcome = lifecycle.Outcome.FINISHED if job.ok else lifecycle.Outcome.FAILED
         lifecycle.close_run(uri, run_id, outcome, f"job {job.ended}")
@@ -268,7 +271,7 @@ def down(run_id: str = typer.Argument(..., help="MLflow run id (or a unique pref
         detail = run.data.tags.get("llmctl.status")
         typer.echo(f"llmctl: run {run_id} has already ended: {run.info.status}{f' ({detail})' if detail else ''}; {what}")
         return
-    from llmctl import lifecycle
+    from llmctl.run import lifecycle
 
     # its controller closes the run when it outlives the stop; if the run is still open, nobody will
     lifecycle.close_run(uri, run_id, lifecycle.Outcome.KILLED, "llmctl down")
@@ -288,7 +291,7 @@ def runs_cmd(since: Optional[str] = SinceOpt,
     import json
 
     from llmctl.cost import report
-    from llmctl.tracking import resolve_uri
+    from llmctl.tracking.mlflow_run import resolve_uri
 
     try:
         rows = report.runs_rows(resolve_uri(tracking_uri), since, experiment, limit)
@@ -305,7 +308,7 @@ def cost_cmd(since: Optional[str] = SinceOpt,
     import json
 
     from llmctl.cost import report
-    from llmctl.tracking import resolve_uri
+    from llmctl.tracking.mlflow_run import resolve_uri
 
     try:
         rows = report.cost_rows(resolve_uri(tracking_uri), since, by)
@@ -323,7 +326,7 @@ def eval_cmd(target: str = typer.Argument(..., help="MLflow run id (or a unique 
              limit: Optional[float] = typer.Option(None, "--limit", help="lm-eval: examples per task (or fraction)."),
              config_dir: Optional[str] = ConfigDirOpt, tracking_uri: Optional[str] = TrackingUriOpt) -> None:
     """Score a checkpoint (loss, perplexity, bits/byte, samples)."""
-    from llmctl import eval as ev
+    from llmctl.run import eval_and_export as ev
 
     try:
         if hf or tasks:
@@ -359,7 +362,7 @@ def export_cmd(target: str = typer.Argument(..., help="MLflow run id (or a uniqu
                upload: bool = typer.Option(False, "--upload", help="Also copy the files into the run's artifacts (export/hf)."),
                config_dir: Optional[str] = ConfigDirOpt, tracking_uri: Optional[str] = TrackingUriOpt) -> None:
     """Export a checkpoint for transformers, lm-eval or vLLM."""
-    from llmctl import eval as ev
+    from llmctl.run import eval_and_export as ev
 
     if fmt != "hf":
         raise _fail(f"--format {fmt}: only 'hf' is supported", 2)
@@ -378,21 +381,18 @@ def export_cmd(target: str = typer.Argument(..., help="MLflow run id (or a uniqu
 @data_app.command("prepare")
 def data_prepare(overrides: Optional[List[str]] = OverridesArg, config_dir: Optional[str] = ConfigDirOpt) -> None:
     """Tokenize data.source into the cache now, so launches start training at once."""
-    import tempfile
-
-    from llmctl.config import compose, to_yaml
+    from llmctl.config.compose import compose
 
     try:
         composed = compose(overrides or [], config_dir)
     except ConfigError as exc:
         raise _fail(str(exc), EXIT_CONFIG) from None
-    from workloads.pretrain.prepare import main as prepare_main
+    from llmctl.backends.trainer_entry import run_trainer_entry
 
-    with tempfile.NamedTemporaryFile("w", suffix=".yaml") as resolved:
-        resolved.write(to_yaml(composed.cfg))
-        resolved.flush()
-        code = prepare_main(["--config", resolved.name])
-    raise typer.Exit(EXIT_FAILED if code else 0)
+    try:  # the trainer's own entry point prints its progress and the cache path
+        run_trainer_entry("prepare", composed.cfg, capture=False)
+    except LaunchError:
+        raise typer.Exit(EXIT_FAILED) from None
 
 
 @app.command()
@@ -413,7 +413,7 @@ def smoke(overrides: Optional[List[str]] = OverridesArg,
 @config_app.command("show")
 def config_show(overrides: Optional[List[str]] = OverridesArg, config_dir: Optional[str] = ConfigDirOpt) -> None:
     """Print the composed, validated config as YAML."""
-    from llmctl.config import compose, to_yaml
+    from llmctl.config.compose import compose, to_yaml
 
     try:
         composed = compose(overrides or [], config_dir)
@@ -425,7 +425,7 @@ def config_show(overrides: Optional[List[str]] = OverridesArg, config_dir: Optio
 @config_app.command("groups")
 def config_groups(config_dir: Optional[str] = ConfigDirOpt) -> None:
     """List the config groups and their options (choose with group=option)."""
-    from llmctl.config import GROUPS, group_options
+    from llmctl.config.compose import GROUPS, group_options
 
     for group in GROUPS:
         typer.echo(f"{group:<11} {', '.join(group_options(group, config_dir))}")

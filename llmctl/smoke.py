@@ -59,7 +59,7 @@ def _stage(result: SmokeResult, name: str, args: list[str], echo: Callable[[str]
 
 
 def _val_losses(run_id: str, uri: Optional[str]) -> tuple[list[float], Optional[float], dict[str, str]]:
-    from llmctl.tracking import client, resolve_uri
+    from llmctl.tracking.mlflow_run import client, resolve_uri
 
     mc = client(resolve_uri(uri))
     history = sorted(mc.get_metric_history(run_id, "val/loss"), key=lambda m: m.step)

@@ -10,12 +10,12 @@ from typing import Any, Iterator
 
 import pytest
 
-from llmctl.config import compose
+from llmctl.config.compose import compose
 from llmctl.cost import history
 from llmctl.cost.estimate import shape_key
-from llmctl.planner import estimate_for as for_plan
-from llmctl.planner import make_plan
-from workloads.pretrain.shape import flops_per_token, num_params
+from llmctl.plan.make import estimate_for as for_plan
+from llmctl.plan.make import make_plan
+from workloads.pretrain.contract.shape import flops_per_token, num_params
 
 ROOT = Path(__file__).resolve().parents[1]
 REMOTE_URI = "http://mlflow.example:5000"
@@ -43,7 +43,7 @@ VAL_PASSES = 1 + 1000 // 250  # step 0, then 250, 500, 750, 1000
 def test_param_count_equals_the_workload_model(overrides: list[str]) -> None:
     import torch
 
-    from workloads.pretrain.model import Transformer
+    from workloads.pretrain.model.transformer import Transformer
 
     m = compose(overrides).cfg["model"]
     with torch.device("meta"):  # no memory, even for 8B

@@ -110,7 +110,7 @@ def test_max_cost_refusal_creates_nothing(cli_env: dict[str, str], tmp_path: Pat
 
 
 def test_guard_projection() -> None:
-    from workloads.pretrain.budget import BudgetGuard
+    from workloads.pretrain.components.budget import BudgetGuard
 
     g = BudgetGuard(max_cost=1.0, usd_per_hour=36.0, billing_start=1000.0, spent_before=0.2)  # $0.01/s
     assert g.spent(1050.0) == pytest.approx(0.7)

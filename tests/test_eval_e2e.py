@@ -71,7 +71,7 @@ def test_export_loads_in_transformers_and_accelerate_eval_matches(trained) -> No
     import torch
     import transformers
 
-    from workloads.pretrain.config import load as load_config
+    from workloads.pretrain.contract.config import load as load_config
     from workloads.pretrain.evaluate import load_model
 
     cwd, env, uri, run_id = trained

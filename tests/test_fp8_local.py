@@ -12,7 +12,7 @@ from helpers import run_cli
 
 @pytest.mark.parametrize("command", ["plan", "launch"])
 def test_fp8_without_a_local_gpu_is_refused(command: str, cli_env: dict[str, str], tmp_path: Path) -> None:
-    from llmctl.hardware import local_gpu_count
+    from llmctl.plan.devices import local_gpu_count
 
     if local_gpu_count():
         pytest.skip("this machine has a GPU: the refusal is for machines without one")
@@ -28,7 +28,7 @@ def test_fp8_without_a_local_gpu_is_refused(command: str, cli_env: dict[str, str
 def test_fp8_runs_are_their_own_shape_for_measured_throughput() -> None:
     """The cost estimate only reuses a measured tokens/s from a run of the same shape key: an FP8
     run must not price a bf16 plan (nor the reverse), and the key keeps its dash-separated fields."""
-    from llmctl.config import compose
+    from llmctl.config.compose import compose
     from llmctl.cost.estimate import shape_key
 
     cfg = compose(["model=tiny", "train.dtype=bf16"]).cfg

@@ -164,9 +164,9 @@ def test_plan_reads_history_without_importing_mlflow(cli_env: dict[str, str], tm
     from mlflow.entities import Metric, Param
     from mlflow.tracking import MlflowClient
 
-    from llmctl.config import compose
+    from llmctl.config.compose import compose
     from llmctl.cost.estimate import shape_key
-    from llmctl.planner import make_plan
+    from llmctl.plan.make import make_plan
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     args = ["experiment=smoke", f"tracking.uri={uri}"]

@@ -1,5 +1,5 @@
 """Every outcome of an attempt × every entry point (launch, resume, sweep trial), held against the one
-table ``llmctl.lifecycle.RULES``: the MLflow status, the ``llmctl.status`` tag, the exit code and the
+table ``llmctl.run.lifecycle.RULES``: the MLflow status, the ``llmctl.status`` tag, the exit code and the
 ledger rows. Real parts: the CLI in subprocesses, torchrun + the workload, a sqlite MLflow store,
 the sweep supervisor. Nothing here depends on this machine's speed: every stop is triggered by
 what the run has logged, and the budget stops come from a price so high that the guard's own
@@ -21,7 +21,7 @@ import pytest
 
 from helpers import STATUS_PREFIX, assert_outcome, controller_codes, mlflow_client, run_cli
 from llmctl.cost import ledger
-from llmctl.lifecycle import RULES, Outcome, classify
+from llmctl.run.lifecycle import RULES, Outcome, classify
 
 PRICE = 360_000.0  # $/h = $100 per second: the guard's 5 s reserve alone is $500
 SMALL = ["experiment=smoke", "train.log_every=1", "train.val_every=1000", "checkpoint.every=2", "train.val_batches=1"]
@@ -31,7 +31,7 @@ SMALL = ["experiment=smoke", "train.log_every=1", "train.val_every=1000", "check
 
 
 def test_outcomes_from_what_the_controller_and_the_workload_recorded() -> None:
-    from llmctl.procs import Interrupted
+    from llmctl.run.procs import Interrupted
     from llmctl.errors import LaunchError
 
     stop = json.dumps({"step": 3, "spent_usd": 1.5, "max_cost_usd": 1.0, "checkpoint": True})
@@ -125,7 +125,7 @@ def kill_controller(controller: int, workers: int) -> None:
     they cannot act on yet (seen pending in /proc), the second makes the controller stop them without
     waiting (SIGINT, seen pending too); then they run again and exit without a checkpoint. Each step
     waits for the effect of the last, so the order holds at any speed."""
-    from llmctl.procs import signal_tree
+    from llmctl.run.procs import signal_tree
 
     signal_tree(workers, signal.SIGSTOP)
     os.kill(controller, signal.SIGTERM)
@@ -164,10 +164,10 @@ def _fast_history(uri: str, overrides: list[str]) -> None:
     and the real (slower) run meets its budget in the middle."""
     from mlflow.entities import Metric, Param
 
-    from llmctl.config import compose
+    from llmctl.config.compose import compose
     from llmctl.cost import history
     from llmctl.cost.estimate import shape_key
-    from llmctl.planner import make_plan
+    from llmctl.plan.make import make_plan
 
     plan = make_plan(compose(overrides + [f"tracking.uri={uri}"]))
     mc = mlflow_client(uri)
@@ -245,7 +245,7 @@ def test_budget_stop_then_resume_with_a_larger_budget(cli_env: dict[str, str], t
 @pytest.mark.slow
 def test_resume_outcomes_in_one_run(cli_env: dict[str, str], tmp_path: Path) -> None:
     """One run, seven attempts: launch preempted, then a resume ending in each outcome in turn."""
-    from workloads.pretrain.checkpoint_layout import latest_complete
+    from workloads.pretrain.contract.checkpoint_layout import latest_complete
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     loss_file = tmp_path / "losses.jsonl"
@@ -363,8 +363,8 @@ def test_sweep_trial_outcomes_interrupted_and_killed(cli_env: dict[str, str], tm
 
 def test_a_run_launched_before_capabilities_came_from_skypilot_still_resumes() -> None:
     """Its stored config.yaml carries infra keys the schema retired; resume drops exactly those."""
-    from llmctl.config import compose
-    from llmctl.resume import compose_resume
+    from llmctl.config.compose import compose
+    from llmctl.run.resume import compose_resume
 
     stored = compose(["experiment=smoke", "infra=runpod", "tracking.uri=http://mlflow.example:5000"]).cfg
     stored["infra"].update({"max_nodes": 1, "supports_spot": True, "supports_autostop": True})

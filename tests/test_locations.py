@@ -1,4 +1,4 @@
-"""Every key that takes a URL or a path is checked once, before anything is created (llmctl/locations.py).
+"""Every key that takes a URL or a path is checked once, before anything is created (llmctl/config/locations.py).
 
 Through the real composition (the same path ``launch``, ``plan``, ``resume`` and sweeps take), and
 once through the real CLI: a malformed location used to start a run that failed in a worker."""
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from helpers import run_cli
-from llmctl.config import compose
+from llmctl.config.compose import compose
 from llmctl.errors import ConfigError
 
 

@@ -23,7 +23,7 @@ def test_wheel_carries_conf_and_finds_it(tmp_path: Path) -> None:
         assert expected in names, expected
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
-    out = subprocess.run([sys.executable, "-c", "from llmctl.config import conf_dir; print(conf_dir())"],
+    out = subprocess.run([sys.executable, "-c", "from llmctl.config.compose import conf_dir; print(conf_dir())"],
                          cwd=tmp_path, env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"},
                          capture_output=True, text=True, check=True)
     assert Path(out.stdout.strip()) == site / "llmctl" / "conf"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import xml.etree.ElementTree as ET
 
-from llmctl.plot import HEIGHT, WIDTH, loss_curve_svg
+from llmctl.tracking.loss_plot import HEIGHT, WIDTH, loss_curve_svg
 
 
 def test_svg_has_one_polyline_per_series_inside_the_frame() -> None:

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 
-from llmctl import procs
+from llmctl.run import procs
 from llmctl.sweep import state
 
 

@@ -105,15 +105,15 @@ def test_the_scan_sees_imports_inside_functions(tmp_path: Path) -> None:
 
 def test_no_import_cycle_among_llmctl_modules() -> None:
     graph = _graph("llmctl")
-    assert {"llmctl.lifecycle", "llmctl.backends.local", "llmctl.cost.estimate", "llmctl.sweep.state"} <= set(graph)
+    assert {"llmctl.run.lifecycle", "llmctl.backends.local", "llmctl.cost.estimate", "llmctl.sweep.state"} <= set(graph)
     assert _cycles(graph) == []
 
 
 def test_data_flows_one_way() -> None:
     """Backends and the cost model never reach back into what calls them."""
     graph = _graph("llmctl")
-    upstream = {"llmctl.cli", "llmctl.lifecycle", "llmctl.resume", "llmctl.planner", "llmctl.sweep.control",
-                "llmctl.sweep.supervisor", "llmctl.sweep.planning"}
+    upstream = {"llmctl.cli", "llmctl.run.lifecycle", "llmctl.run.resume", "llmctl.plan.make", "llmctl.sweep.control",
+                "llmctl.sweep.supervisor", "llmctl.sweep.trial_plans"}
     for name, deps in graph.items():
         if name.startswith(("llmctl.backends", "llmctl.cost")):
             assert not deps & upstream, (name, sorted(deps & upstream))
@@ -138,9 +138,9 @@ def test_every_backend_implements_the_whole_interface() -> None:
             assert list(inspect.signature(impl).parameters) == want, (kind, method)
 
 
-@pytest.mark.parametrize("module", ["workloads.pretrain.schema", "workloads.pretrain.hardware",
-                                    "workloads.pretrain.shape", "workloads.pretrain.validate",
-                                    "workloads.pretrain.contract", "llmctl.cli"])
+@pytest.mark.parametrize("module", ["workloads.pretrain.contract.schema", "workloads.pretrain.contract.hardware",
+                                    "workloads.pretrain.contract.shape", "workloads.pretrain.contract.validate",
+                                    "workloads.pretrain.contract.protocol", "llmctl.cli"])
 def test_contract_modules_import_no_heavy_dependency(module: str) -> None:
     """What the CLI reads at start-up and what a launcher reads of the trainer's contract costs
     no torch, hydra, mlflow or sky import."""

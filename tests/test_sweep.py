@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from helpers import run_cli
-from llmctl.sweep import planning, state
-from llmctl.config import compose
+from llmctl.sweep import trial_plans as planning, state
+from llmctl.config.compose import compose
 from llmctl.errors import ConfigError
 from llmctl.sweep.expand import SweepConfigError, compose_trials, expand, iter_hydra_oracle
 
@@ -144,7 +144,7 @@ def test_sweep_ids_are_recognisable() -> None:
 
 
 def test_retry_on_locked_database() -> None:
-    from llmctl.tracking import retry
+    from llmctl.tracking.mlflow_run import retry
 
     calls = []
 
@@ -160,7 +160,7 @@ def test_retry_on_locked_database() -> None:
 
 
 def test_metric_sink_retries_locked_batches(monkeypatch: pytest.MonkeyPatch) -> None:
-    from workloads.pretrain.metrics import MetricSink
+    from workloads.pretrain.components.metrics import MetricSink
 
     monkeypatch.setenv("MLFLOW_RUN_ID", "r1")
     monkeypatch.setattr("time.sleep", lambda s: None)
@@ -185,7 +185,7 @@ def test_metric_sink_retries_locked_batches(monkeypatch: pytest.MonkeyPatch) -> 
 def _pid_facts(pid: int, pid_file) -> dict:
     from pathlib import Path
 
-    from llmctl import procs
+    from llmctl.run import procs
 
     def read(name: str) -> object:
         try:

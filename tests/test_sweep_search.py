@@ -131,7 +131,7 @@ def test_grid_is_unchanged_by_search_options() -> None:
 
 def test_max_cost_caps_the_whole_search() -> None:
     """The estimate is the costliest checked trial times --trials; each trial's guard is an equal share."""
-    from llmctl.sweep import planning
+    from llmctl.sweep import trial_plans as planning
 
     sp = planning.make_sweep_plan(["experiment=smoke", "infra.price_per_gpu_hour=100",
                                    "train.lr=tag(log, interval(1e-4,1e-1))", "model=choice(tiny,smoke)"],
@@ -153,7 +153,7 @@ def test_pruners_wait_for_a_quarter_of_the_steps(kind: str) -> None:
     (``min_resource="auto"``) ASHA pruned it at step 2 of 12 (the last assertion)."""
     import optuna
 
-    from llmctl.sweep import planning
+    from llmctl.sweep import trial_plans as planning
 
     sp = planning.make_sweep_plan(["experiment=smoke", "train.val_every=2", "train.steps=12,40",
                                    "train.lr=tag(log, interval(1e-4,1e-1))"], search="tpe", n_trials=4, seed=1,
@@ -220,7 +220,7 @@ def _store_and_study(tmp_path: Path) -> tuple:
     """A real sqlite MLflow store with an experiment, and an Optuna study whose pruner always prunes."""
     import optuna
 
-    from llmctl import tracking
+    from llmctl.tracking import mlflow_run as tracking
 
     class AlwaysPrune(optuna.pruners.BasePruner):
         def prune(self, study: object, trial: object) -> bool:
@@ -255,7 +255,7 @@ def test_a_trial_pruned_just_before_its_supervisor_died_ends_pruned(tmp_path: Pa
     import subprocess
     import sys
 
-    from llmctl import lifecycle
+    from llmctl.run import lifecycle
     from llmctl.sweep import state
     from llmctl.sweep.supervisor import Supervisor
 

@@ -14,7 +14,7 @@ from llmctl.errors import ConfigError
 def registry() -> dict[str, Backend]:
     """Every backend, by ``infra.kind``. Imported when asked for: ``llmctl --help`` loads none."""
     from llmctl.backends.local import LocalBackend
-    from llmctl.backends.sky import SkyBackend
+    from llmctl.backends.sky.backend import SkyBackend
 
     return {b.name: b for b in (LocalBackend(), SkyBackend())}
 

@@ -1,7 +1,7 @@
 """The interface every backend implements (``Backend``) and the values it answers with.
 
 A backend runs what it is handed and reports on it; it never opens, closes or bills an MLflow run
-(that is ``llmctl.lifecycle``'s job), so its answers are plain values.
+(that is ``llmctl.run.lifecycle``'s job), so its answers are plain values.
 """
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional, Protocol, TextIO, runtime_checkable
 
 if TYPE_CHECKING:  # annotations only: a backend module needs neither at import time
-    from llmctl.config import Composed
-    from llmctl.plan import Plan
-    from llmctl.tracking import RunHandle
+    from llmctl.config.compose import Composed
+    from llmctl.plan.job_plan import Plan
+    from llmctl.tracking.mlflow_run import RunHandle
 
 
 ENDED = ("FINISHED", "FAILED", "KILLED")  # MLflow statuses of a run whose job has ended: nothing of it runs

@@ -19,17 +19,17 @@ import time
 from pathlib import Path
 from typing import Any, Optional, TextIO
 
-from llmctl import progress
+from llmctl.run import progress
 from llmctl.backends.base import ENDED, JobStatus
-from llmctl.config import Composed, to_yaml
+from llmctl.config.compose import Composed, to_yaml
 from llmctl.errors import LaunchError
-from llmctl.hardware import local_gpu_count, this_machine
-from llmctl.plan import Plan
-from llmctl.procs import Interrupted, note_stop_request, same_process, signal_tree, start_time
-from llmctl.tracking import RunHandle
-from llmctl.validate import resolve_layout
-from llmctl.workdir import run_dir
-from workloads.pretrain.hardware import cpu_threads
+from llmctl.plan.devices import local_gpu_count, this_machine
+from llmctl.plan.job_plan import Plan
+from llmctl.run.procs import Interrupted, note_stop_request, same_process, signal_tree, start_time
+from llmctl.tracking.mlflow_run import RunHandle
+from llmctl.config.launcher_checks import resolve_layout
+from llmctl.run.workdir import run_dir
+from workloads.pretrain.contract.hardware import cpu_threads
 
 CONFIG_PLACEHOLDER = "<run-dir>/config.yaml"
 STOP_GRACE_S = 15.0

@@ -15,7 +15,7 @@ Throughput (and overhead, val time) come from the best evidence, which the estim
 
 Pure arithmetic on plain values: the hardware and the catalog offers come with the plan (each
 backend describes what it runs on), the measured history from ``history``; ``planner`` gathers
-them. The model's arithmetic is the trainer's (``workloads.pretrain.shape``). Stdlib only.
+them. The model's arithmetic is the trainer's (``workloads.pretrain.contract.shape``). Stdlib only.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping, Optional
 
-from llmctl.hardware import Hardware
-from workloads.pretrain.hardware import peak_for
-from workloads.pretrain.shape import flops_per_token, hidden_dim, num_params
+from llmctl.plan.devices import Hardware
+from workloads.pretrain.contract.hardware import peak_for
+from workloads.pretrain.contract.shape import flops_per_token, hidden_dim, num_params
 
 MFU_PRIOR = 0.40  # torchtitan Llama-3.1-8B on 8xH100: 34-39%; Megatron-LM 41-48%
 UNKNOWN_GPU_TFLOPS = 100.0  # a GPU missing from the peak table: a deliberately modest guess

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping, Optional
 
 from llmctl.cost.estimate import Measured
-from llmctl.tracking import sqlite_path
+from llmctl.tracking.mlflow_run import sqlite_path
 
 TAG_SHAPE = "llmctl.shape"
 TAG_ACCELERATOR = "llmctl.accelerator"
@@ -102,7 +102,7 @@ def _rank_same(cfg: Mapping[str, Any]) -> Any:
 def _rank_other(cfg: Mapping[str, Any], shape: str) -> Any:
     """Same dtype, kernels, tp and ac first (the shape key after ``-T<seq>-``), then the closest FLOPs
     per token (matmul efficiency grows with size), then the same nodes, then the newest."""
-    from workloads.pretrain.shape import flops_per_token
+    from workloads.pretrain.contract.shape import flops_per_token
 
     fpt = flops_per_token(cfg["model"], int(cfg["train"]["seq_len"]))
     regime = shape.split("-", 8)[-1]
@@ -171,7 +171,7 @@ def _filter(shape: Optional[str], accelerator: str) -> str:
 
 
 def _client_candidates(uri: str, shape: Optional[str], accelerator: str) -> list[Candidate]:
-    from llmctl.tracking import client
+    from llmctl.tracking.mlflow_run import client
 
     with _quick_http():
         mc = client(uri)

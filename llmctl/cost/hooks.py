@@ -1,4 +1,4 @@
-"""What a run's lifecycle does about cost (``llmctl.lifecycle`` calls these, in this order).
+"""What a run's lifecycle does about cost (``llmctl.run.lifecycle`` calls these, in this order).
 
 1. ``check_budget``: refuse (before any MLflow run exists, or before a resume reopens one) when
    what was spent plus the estimate is above the budget.
@@ -116,7 +116,7 @@ def budget_reason(stop: str) -> str:
 def status_lines(uri: str, run: Any) -> list[str]:
     """Estimate vs ledger for ``llmctl status RUN``; refreshes ``cost/*`` on the run."""
     from llmctl.cost import ledger
-    from llmctl.tracking import client
+    from llmctl.tracking.mlflow_run import client
 
     lines = []
     figures = ledger.figures(run)

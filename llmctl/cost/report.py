@@ -39,7 +39,7 @@ def fetch(uri: str, since: Optional[float] = None, experiment: Optional[str] = N
           limit: int = 1000) -> list[tuple[Any, str]]:
     """(run, experiment name) newest first, across experiments (or one), started since ``since``."""
     from llmctl.cost.history import store_exists
-    from llmctl.tracking import client
+    from llmctl.tracking.mlflow_run import client
 
     if not store_exists(uri):
         return []

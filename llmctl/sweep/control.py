@@ -17,20 +17,20 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from llmctl.errors import ConfigError
-from llmctl.procs import pid_alive
-from llmctl.sweep.planning import SweepPlan, check_budget, gpu_slots, make_sweep_plan
+from llmctl.run.procs import pid_alive
+from llmctl.sweep.trial_plans import SweepPlan, check_budget, gpu_slots, make_sweep_plan
 from llmctl.sweep.state import (
     DOWN_GRACE_S, LOG_FILE, SPEC_FILE, TAG_KIND, TAG_SWEEP_ID, TERMINAL, SweepStatus, exit_code,
     get_status, load_spec, new_sweep_id, read_json, supervisor_pid, sweep_dir, write_json, write_pid,
 )
-from llmctl.tracking import redact
+from llmctl.tracking.mlflow_run import redact
 
 
 def start(sp: SweepPlan, metric: str = "val/loss", mode: str = "min", max_cost: Optional[float] = None) -> dict[str, Any]:
     """Create the parent run and the sweep directory, start the supervisor; return the spec."""
     from mlflow.entities import Param
 
-    from llmctl import tracking
+    from llmctl.tracking import mlflow_run as tracking
     from llmctl.backends import backend_for
 
     if mode not in ("min", "max"):
@@ -90,7 +90,7 @@ def resume(sweep_id: str) -> str:
     It follows trials whose controllers still run, resumes from their checkpoints those whose
     controllers died, starts the ones never started, and (a search) asks the study for the rest.
     """
-    from llmctl import tracking
+    from llmctl.tracking import mlflow_run as tracking
 
     d = sweep_dir(sweep_id)
     spec = read_json(d / SPEC_FILE)
@@ -130,7 +130,8 @@ def down(sweep_id: str, uri: Optional[str] = None) -> str:
 
 def _close_leftovers(spec: dict[str, Any], st: SweepStatus) -> int:
     """Stop and close trials still open after the supervisor exited (or if it died)."""
-    from llmctl import lifecycle, tracking
+    from llmctl.run import lifecycle
+    from llmctl.tracking import mlflow_run as tracking
     from llmctl.backends import backend_of
 
     mc = tracking.client(spec["uri"])

@@ -22,7 +22,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
-from llmctl.config import GROUPS, SCHEMA_NAME, Composed, parse_overrides, search_dirs
+from llmctl.config.compose import GROUPS, SCHEMA_NAME, Composed, parse_overrides, search_dirs
 from llmctl.errors import ConfigError
 
 
@@ -104,7 +104,7 @@ class _Composer:
     def __init__(self, config_dir: Optional[str]):
         from hydra.core.override_parser.overrides_parser import OverridesParser
 
-        from llmctl.config import _register_schema
+        from llmctl.config.compose import _register_schema
 
         self.config_dir = config_dir
         self.dirs = search_dirs(config_dir)
@@ -121,7 +121,7 @@ class _Composer:
 
     def check(self, raw: str) -> None:
         """config._check_override once per distinct string (schema keys, group options)."""
-        from llmctl.config import _check_override
+        from llmctl.config.compose import _check_override
 
         if raw not in self.checked:
             ov = self.parse_one(raw)
@@ -141,7 +141,7 @@ class _Composer:
             from omegaconf import OmegaConf
             from omegaconf.errors import OmegaConfBaseException
 
-            from llmctl.config import _translate, open_dict
+            from llmctl.config.compose import _translate, open_dict
 
             extra = list(group_overrides)
             if len(self.dirs) > 1:
@@ -166,8 +166,8 @@ class _Composer:
         from omegaconf import OmegaConf
         from omegaconf.errors import OmegaConfBaseException
 
-        from llmctl.config import _translate
-        from llmctl.validate import validate
+        from llmctl.config.compose import _translate
+        from llmctl.config.launcher_checks import validate
 
         for raw in overrides:
             self.check(raw)

@@ -18,10 +18,10 @@ from typing import Any, Optional
 
 from llmctl.cost import ledger
 from llmctl.errors import ConfigError
-from llmctl.procs import same_process, start_time
+from llmctl.run.procs import same_process, start_time
 from llmctl.sweep import table
-from llmctl.tracking import redact
-from llmctl.workdir import sweeps_root
+from llmctl.tracking.mlflow_run import redact
+from llmctl.run.workdir import sweeps_root
 
 PREFIX = "sweep-"
 SPEC_FILE = "sweep.json"
@@ -153,7 +153,7 @@ def load_spec(sweep_id: str, uri: Optional[str] = None) -> dict[str, Any]:
     spec = read_json(sweep_dir(sweep_id) / SPEC_FILE)
     if spec is not None:
         return spec
-    from llmctl import tracking
+    from llmctl.tracking import mlflow_run as tracking
 
     store = tracking.resolve_uri(uri)
     mc = tracking.client(store)
@@ -193,7 +193,7 @@ def supervisor_pid(sweep_id: str) -> Optional[int]:
 
 
 def get_status(sweep_id: str, uri: Optional[str] = None) -> SweepStatus:
-    from llmctl import tracking
+    from llmctl.tracking import mlflow_run as tracking
 
     spec = load_spec(sweep_id, uri)
     mc = tracking.client(spec["uri"])

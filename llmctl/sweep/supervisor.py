@@ -29,9 +29,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 from llmctl.errors import ConfigError, LaunchError
-from llmctl.procs import Interrupted, raise_interrupted, same_process
+from llmctl.run.procs import Interrupted, raise_interrupted, same_process
 from llmctl.sweep import state
-from workloads.pretrain.hardware import cpu_threads
+from workloads.pretrain.contract.hardware import cpu_threads
 
 POLL_S = 0.5
 STOP_GRACE_S = 45.0  # the local backend's own stop escalation takes up to ~25 s
@@ -59,10 +59,10 @@ def trial_entry(spec: dict[str, Any], index: int) -> Optional[dict[str, Any]]:
 
 def run_trial(d: Path, index: int, run_id: str) -> int:
     """Run trial ``index`` into its (already created) child run; the lifecycle's exit code."""
-    from llmctl import lifecycle
-    from llmctl.config import Composed
-    from llmctl.planner import make_plan
-    from llmctl.tracking import RunHandle
+    from llmctl.run import lifecycle
+    from llmctl.config.compose import Composed
+    from llmctl.plan.make import make_plan
+    from llmctl.tracking.mlflow_run import RunHandle
 
     signal.signal(signal.SIGTERM, raise_interrupted)  # the supervisor may cancel before the workers start
     signal.signal(signal.SIGINT, raise_interrupted)
@@ -108,8 +108,8 @@ class _Followed:
     def poll(self) -> Optional[int]:
         """None while the job runs; -1 once its run is closed or its job ended (a managed job that
         ended is closed here, as ``llmctl status RUN`` would)."""
-        from llmctl import lifecycle
-        from llmctl.tracking import client
+        from llmctl.run import lifecycle
+        from llmctl.tracking.mlflow_run import client
 
         if time.monotonic() - self.checked < self.CHECK_S:
             return None
@@ -137,7 +137,7 @@ class _Followed:
 
 class Supervisor:
     def __init__(self, d: Path):
-        from llmctl import tracking
+        from llmctl.tracking import mlflow_run as tracking
 
         self.dir = d
         self.spec = state.read_json(d / state.SPEC_FILE)
@@ -166,7 +166,7 @@ class Supervisor:
 
     def create_run(self, t: dict[str, Any]) -> None:
         """The trial's child run (SCHEDULED), unless one exists (a restarted supervisor)."""
-        from llmctl import tracking
+        from llmctl.tracking import mlflow_run as tracking
 
         if t["index"] in self.run_ids:
             return
@@ -274,7 +274,7 @@ class Supervisor:
             self.study.tell(index, state=TrialState.FAIL)
 
     def mark_pruned(self, index: int) -> None:
-        from llmctl import lifecycle
+        from llmctl.run import lifecycle
 
         run = self.mc.get_run(self.run_ids[index])
         if run.info.status == "FINISHED":  # it ended before the stop reached it: a complete trial
@@ -337,7 +337,7 @@ class Supervisor:
         self.tell(index)
 
     def save(self, done: bool = False) -> None:
-        from llmctl.procs import start_time
+        from llmctl.run.procs import start_time
 
         trials = {}
         for i, rid in self.run_ids.items():
@@ -370,7 +370,7 @@ class Supervisor:
              f" run {self.run_ids[index]})")
 
     def reap(self) -> None:
-        from llmctl import lifecycle
+        from llmctl.run import lifecycle
 
         for index, (proc, slot) in list(self.running.items()):
             code = proc.poll()
@@ -411,7 +411,7 @@ class Supervisor:
             proc.kill()
 
     def kill_pending(self) -> None:
-        from llmctl import lifecycle
+        from llmctl.run import lifecycle
 
         while self.pending:
             index = self.pending.popleft()
@@ -436,7 +436,7 @@ class Supervisor:
             time.sleep(POLL_S)
 
     def finish(self, error: Optional[str] = None) -> None:
-        from llmctl import lifecycle
+        from llmctl.run import lifecycle
 
         st = state.get_status(self.id)
         counts = ", ".join(f"{n} {s}" for s, n in sorted(st.counts().items()))

@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parents[2]
 def _model_cfg(name: str = "tiny", **fields):
     from omegaconf import OmegaConf
 
-    from workloads.pretrain.schema import ModelCfg
+    from workloads.pretrain.contract.schema import ModelCfg
 
     cfg = OmegaConf.merge(OmegaConf.structured(ModelCfg), OmegaConf.load(REPO / f"conf/model/{name}.yaml"))
     return OmegaConf.merge(cfg, fields)
@@ -73,10 +73,10 @@ def test_bf16_fsdp_tracks_fp32(single_rank_group) -> None:
     error, per parameter."""
     from torch.distributed.tensor import DTensor
 
-    from workloads.pretrain.model import build_model
-    from workloads.pretrain.optim import build_optimizer
-    from workloads.pretrain.parallelize import apply_fsdp
-    from workloads.pretrain.schema import TrainCfg
+    from workloads.pretrain.model.transformer import build_model
+    from workloads.pretrain.components.optim import build_optimizer
+    from workloads.pretrain.parallel.parallelize import apply_fsdp
+    from workloads.pretrain.contract.schema import TrainCfg
 
     torch.backends.cuda.matmul.allow_tf32 = False
     cfg = _model_cfg("tiny", dim=256, n_layers=4, n_heads=8, n_kv_heads=4)
@@ -119,7 +119,7 @@ def test_fused_kernels_match_reference_on_cuda(dtype: str, masked: bool) -> None
     into documents (``data.document_mask``): the fused path's shared additive mask through SDPA's
     masked kernel against the reference path's boolean mask."""
     from workloads.pretrain.data.sampler import documents
-    from workloads.pretrain.model import build_model
+    from workloads.pretrain.model.transformer import build_model
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -150,8 +150,8 @@ def test_liger_fused_linear_ce_matches_ours() -> None:
     """Liger's Triton kernel against ``chunked_linear_cross_entropy`` in fp32, with ignored
     targets: sum and mean within 1e-4 relative, both input gradients within 1e-3."""
     pytest.importorskip("liger_kernel", reason="liger-kernel not installed (pip install 'llmctl[gpu]')")
-    from workloads.pretrain.losses import IGNORE_INDEX, chunked_linear_cross_entropy
-    from workloads.pretrain.model import _liger_fused_linear_ce
+    from workloads.pretrain.model.losses import IGNORE_INDEX, chunked_linear_cross_entropy
+    from workloads.pretrain.model.transformer import _liger_fused_linear_ce
 
     torch.backends.cuda.matmul.allow_tf32 = False
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -182,7 +182,7 @@ def _trainer(tmp_path: Path, name: str, cache: Path, model: str, **overrides) ->
     """Run ``python -m workloads.pretrain`` on a written config; the loss file and stdout."""
     from omegaconf import OmegaConf
 
-    from workloads.pretrain.schema import TrainerCfg
+    from workloads.pretrain.contract.schema import TrainerCfg
 
     cfg = OmegaConf.structured(TrainerCfg)
     cfg.model = OmegaConf.merge(cfg.model, OmegaConf.load(REPO / f"conf/model/{model}.yaml"))
@@ -206,10 +206,10 @@ SMALL = {"model.vocab_size": 4096, "train.batch_size": 16, "train.seq_len": 512,
 
 
 def test_mfu_is_logged_within_0_and_1(tmp_path: Path, cache_dir: Path) -> None:
-    from workloads.pretrain.hardware import peak_for
+    from workloads.pretrain.contract.hardware import peak_for
 
     if peak_for(torch.cuda.get_device_name(0), "bf16") is None:
-        pytest.skip(f"no peak TFLOP/s known for {torch.cuda.get_device_name(0)} (workloads/pretrain/hardware.py)")
+        pytest.skip(f"no peak TFLOP/s known for {torch.cuda.get_device_name(0)} (workloads/pretrain/contract/hardware.py)")
     run = _trainer(tmp_path, "mfu", cache_dir, "125m", **{**SMALL, "train.steps": 30, "train.val_every": 0})
     mfus = [r["perf/mfu"] for r in run["records"] if "perf/mfu" in r]
     assert len(mfus) == 3 and all(0 < m < 1 for m in mfus), mfus
@@ -227,7 +227,7 @@ def test_fp8_loss_tracks_bf16_over_300_steps(tmp_path: Path, cache_dir: Path) ->
     inside 2%, while a broken cast (wrong scale, e5m2 forward, unscaled gradients) moves the loss by
     tens of percent or stops it falling. The loss must also fall by at least 2 nats, so both sides
     are compared on a real learning curve."""
-    from workloads.pretrain.hardware import FP8_MIN_CAPABILITY
+    from workloads.pretrain.contract.hardware import FP8_MIN_CAPABILITY
 
     if torch.cuda.get_device_capability(0) < FP8_MIN_CAPABILITY:
         pytest.skip(f"{torch.cuda.get_device_name(0)} has no FP8 tensor cores (compute capability < 8.9)")

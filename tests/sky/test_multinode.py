@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from llmctl.backends import sky_task
-from llmctl.config import compose, to_yaml
+from llmctl.backends.sky import task as sky_task
+from llmctl.config.compose import compose, to_yaml
 
 from helpers import read_loss_file
 from sky_helpers import REMOTE_URI

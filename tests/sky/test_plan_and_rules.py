@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from llmctl.backends import sky_rules
-from llmctl.config import compose
+from llmctl.backends.sky import rules as sky_rules
+from llmctl.config.compose import compose
 from llmctl.errors import ConfigError
 
 from sky_helpers import FIXTURE_CATALOG, REMOTE_URI, run_cli

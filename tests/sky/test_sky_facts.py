@@ -1,5 +1,5 @@
 """``llmctl plan infra=<cloud>`` without importing SkyPilot once it has answered: the remembered answers
-(``llmctl/backends/sky_facts.py``) give the same plan as SkyPilot asked afresh (the oracle), are
+(``llmctl/backends/sky/facts.py``) give the same plan as SkyPilot asked afresh (the oracle), are
 forgotten when the catalog changes, hold no credentials, and never stand in for an error."""
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def test_a_refusal_is_skypilots_own(sky_env: dict[str, str], tmp_path: Path) -> 
 
 
 def test_entries_expire_and_exceptions_are_not_remembered(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from llmctl.backends import sky_facts
+    from llmctl.backends.sky import facts as sky_facts
 
     monkeypatch.setenv("LLMCTL_CACHE_DIR", str(tmp_path))
     calls: list[int] = []

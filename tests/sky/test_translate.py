@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from llmctl.backends import sky_task
-from llmctl.config import compose
-from workloads.pretrain.contract import ATTEMPT_ENVS
+from llmctl.backends.sky import task as sky_task
+from llmctl.config.compose import compose
+from workloads.pretrain.contract.protocol import ATTEMPT_ENVS
 
 from sky_helpers import REMOTE_URI
 

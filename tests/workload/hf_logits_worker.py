@@ -10,8 +10,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-from workloads.pretrain.config import load
-from workloads.pretrain.parallelize import local_loss, loss_context
+from workloads.pretrain.contract.config import load
+from workloads.pretrain.parallel.parallelize import local_loss, loss_context
 from workloads.pretrain.train import init_distributed, load_pretrained
 
 

@@ -23,7 +23,7 @@ def main(out_dir: str, overrides: list[str]) -> None:
     import torch
     from torch.distributed.tensor import DTensor
 
-    from workloads.pretrain.config import load
+    from workloads.pretrain.contract.config import load
     from workloads.pretrain.train import init_distributed, init_sharded
 
     cfg = load(None, overrides)

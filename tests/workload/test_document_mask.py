@@ -56,8 +56,8 @@ def _hf_alone(hf, inputs: torch.Tensor, targets: torch.Tensor, doc_ids: torch.Te
 def test_masked_windows_compute_what_transformers_computes_per_document(make_tiny_cfg, tmp_path: Path,
                                                                       kernels: str) -> None:
     transformers = pytest.importorskip("transformers")
-    from workloads.pretrain.export_hf import export
-    from workloads.pretrain.model import build_model
+    from workloads.pretrain.checkpoint.hf_export import export
+    from workloads.pretrain.model.transformer import build_model
 
     vocab, seq = 256, 48
     cfg = make_tiny_cfg(**{"model.kernels": kernels, "model.vocab_size": vocab})
@@ -88,8 +88,8 @@ def test_eval_of_a_masked_run_matches_transformers_per_document(make_tiny_cfg, c
     transformers = pytest.importorskip("transformers")
     from workloads.pretrain.data import prepare_corpus
     from workloads.pretrain.evaluate import eval_batches, score_hf, score_native, token_byte_lengths
-    from workloads.pretrain.export_hf import export
-    from workloads.pretrain.model import build_model
+    from workloads.pretrain.checkpoint.hf_export import export
+    from workloads.pretrain.model.transformer import build_model
 
     cfg = make_tiny_cfg(**{"data.cache_dir": str(cache_dir), "data.document_mask": True, "train.seq_len": 256,
                            "train.batch_size": 4, "eval.val_batches": 1})

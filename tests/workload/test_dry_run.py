@@ -20,7 +20,7 @@ def test_full_size_model_shards_over_the_target_world(preset: str, world: int, p
     from omegaconf import OmegaConf
 
     from workloads.pretrain.dry_run import sharded_params
-    from workloads.pretrain.schema import TrainerCfg
+    from workloads.pretrain.contract.schema import TrainerCfg
 
     cfg = OmegaConf.structured(TrainerCfg)
     cfg.model = OmegaConf.merge(cfg.model, OmegaConf.load(REPO / "conf" / "model" / f"{preset}.yaml"))

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from workloads.pretrain.evaluate import finish_metrics, load_model, resolve_step_dir, token_byte_lengths
-from workloads.pretrain.generate import generate
+from workloads.pretrain.model.generate import generate
 
 
 def test_token_byte_lengths_sum_to_the_utf8_bytes_of_the_text() -> None:
@@ -36,7 +36,7 @@ def test_loaded_checkpoint_has_the_weights_and_cached_generation_matches(tmp_pat
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    from workloads.pretrain.model import build_model
+    from workloads.pretrain.model.transformer import build_model
 
     cfg = make_tiny_cfg()
     torch.manual_seed(7)

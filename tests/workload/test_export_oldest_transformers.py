@@ -141,8 +141,8 @@ def _variants() -> dict[str, dict[str, Any]]:
 
 
 def _build(fields: dict[str, Any], seed: int = 0) -> tuple[torch.nn.Module, Any]:
-    from workloads.pretrain.model import build_model
-    from workloads.pretrain.schema import ModelCfg
+    from workloads.pretrain.model.transformer import build_model
+    from workloads.pretrain.contract.schema import ModelCfg
 
     torch.manual_seed(seed)
     cfg = ModelCfg(**fields)
@@ -160,7 +160,7 @@ def test_export_loads_in_oldest_allowed_transformers(tmp_path: Path) -> None:
     from test_generate_export import _tokenizer
     from tokenizers import Tokenizer
 
-    from workloads.pretrain.export_hf import export
+    from workloads.pretrain.checkpoint.hf_export import export
 
     site = oldest_transformers()  # first: fails (or skips, LLMCTL_OFFLINE=1) before any other work
     tok_file = _tokenizer(tmp_path)
@@ -233,7 +233,7 @@ def test_qwen2_export_tokenizer_in_transformers_5(tmp_path: Path) -> None:
     from test_generate_export import _tokenizer
     from tokenizers import Tokenizer
 
-    from workloads.pretrain.export_hf import export
+    from workloads.pretrain.checkpoint.hf_export import export
 
     tok_file = _tokenizer(tmp_path)
     model, cfg = _build(_variants()["qwen2"])

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from workloads.pretrain import fp8
-from workloads.pretrain.hardware import capability_for, fp8_refusal
-from workloads.pretrain.validate import ConfigError, validate
+from workloads.pretrain.parallel import fp8
+from workloads.pretrain.contract.hardware import capability_for, fp8_refusal
+from workloads.pretrain.contract.validate import ConfigError, validate
 
 
 @pytest.mark.parametrize("name, capable", [
@@ -44,7 +44,7 @@ def test_the_trainer_refuses_a_cpu_device_before_importing_torchao() -> None:
     ({"train.fp8": "rowwise", "train.dtype": "bf16", "parallel.tp": 2}, "Fix: parallel.tp=1"),
 ])
 def test_validate_refuses_fp8_without_bf16_or_with_tp(make_tiny_cfg, overrides: dict, needle: str) -> None:
-    from workloads.pretrain.config import plain
+    from workloads.pretrain.contract.config import plain
 
     with pytest.raises(ConfigError, match="train.fp8") as info:
         validate(plain(make_tiny_cfg(**overrides)))
@@ -57,7 +57,7 @@ def test_conversion_skips_the_head_and_dims_not_multiple_of_16(make_tiny_cfg, re
     pytest.importorskip("torchao.float8", reason="torchao not installed (pip install 'llmctl[fp8]')")
     from torchao.float8.float8_linear import Float8Linear
 
-    from workloads.pretrain.model import Transformer
+    from workloads.pretrain.model.transformer import Transformer
 
     cfg = make_tiny_cfg(**{"model.hidden_dim": 40})  # FFN 64 -> 40 -> 64: not FP8-able; attention is
     with torch.device("meta"):
@@ -76,7 +76,7 @@ def test_a_converted_model_trains_a_step_close_to_bf16_on_cpu(make_tiny_cfg) -> 
     """torchao emulates the FP8 matmul on CPU: the first loss matches bf16 to FP8's precision and
     every converted weight gets a gradient."""
     pytest.importorskip("torchao.float8", reason="torchao not installed (pip install 'llmctl[fp8]')")
-    from workloads.pretrain.model import build_model
+    from workloads.pretrain.model.transformer import build_model
 
     cfg = make_tiny_cfg().model
     torch.manual_seed(0)

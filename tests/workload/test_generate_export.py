@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from workloads.pretrain.schema import ModelCfg
-from workloads.pretrain.export_hf import export
-from workloads.pretrain.generate import generate
-from workloads.pretrain.model import build_model
+from workloads.pretrain.contract.schema import ModelCfg
+from workloads.pretrain.checkpoint.hf_export import export
+from workloads.pretrain.model.generate import generate
+from workloads.pretrain.model.transformer import build_model
 
 
 def _model(tie: bool = False, kv_heads: int = 2, seed: int = 0, rope_layout: str = "interleaved") -> torch.nn.Module:
@@ -36,7 +36,7 @@ def test_kv_cache_greedy_equals_full_recompute(kv_heads: int, rope_layout: str) 
 def test_kv_cache_logits_equal_the_full_forward(rope_layout: str) -> None:
     """Token by token through the cache, each position's logits are the full forward's (fp32);
     attention weights are scaled up so that RoPE visibly matters."""
-    from workloads.pretrain.generate import KVCache, _next_logits_cached
+    from workloads.pretrain.model.generate import KVCache, _next_logits_cached
 
     model, _ = _model(rope_layout=rope_layout)
     with torch.no_grad():
@@ -153,8 +153,8 @@ def test_hf_export_needs_no_transformers(tmp_path: Path) -> None:
     (poisoned / "__init__.py").write_text("raise ImportError('export imported transformers')\n")
     tok_file = _tokenizer(tmp_path)
     code = (
-        "import sys, torch; from workloads.pretrain.schema import ModelCfg;"
-        "from workloads.pretrain.model import build_model; from workloads.pretrain.export_hf import export;"
+        "import sys, torch; from workloads.pretrain.contract.schema import ModelCfg;"
+        "from workloads.pretrain.model.transformer import build_model; from workloads.pretrain.checkpoint.hf_export import export;"
         "cfg = ModelCfg(name='t', dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=300, max_seq_len=96);"
         f"export(build_model(cfg).state_dict(), cfg, {str(tmp_path / 'hf')!r}, tokenizer_file={str(tok_file)!r},"
         " eos_token='<|endoftext|>'); print('transformers' in sys.modules)"

@@ -85,7 +85,7 @@ def _close(got: dict, path: Path) -> None:
 
 
 def test_config_json_sets_the_shape(checkpoints: dict[str, Path]) -> None:
-    from workloads.pretrain.config import load
+    from workloads.pretrain.contract.config import load
 
     llama = load(None, OVERRIDES + [f"model.init_from={checkpoints['llama-tied']}"]).model
     assert (llama.dim, llama.n_layers, llama.n_heads, llama.n_kv_heads, llama.vocab_size, llama.hidden_dim) == \
@@ -103,7 +103,7 @@ def test_config_json_sets_the_shape(checkpoints: dict[str, Path]) -> None:
 @pytest.mark.parametrize("name", ["llama", "llama-tied", "qwen2"])
 def test_one_process_computes_what_transformers_computes(checkpoints: dict[str, Path], name: str,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    from workloads.pretrain.config import load
+    from workloads.pretrain.contract.config import load
     from workloads.pretrain.train import init_distributed, load_pretrained
 
     for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
@@ -134,8 +134,8 @@ def test_sharded_layouts_compute_what_transformers_computes(checkpoints: dict[st
 
 
 def test_a_checkpoint_that_does_not_fit_is_refused(checkpoints: dict[str, Path], tmp_path: Path) -> None:
-    from workloads.pretrain.config import load
-    from workloads.pretrain.validate import ConfigError
+    from workloads.pretrain.contract.config import load
+    from workloads.pretrain.contract.validate import ConfigError
 
     bad = tmp_path / "mistral"
     bad.mkdir()
@@ -162,7 +162,7 @@ def test_launch_fine_tunes_exports_and_transformers_agrees(checkpoints: dict[str
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     from helpers import run_cli
-    from workloads.pretrain.config import load
+    from workloads.pretrain.contract.config import load
     from workloads.pretrain.data import Sampler, prepare_corpus
     from workloads.pretrain.evaluate import load_model
 
@@ -242,9 +242,9 @@ def test_presets_are_the_published_models(preset: str, published: int) -> None:
     import transformers
     from omegaconf import OmegaConf
 
-    from workloads.pretrain.export_hf import hf_config
-    from workloads.pretrain.schema import ModelCfg
-    from workloads.pretrain.shape import num_params
+    from workloads.pretrain.checkpoint.hf_export import hf_config
+    from workloads.pretrain.contract.schema import ModelCfg
+    from workloads.pretrain.contract.shape import num_params
 
     cfg = OmegaConf.merge(OmegaConf.structured(ModelCfg), OmegaConf.load(REPO / "conf" / "model" / f"{preset}.yaml"))
     spec = hf_config(cfg)

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from workloads.pretrain.losses import chunked_linear_cross_entropy, default_chunk_size
+from workloads.pretrain.model.losses import chunked_linear_cross_entropy, default_chunk_size
 
 N, D, V = 37, 24, 101  # a prime token count: no chunk size below divides it
 

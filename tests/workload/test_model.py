@@ -13,9 +13,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from workloads.pretrain.schema import ModelCfg
-from workloads.pretrain.model import Transformer, build_model
-from workloads.pretrain.shape import ffn_hidden_dim, flops_per_token, num_params
+from workloads.pretrain.contract.schema import ModelCfg
+from workloads.pretrain.model.transformer import Transformer, build_model
+from workloads.pretrain.contract.shape import ffn_hidden_dim, flops_per_token, num_params
 
 VOCAB = 512
 CONF = Path(__file__).resolve().parents[2] / "conf"
@@ -179,7 +179,7 @@ def test_rejects_sequences_longer_than_max_seq_len():
 @pytest.mark.slow
 def test_per_block_compile_keeps_names_and_numerics():
     """``model.compile`` compiles blocks in place: same FQNs (checkpoints) and same loss/grads."""
-    from workloads.pretrain.model import apply_compile
+    from workloads.pretrain.model.transformer import apply_compile
 
     _, eager = pair()
     compiled = build_model(shape())

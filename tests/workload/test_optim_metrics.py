@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 
-from workloads.pretrain.hardware import cpu_threads
-from workloads.pretrain.schema import TrainCfg
-from workloads.pretrain.metrics import MetricSink, format_train_line, peak_memory_gb, peak_tflops
-from workloads.pretrain.optim import build_optimizer, lr_factor
+from workloads.pretrain.contract.hardware import cpu_threads
+from workloads.pretrain.contract.schema import TrainCfg
+from workloads.pretrain.components.metrics import MetricSink, format_train_line, peak_memory_gb, peak_tflops
+from workloads.pretrain.components.optim import build_optimizer, lr_factor
 
 
 @pytest.mark.parametrize("schedule", ["cosine", "linear", "constant"])
@@ -58,8 +58,8 @@ def test_cpu_threads_honours_omp_num_threads_else_splits_the_cores(monkeypatch):
 def test_launcher_thread_shares_follow_the_affinity_mask_not_the_host(monkeypatch):
     """A container or Slurm job may run on 8 of a host's 64 cores: llmctl's shares (eval processes,
     concurrent sweep trials) come from the trainer's rule over those 8."""
-    from llmctl import eval as llmctl_eval
-    from llmctl.sweep import planning
+    from llmctl.run import eval_and_export as llmctl_eval
+    from llmctl.sweep import trial_plans as planning
 
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)), raising=False)
     monkeypatch.setattr("os.cpu_count", lambda: 64)
@@ -72,7 +72,7 @@ def test_launcher_thread_shares_follow_the_affinity_mask_not_the_host(monkeypatc
 
 
 def test_peak_table_resolves_real_device_names():
-    from workloads.pretrain.hardware import PEAK_TFLOPS
+    from workloads.pretrain.contract.hardware import PEAK_TFLOPS
 
     def lookup(name):
         return next(bf16 for key, bf16, _ in PEAK_TFLOPS if key.lower() in name.lower())
@@ -136,7 +136,7 @@ def _train(**kw):
 
 
 def test_extension_pins_a_decayed_cosine_and_lets_a_stable_wsd_extend():
-    from workloads.pretrain.schedule import extension, lr_factor as f
+    from workloads.pretrain.contract.schedule import extension, lr_factor as f
 
     pin, said = extension(_train(steps=20), _train(steps=60), 20)  # the issue's case: no jump to 7.5e-4
     assert pin == 20 and "keeps its horizon of 20" in said and "train.schedule_steps=60" in said

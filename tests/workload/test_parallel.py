@@ -83,7 +83,7 @@ def test_cli_rejects_tp_that_does_not_divide_heads(cli_env, tmp_path):
 
 
 def test_parallel_dims_resolve_the_mesh_without_a_process_group(workload):
-    from workloads.pretrain.parallelize import ParallelDims
+    from workloads.pretrain.parallel.parallelize import ParallelDims
 
     dims = ParallelDims.from_config(workload.cfg(**{"parallel.tp": 2}), 4)
     assert (dims.dp_replicate, dims.dp_shard, dims.tp, dims.dp) == (1, 2, 2, 2)

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from workloads.pretrain.schema import DataCfg
+from workloads.pretrain.contract.schema import DataCfg
 from workloads.pretrain.data import EOT, list_source_files, prepare_corpus
 from workloads.pretrain.prepare import prepare
 

@@ -123,7 +123,7 @@ def test_packed_examples_compute_what_each_example_computes_alone(make_tiny_cfg,
     """Per-example positions and block-causal attention: a packed row's logits and summed loss
     equal those of its examples run one at a time (fp32)."""
     from workloads.pretrain.data.sampler import IGNORE_INDEX, PackedExamples
-    from workloads.pretrain.model import build_model
+    from workloads.pretrain.model.transformer import build_model
 
     cfg = make_tiny_cfg(**{"model.kernels": kernels, "model.vocab_size": VOCAB})
     torch.manual_seed(0)

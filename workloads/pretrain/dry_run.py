@@ -4,27 +4,33 @@
 What it proves before anyone pays: the layout is valid for the model (TP divides the heads, the
 mesh builds, FSDP2 shards every parameter) and how many parameters and bytes each rank holds.
 No weights are materialised: 70B at world 64 takes about a second and a few hundred MB.
-``llmctl plan --dry-run`` prints it beside the memory plan.
+``llmctl plan --dry-run`` runs ``python -m workloads.pretrain.dry_run --world-size N --config
+run.yaml`` (a process of its own: llmctl imports only the trainer's contract) and prints its JSON
+beside the memory plan.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import sys
 import time
-from typing import Any
+from typing import Any, Optional, Sequence
 
 
 def sharded_params(cfg: Any, world_size: int) -> dict[str, Any]:
-    """Parameters per rank of ``cfg``'s model at ``world_size`` processes, built the trainer's way
+    """Parameters per rank of ``cfg``'s model (the trainer's typed config) at ``world_size``
+    processes, built the trainer's way
     (``Transformer`` on meta -> ``parallelize``: TP -> AC -> FSDP2)."""
     import torch
     from torch.distributed.tensor import DTensor
 
-    from workloads.pretrain.memory_check import fake_process_group, trainer_cfg
-    from workloads.pretrain.model import Transformer
-    from workloads.pretrain.parallelize import ParallelDims, parallelize
+    from workloads.pretrain.model.transformer import Transformer
+    from workloads.pretrain.parallel.fake_world import fake_process_group
+    from workloads.pretrain.parallel.parallelize import ParallelDims, parallelize
 
     t0 = time.perf_counter()
-    tc = trainer_cfg(cfg)
+    tc = cfg
     dims = ParallelDims.from_config(tc, world_size)
     with fake_process_group(world_size):
         mesh = dims.build_mesh("cpu") if world_size > 1 else None
@@ -40,3 +46,22 @@ def sharded_params(cfg: Any, world_size: int) -> dict[str, Any]:
                                                  "tp": dims.tp},
             "params_total": total, "params_per_rank": local, "param_bytes_per_rank": 4 * local,
             "wq_placements": placements, "seconds": time.perf_counter() - t0}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    from workloads.pretrain.contract.config import parse_args
+    from workloads.pretrain.contract.validate import ConfigError
+
+    parser = argparse.ArgumentParser(prog="python -m workloads.pretrain.dry_run", description=__doc__.splitlines()[0])
+    parser.add_argument("--world-size", type=int, required=True, help="processes the job will run")
+    try:
+        args, cfg = parse_args(parser, argv)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 3
+    print(json.dumps(sharded_params(cfg, args.world_size)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -46,13 +46,13 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 
-from workloads.pretrain.checkpoint_layout import MARKER, fs_and_path, join, latest_complete, split_step_dir, step_dir
-from workloads.pretrain.config import parse_args
-from workloads.pretrain.contract import EXPORT_INFO
+from workloads.pretrain.contract.checkpoint_layout import MARKER, fs_and_path, join, latest_complete, split_step_dir, step_dir
+from workloads.pretrain.contract.config import parse_args
+from workloads.pretrain.contract.protocol import EXPORT_INFO
 from workloads.pretrain.data import EOT, Corpus, Windows, load_texts, prepare_corpus, val_batches
-from workloads.pretrain.hardware import cpu_threads
-from workloads.pretrain.losses import IGNORE_INDEX
-from workloads.pretrain.model import Transformer, build_model
+from workloads.pretrain.contract.hardware import cpu_threads
+from workloads.pretrain.model.losses import IGNORE_INDEX
+from workloads.pretrain.model.transformer import Transformer, build_model
 
 
 def _value(x: Any) -> Any:
@@ -206,7 +206,7 @@ def _unpacked(batch: Any):
 
 def samples(model: Transformer, corpus: Corpus, ec: Any, device: torch.device) -> list[dict[str, Any]]:
     """A greedy and a sampled completion per prompt, both with the KV cache."""
-    from workloads.pretrain.generate import generate
+    from workloads.pretrain.model.generate import generate
 
     tok, out = corpus.tokenizer, []
     gen = torch.Generator(device=device).manual_seed(int(ec.seed))
@@ -297,7 +297,7 @@ def run(cfg: Any, checkpoint: Optional[str] = None, hf_dir: Optional[str] = None
 def export_model(model: Transformer, model_cfg: Any, corpus: Corpus, out_dir: str,
                  info: Optional[dict[str, Any]] = None) -> None:
     """The checkpoint's model and the run's tokenizer as a transformers Llama (no transformers needed)."""
-    from workloads.pretrain.export_hf import export
+    from workloads.pretrain.checkpoint.hf_export import export
 
     extra = {EXPORT_INFO: json.dumps(info, indent=2)} if info else None
     export(dict(model.state_dict()), model_cfg, out_dir, tokenizer_file=corpus.path / "tokenizer.json",

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from workloads.pretrain.config import parse_args
+from workloads.pretrain.contract.config import parse_args
 from workloads.pretrain.data import prepare_corpus
 
 

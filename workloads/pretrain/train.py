@@ -11,11 +11,7 @@ same on every rank) -> ``parallelize`` (FP8 -> TP -> AC -> compile -> FSDP2) -> 
 the newest complete checkpoint -> loop (val at step 0, every ``val_every`` and at the end; logs
 every ``log_every``; checkpoints every ``checkpoint.every`` and at the end).
 
-Test hook: ``LLMCTL_FAIL_AT_STEP=N`` raises at the start of step N, so callers can check that a
-failing workload exits non-zero and is reported as failed.
-
-Test hook: ``LLMCTL_LOSS_FILE=PATH`` makes rank 0 append one JSON line per logged step
-(``{"step": N, "train/loss": ..., ...}`` or ``{"step": N, "val/loss": ...}``) at full precision.
+Test hooks (a failure at step N, a file of full-precision losses): ``components/test_hooks.py``.
 
 Exit status: 0 on success, 1 on an exception (traceback on stderr), 130 on SIGINT, 75 when preempted:
 SIGTERM/SIGUSR1 finish the current step, write an emergency checkpoint within
@@ -40,24 +36,25 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from workloads.pretrain.budget import BudgetGuard
-from workloads.pretrain.checkpoint import Checkpointer
-from workloads.pretrain.config import parse_args
-from workloads.pretrain.contract import EXIT_CONFIG, EXIT_PREEMPTED
+from workloads.pretrain.components.budget import BudgetGuard
+from workloads.pretrain.checkpoint.dcp import Checkpointer
+from workloads.pretrain.contract.config import parse_args
+from workloads.pretrain.contract.protocol import EXIT_CONFIG, EXIT_PREEMPTED
 from workloads.pretrain.data import Sampler, prepare_corpus, val_batches
-from workloads.pretrain.dataset_input import log_training_corpus
-from workloads.pretrain.hardware import cpu_threads
-from workloads.pretrain.metrics import MetricSink, format_train_line, peak_memory_gb, peak_tflops
-from workloads.pretrain.model import Transformer
-from workloads.pretrain.optim import build_optimizer, lr_factor
-from workloads.pretrain.parallelize import (
+from workloads.pretrain.components.dataset_input import log_training_corpus
+from workloads.pretrain.contract.hardware import cpu_threads
+from workloads.pretrain.components.metrics import MetricSink, format_train_line, peak_memory_gb, peak_tflops
+from workloads.pretrain.model.transformer import Transformer
+from workloads.pretrain.components.optim import build_optimizer, lr_factor
+from workloads.pretrain.parallel.parallelize import (
     ParallelDims, gradient_sync_due, local_loss, loss_context, parallelize, set_gradient_sync,
 )
-from workloads.pretrain import fp8, preempt, shape, system_metrics
-from workloads.pretrain.validate import ConfigError
+from workloads.pretrain.parallel import fp8
+from workloads.pretrain.components import preempt, system_metrics, test_hooks
+from workloads.pretrain.components.test_hooks import LossFile
+from workloads.pretrain.contract import shape
+from workloads.pretrain.contract.validate import ConfigError
 
-FAIL_AT_STEP_ENV = "LLMCTL_FAIL_AT_STEP"
-LOSS_FILE_ENV = "LLMCTL_LOSS_FILE"
 
 
 def _value(x: Any) -> Any:
@@ -128,18 +125,6 @@ def init_distributed(cfg: Any) -> DistEnv:
             dist.init_process_group(backend, timeout=timedelta(minutes=10))
         mesh = dims.build_mesh(device.type)
     return DistEnv(rank, world, local_rank, local_world, device, dims, mesh)
-
-
-class LossFile:
-    """``$LLMCTL_LOSS_FILE`` on rank 0: full-precision losses for tests (no-op when unset)."""
-
-    def __init__(self, enabled: bool):
-        self.path = os.environ.get(LOSS_FILE_ENV) if enabled else None
-
-    def write(self, step: int, metrics: dict) -> None:
-        if self.path:
-            with open(self.path, "a") as f:
-                f.write(json.dumps({"step": step, **metrics}) + "\n")
 
 
 # ----------------------------------------------------------------------------- loop
@@ -218,7 +203,7 @@ def init_sharded(cfg: Any, env: DistEnv) -> torch.nn.Module:
 def load_pretrained(cfg: Any, env: DistEnv) -> torch.nn.Module:
     """``model.init_from``: meta → parallelize → materialise empty → RoPE tables → the checkpoint's
     weights (``hf_checkpoint``): no rank ever holds more than its shards."""
-    from workloads.pretrain import hf_checkpoint
+    from workloads.pretrain.checkpoint import hf_load as hf_checkpoint
     from workloads.pretrain.data.cache import cache_root
 
     with torch.device("meta"):
@@ -269,7 +254,7 @@ def train(cfg: Any) -> dict:
     if env.is_main:
         log_training_corpus(str(cfg.data.name), corpus.path)  # the run's Datasets: source, digest, tokens
     loss_file = LossFile(enabled=env.is_main)
-    fail_at = int(os.environ.get(FAIL_AT_STEP_ENV, "0") or 0)
+    fail_at = test_hooks.fail_at_step()
     tokens_per_step = tc.batch_size * tc.seq_len  # global: the batch is split over dp ranks
     log_every, val_every = max(1, int(tc.log_every)), max(0, int(tc.val_every))  # val_every 0: start/end only
 
@@ -310,7 +295,7 @@ def train(cfg: Any) -> dict:
     grad_norm = torch.zeros(())
     for step in range(start_step + 1, tc.steps + 1):
         if step == fail_at:
-            raise RuntimeError(f"{FAIL_AT_STEP_ENV}={fail_at}: injected failure at step {step}")
+            raise RuntimeError(f"{test_hooks.FAIL_AT_STEP_ENV}={fail_at}: injected failure at step {step}")
         lr = float(tc.lr) * lr_factor(step, tc)
         for group in optimizer.param_groups:
             group["lr"] = lr

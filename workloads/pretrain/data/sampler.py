@@ -26,7 +26,7 @@ from typing import Optional, Union
 import numpy as np
 import torch
 
-from workloads.pretrain.losses import IGNORE_INDEX
+from workloads.pretrain.model.losses import IGNORE_INDEX
 
 
 @dataclass

@@ -1,0 +1,329 @@
+"""SkyPilot backend: clouds (AWS, Lambda, RunPod, ...) and Slurm, as clusters or managed jobs.
+
+``SkyBackend`` implements ``llmctl.backends.Backend``: ``preflight`` checks credentials before any
+MLflow run exists; ``status``/``logs``/``down`` work from the run alone. The task is built by
+``sky_task`` (pure) and checked by ``sky_rules`` (SkyPilot's declared capabilities and offline
+catalog). ``sky`` is imported inside functions only. Tags on the MLflow run (``llmctl.sky.*``) say
+where the run lives, so ``status``/``logs``/``down`` need nothing but the run id.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import sys
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from llmctl.backends.sky import rules as sky_rules, task as sky_task
+from llmctl.backends.sky.facts import remembered
+from llmctl.backends.base import JobStatus
+from llmctl.config.compose import Composed, to_yaml
+from llmctl.errors import ConfigError, LaunchError
+from llmctl.plan.devices import Hardware
+from llmctl.plan.job_plan import Plan
+from llmctl.tracking.mlflow_run import RunHandle, client, redact, resolve_uri
+from llmctl.config.launcher_checks import resolve_layout
+from llmctl.run.workdir import run_dir
+TAG_CLUSTER = "llmctl.sky.cluster"
+TAG_JOB = "llmctl.sky.job_id"
+TAG_MANAGED = "llmctl.sky.managed_job_id"
+TERMINAL_OK = {"SUCCEEDED"}
+TERMINAL_BAD = {"FAILED", "FAILED_SETUP", "FAILED_DRIVER", "FAILED_PRECHECKS", "FAILED_NO_RESOURCE",
+                "FAILED_CONTROLLER", "CANCELLED"}
+
+
+@dataclass
+class SkyPlan(Plan):
+    """A plan plus the SkyPilot task YAML and the catalog offers that ``llmctl plan`` prints."""
+
+    task_yaml: str = ""
+    offers_text: str = ""
+
+    def describe(self) -> str:
+        return "\n".join([super().describe(), "",
+                          "# SkyPilot task (what `llmctl launch` submits; <run-id> is filled in then)",
+                          self.task_yaml.rstrip(), "",
+                          "# offers, cheapest first (SkyPilot catalog, on-demand unless infra.use_spot)",
+                          self.offers_text])
+
+
+def _int_prefix(value: Any) -> int:
+    digits = "".join(ch for ch in str(value or "") if ch.isdigit())
+    return int(digits) if digits else 0
+
+
+def cluster_name(run_id: str) -> str:
+    return f"llmctl-{run_id[:10]}"
+
+
+@remembered
+def task_yaml(config: dict[str, Any]) -> str:
+    """The task through SkyPilot's own loader and back, credentials redacted."""
+    import yaml
+    from sky import task as sky_task_mod
+
+    out = sky_task_mod.Task.from_yaml_config(copy.deepcopy(config)).to_yaml_config()
+    sky_task_mod.redact_task_yaml_dict(out)
+    out = {k: v for k, v in out.items() if not k.startswith("_") and v not in ({}, None)}
+
+    class _Dumper(yaml.SafeDumper):
+        pass
+
+    def _str(dumper: Any, value: str) -> Any:  # scripts as readable block literals
+        return dumper.represent_scalar("tag:yaml.org,2002:str", value, style="|" if "\n" in value else None)
+
+    _Dumper.add_representer(str, _str)
+    return yaml.dump(out, Dumper=_Dumper, sort_keys=False, default_flow_style=False)
+
+
+class _Tee(io.TextIOBase):
+    """SkyPilot's log stream to the terminal and to ``llmctl-runs/<id>/output.log``."""
+
+    def __init__(self, *streams: Any) -> None:
+        self.streams = streams
+
+    def write(self, text: str) -> int:
+        for s in self.streams:
+            s.write(text)
+            s.flush()
+        return len(text)
+
+    def writable(self) -> bool:
+        return True
+
+
+def _field(record: Any, key: str) -> Any:
+    value = record.get(key) if isinstance(record, dict) else getattr(record, key, None)
+    return getattr(value, "value", value)
+
+
+def _launch_cluster(task: Any, infra: dict[str, Any], handle: RunHandle, mc: Any, out: Any) -> int:
+    import sky
+
+    cluster = cluster_name(handle.run_id)
+    mc.set_tag(handle.run_id, TAG_CLUSTER, cluster)
+    autostop = infra["autostop_minutes"]  # None where SkyPilot has no autostop (sky_rules.check)
+    job_id = None
+    try:
+        try:
+            job_id, _ = sky.stream_and_get(
+                sky.launch(task, cluster_name=cluster, idle_minutes_to_autostop=autostop,
+                           down=bool(infra["down"]) and autostop is not None),
+                output_stream=out)
+        except Exception as exc:  # noqa: BLE001 - any provisioning failure: leave nothing behind
+            _down_quietly(cluster)
+            raise LaunchError(f"SkyPilot could not launch {cluster}: {' '.join(str(exc).split())[:2000]}") from None
+        mc.set_tag(handle.run_id, TAG_JOB, str(job_id))
+        sky.tail_logs(cluster, job_id, follow=True, output_stream=out)
+        statuses = sky.get(sky.job_status(cluster, [job_id]))
+        status = _field({"s": statuses.get(job_id) or statuses.get(str(job_id))}, "s")
+        out.write(f"llmctl: job {job_id} on {cluster}: {status}\n")
+        return 0 if status in TERMINAL_OK else 1
+    except KeyboardInterrupt:
+        if job_id is not None:
+            _quietly(lambda: sky.get(sky.cancel(cluster, job_ids=[job_id])))
+        raise
+    finally:
+        if infra["down"]:
+            _down_quietly(cluster)
+
+
+def _launch_managed(task: Any, handle: RunHandle, mc: Any, out: Any) -> int:
+    import sky
+
+    name = cluster_name(handle.run_id)
+    try:
+        job_ids, _ = sky.stream_and_get(sky.jobs.launch(task, name=name), output_stream=out)
+    except Exception as exc:  # noqa: BLE001
+        raise LaunchError(f"SkyPilot could not submit managed job {name}: {' '.join(str(exc).split())[:2000]}") from None
+    job_id = job_ids[0] if isinstance(job_ids, list) else job_ids
+    mc.set_tag(handle.run_id, TAG_MANAGED, str(job_id))
+    try:
+        sky.jobs.tail_logs(job_id=job_id, follow=True, output_stream=out)
+    except KeyboardInterrupt:
+        _quietly(lambda: sky.get(sky.jobs.cancel(job_ids=[job_id])))
+        raise
+    status = _managed_status(job_id)
+    out.write(f"llmctl: managed job {job_id}: {status}\n")
+    return 0 if status in TERMINAL_OK else 1
+
+
+def _managed_status(job_id: int) -> Optional[str]:
+    import sky
+
+    result = sky.get(sky.jobs.queue_v2(refresh=False, job_ids=[int(job_id)]))
+    records = result[0] if isinstance(result, tuple) else result
+    for rec in records or []:
+        if str(_field(rec, "job_id")) == str(job_id):
+            return _field(rec, "status")
+    return None
+
+
+def _quietly(fn: Any) -> None:
+    try:
+        fn()
+    except Exception:  # noqa: BLE001 - best-effort cleanup; the original error matters more
+        pass
+
+
+def _down_quietly(cluster: str) -> None:
+    import sky
+
+    _quietly(lambda: sky.get(sky.down(cluster)))
+
+
+def _cluster_status(cluster: str) -> Optional[str]:
+    import sky
+
+    records = sky.get(sky.status(cluster_names=[cluster]))
+    return _field(records[0], "status") if records else None
+
+
+def _job_status(cluster: str, job_id: str) -> Optional[str]:
+    import sky
+
+    statuses = sky.get(sky.job_status(cluster, [int(job_id)]))
+    return _field({"s": statuses.get(int(job_id), statuses.get(job_id))}, "s")
+
+
+class SkyBackend:
+    """SkyPilot clusters and managed jobs; ``llmctl.sky.*`` tags on the run say where it lives."""
+
+    name = "sky"
+
+    def plan(self, composed: Composed) -> SkyPlan:
+        cfg = composed.cfg
+        infra = cfg["infra"]
+        uri = resolve_uri(cfg["tracking"]["uri"])
+        sky_rules.check(cfg)
+        nproc = sky_task.nproc_per_node(cfg)
+        layout = resolve_layout(cfg, infra["nodes"] * nproc)
+        resolved = {**cfg, "parallel": {**cfg["parallel"], **layout},
+                    "checkpoint": {**cfg["checkpoint"],
+                                   "dir": sky_task.checkpoint_dir(cfg, sky_task.RUN_ID_PLACEHOLDER)}}
+        acc = sky_task.node_accelerators(infra)
+        device = f"{acc[1]}x {acc[0]} per node, nccl" if acc else "CPU, gloo"
+        if acc:
+            hardware = Hardware(f"{acc[0]}:{acc[1]}", acc[0], int(acc[1]), int(infra["nodes"]))
+        else:
+            hardware = Hardware("cpu", None, 0, int(infra["nodes"]), _int_prefix(infra.get("cpus")) or 8)
+        config = sky_task.task_config(resolved, run_id=sky_task.RUN_ID_PLACEHOLDER, tracking_uri=uri,
+                                      experiment_id="<experiment-id>", local_config="<run-dir>/config.yaml",
+                                      workdir=str(sky_task.project_root()))
+        # both modes priced (the estimate lists them), where SkyPilot says the provider sells spot
+        modes = [False] + ([True] if sky_rules.capabilities(infra["provider"]).supports("SPOT_INSTANCE") else [])
+        offers = {spot: sky_rules.offers({**infra, "use_spot": spot}) for spot in modes}
+        found = offers.get(bool(infra["use_spot"]), [])
+        mode = "managed job" if infra["managed"] else "cluster"
+        where = f"{sky_task.infra_string(infra)} via SkyPilot ({mode}{', spot' if infra['use_spot'] else ''})"
+        notes = []
+        if found:
+            best = found[0]
+            notes.append(f"cheapest offer: {best.instance_type} in {best.region}, ${best.total_hour:.2f}/h"
+                         f" for {infra['nodes']} node(s)")
+        if str(resolved["checkpoint"]["dir"]).startswith("llmctl-runs/"):
+            notes.append("checkpoints stay on the nodes and vanish with them; set infra.bucket=s3://... to keep them")
+        if infra["managed"] and str(resolved["checkpoint"]["dir"]).startswith("llmctl-runs/"):
+            notes.append("a managed job restarts from scratch after a preemption unless checkpoints go to a bucket")
+        return SkyPlan(cfg=resolved, choices=composed.choices, backend=self.name, where=where, nodes=infra["nodes"],
+                       nproc_per_node=nproc, layout=layout, device=device,
+                       command=["bash", "-c", "<run script below>"], tracking_uri=uri, hardware=hardware,
+                       offers=offers, notes=notes, task_yaml=task_yaml(config),
+                       refusals=[r for r in [sky_rules.tracking_refusal(infra["name"], uri)] if r],
+                       offers_text=sky_rules.format_offers(found))
+
+    def preflight(self, plan: Plan) -> None:
+        """A store the nodes can reach, and credentials as ``sky check`` sees them, before an MLflow
+        run or a cluster is created."""
+        refusal = sky_rules.tracking_refusal(plan.cfg["infra"]["name"], plan.tracking_uri)
+        if refusal:
+            raise ConfigError(refusal)
+        sky_rules.check_credentials(plan.cfg["infra"]["provider"])
+
+    def finalize(self, plan: Plan, handle: RunHandle) -> dict[str, Any]:
+        """Fill in what needs the run id: where checkpoints go."""
+        cfg = plan.cfg
+        ckpt = str(cfg["checkpoint"]["dir"]).replace(sky_task.RUN_ID_PLACEHOLDER, handle.run_id)
+        cfg = {**cfg, "checkpoint": {**cfg["checkpoint"], "dir": ckpt}}
+        plan.cfg = cfg
+        return cfg
+
+    def launch(self, plan: Plan, handle: RunHandle, echo: Optional[Any] = None) -> int:
+        """Submit the task; follow its logs; return 0 if the job succeeded. Nothing is left idling."""
+        import sky
+
+        cfg, infra = plan.cfg, plan.cfg["infra"]
+        rdir = run_dir(handle.run_id)
+        rdir.mkdir(parents=True, exist_ok=True)
+        (rdir / "config.yaml").write_text(to_yaml(cfg))
+        config = sky_task.task_config(cfg, run_id=handle.run_id, tracking_uri=handle.uri,
+                                      experiment_id=handle.experiment_id, local_config=str(rdir / "config.yaml"),
+                                      workdir=str(sky_task.project_root()), attempt_env=handle.attempt_env)
+        task = sky.Task.from_yaml_config(config)
+        mc = client(handle.uri)
+        with open(rdir / "output.log", "a") as log:
+            out = _Tee(echo or sys.stdout, log)
+            if infra["managed"]:
+                return _launch_managed(task, handle, mc, out)
+            return _launch_cluster(task, infra, handle, mc, out)
+
+    def status(self, run: Any, uri: str) -> JobStatus:
+        """Cluster and job state from SkyPilot; ``ended`` once the job reached a final state."""
+        tags = run.data.tags
+        lines, job_state = [], None
+        if tags.get(TAG_MANAGED):
+            job_state = _managed_status(int(tags[TAG_MANAGED]))
+            lines.append(f"managed job: {tags[TAG_MANAGED]} {job_state or 'unknown'}")
+        elif tags.get(TAG_CLUSTER):
+            cluster = tags[TAG_CLUSTER]
+            state = _cluster_status(cluster)
+            lines.append(f"cluster:     {cluster} {state or 'gone (down)'}")
+            if state and tags.get(TAG_JOB):
+                job_state = _job_status(cluster, tags[TAG_JOB])
+                lines.append(f"job:         {tags[TAG_JOB]} {job_state or 'unknown'}")
+        else:
+            lines.append("cluster:     none recorded (the launch stopped before SkyPilot was called)")
+        ended = job_state if job_state in TERMINAL_OK | TERMINAL_BAD else None
+        return JobStatus(lines, ended, job_state in TERMINAL_OK)
+
+    def alive(self, run: Any, uri: str) -> bool:
+        """A RUNNING run may have a job on its nodes (asking SkyPilot would start its API server)."""
+        return run.info.status == "RUNNING"
+
+    def logs(self, run: Any, uri: str, follow: bool) -> int:
+        """The job's output from SkyPilot; the controller's copy once the cluster is gone."""
+        import sky
+
+        tags = run.data.tags
+        if tags.get(TAG_MANAGED):
+            sky.jobs.tail_logs(job_id=int(tags[TAG_MANAGED]), follow=follow)
+            return 0
+        cluster = tags.get(TAG_CLUSTER)
+        if cluster and tags.get(TAG_JOB) and _cluster_status(cluster):
+            sky.tail_logs(cluster, int(tags[TAG_JOB]), follow=follow)
+            return 0
+        copy = run_dir(run.info.run_id) / "output.log"
+        if copy.is_file():
+            sys.stdout.write(copy.read_text())
+            return 0
+        raise LaunchError(f"no logs for run {run.info.run_id}: cluster {cluster or '-'} is gone and {copy} does not exist")
+
+    def down(self, run: Any, uri: str, force: bool = False) -> str:
+        """Tear the cluster down (or cancel the managed job): SkyPilot's stop is already final."""
+        import sky
+
+        tags = run.data.tags
+        if tags.get(TAG_MANAGED):
+            sky.get(sky.jobs.cancel(job_ids=[int(tags[TAG_MANAGED])]))
+            what = f"managed job {tags[TAG_MANAGED]} cancelled"
+        elif tags.get(TAG_CLUSTER):
+            cluster = tags[TAG_CLUSTER]
+            if _cluster_status(cluster) is None:
+                what = f"cluster {cluster} was already down"
+            else:
+                sky.get(sky.down(cluster))
+                what = f"cluster {cluster} is down"
+        else:
+            raise ConfigError(f"run {run.info.run_id} has no SkyPilot cluster or job recorded")
+        return redact(what)

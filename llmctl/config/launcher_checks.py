@@ -1,0 +1,57 @@
+"""Checks composition cannot express, on the plain resolved dict, before anything is created.
+
+The trainer's own rules (value ranges, mesh layout) live with the trainer
+(``workloads.pretrain.contract.validate``) so it applies them under plain torchrun too; llmctl runs the same
+functions and adds the launcher's (``infra``). Either way a mistake is a ``ConfigError`` naming
+the key and the fix.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from llmctl.errors import ConfigError
+from workloads.pretrain.contract import validate as trainer
+
+
+def validate(cfg: dict[str, Any]) -> None:
+    """Value ranges and cross-key consistency of a resolved config."""
+    try:
+        trainer.validate(cfg)
+    except trainer.ConfigError as exc:
+        raise ConfigError(str(exc)) from None
+    if cfg["infra"]["nodes"] < 1:
+        raise ConfigError("Bad value for 'infra.nodes': must be >= 1")
+    if cfg["infra"]["nproc_per_node"] < 0:
+        raise ConfigError("Bad value for 'infra.nproc_per_node': must be >= 0 (0 = automatic)")
+
+
+def check_hardware(cfg: dict[str, Any], hardware: Any) -> None:
+    """What the config asks of the devices the plan targets (``llmctl.plan.devices.Hardware``): FP8
+    matmuls need an FP8 GPU, refused here rather than after a cluster is up (the trainer checks the
+    real device again when it starts; a GPU whose name llmctl does not know is left to that check)."""
+    from workloads.pretrain.contract.hardware import capability_for, fp8_refusal
+
+    recipe = str(getattr(cfg["train"].get("fp8"), "value", cfg["train"].get("fp8")) or "none")
+    gpu = hardware.gpu if hardware.gpus_per_node else None
+    refusal = fp8_refusal(recipe, gpu, capability_for(gpu) if gpu else None)
+    if refusal:
+        raise ConfigError(refusal)
+
+
+def pretrained(cfg: dict[str, Any]) -> dict[str, Any]:
+    """``model.init_from``: the shape (and tokenizer) are the checkpoint's, as the trainer will see them."""
+    from workloads.pretrain.contract import hf_config
+
+    try:
+        return hf_config.resolve(cfg)
+    except trainer.ConfigError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def resolve_layout(cfg: dict[str, Any], world_size: int) -> dict[str, int]:
+    """Concrete mesh degrees for ``world_size`` processes (``dp_shard=-1`` filled in)."""
+    try:
+        return trainer.resolve_layout(cfg, world_size)
+    except trainer.ConfigError as exc:
+        raise ConfigError(str(exc)) from None

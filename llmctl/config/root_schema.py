@@ -1,0 +1,102 @@
+"""Typed schema of every config key: the trainer's sections plus the launcher's own.
+
+The trainer owns its contract (``workloads.pretrain.contract.schema``: model, data, train, parallel,
+checkpoint, eval); llmctl adds where the job runs (``infra``) and where it is tracked
+(``tracking``). Stdlib only, so the CLI reads it without importing Hydra. Hydra validates composed
+configs against ``RootCfg`` (registered in a ConfigStore by ``llmctl.config.compose``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass
+from typing import Dict, Optional
+
+from workloads.pretrain.contract.schema import (  # noqa: F401 - the enums are looked up by name (config._field_type_name)
+    LAUNCHER_SECTIONS, ActivationCheckpointing, Arch, CheckpointCfg, DataCfg, DType, EvalCfg, Fp8, GradSync, Kernels,
+    ModelCfg, ParallelCfg, RopeLayout, Schedule, TrainCfg, TrainerCfg,
+)
+
+
+@dataclass
+class InfraCfg:
+    """Where the job runs. ``kind`` picks the backend; the rest is provider data.
+
+    What a provider can do (spot, several nodes, autostop, bucket mounts) is not configured here:
+    it comes from SkyPilot's own cloud classes (``backends/sky_rules.py``).
+    """
+
+    name: str = "local"
+    kind: str = "local"
+    nodes: int = 1
+    # processes per node; 0 = one per GPU, or the mesh size on CPU
+    nproc_per_node: int = 0
+    accelerators: Optional[str] = None
+    use_spot: bool = False
+    region: Optional[str] = None
+    disk_size: Optional[int] = None
+    autostop_minutes: Optional[int] = None
+    down: bool = True
+    managed: bool = False
+    bucket: Optional[str] = None
+    # $ per GPU-hour (per node-hour on CPU) where no catalog prices the job; None: unpriced, except
+    # this machine's own CPU, which costs nothing
+    price_per_gpu_hour: Optional[float] = None
+    # kind=sky only (llmctl/backends/sky/backend.py). Provider defaults live here as data, set per conf/infra file.
+    provider: Optional[str] = None  # SkyPilot cloud: aws | lambda | runpod | slurm
+    zone: Optional[str] = None  # a zone of ``region``; Slurm: the partition (region = cluster)
+    cpus: Optional[str] = None  # SkyPilot syntax: "8", "8+"
+    memory: Optional[str] = None  # GB, SkyPilot syntax: "32+"
+    # what users write -> the provider's catalog name (RunPod: H100 -> H100-SXM)
+    accelerator_aliases: Dict[str, str] = field(default_factory=dict)
+    # the bucket as a storage mount (true) or handed to the workload as an fsspec URL (false)
+    mount_bucket: bool = True
+    # a Python on the nodes that already has llmctl's deps (shared filesystem): skip the node install
+    node_python: Optional[str] = None
+    # extra arguments for the node install, e.g. "--find-links /opt/wheels torch==2.13.0+cpu"
+    pip_args: str = ""
+
+
+@dataclass
+class TrackingCfg:
+    """MLflow. ``uri`` None: $MLFLOW_TRACKING_URI, else sqlite:///<cwd>/mlflow.db."""
+
+    uri: Optional[str] = None
+    experiment: str = "llmctl"
+    run_name: Optional[str] = None
+
+
+@dataclass
+class RootCfg(TrainerCfg):
+    """The trainer's sections, then the launcher's (``workloads.pretrain.contract.schema.LAUNCHER_SECTIONS``)."""
+
+    infra: InfraCfg = field(default_factory=InfraCfg)
+    tracking: TrackingCfg = field(default_factory=TrackingCfg)
+
+
+# Keys older llmctl versions wrote into a run's config.yaml that the schema no longer has (what a
+# provider can do now comes from SkyPilot). Dropped when an old run is resumed or evaluated.
+RETIRED_KEYS = ("infra.max_nodes", "infra.supports_spot", "infra.supports_autostop")
+
+
+def drop_retired(cfg: dict) -> dict:
+    """``cfg`` (a nested plain dict) without ``RETIRED_KEYS``."""
+    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in cfg.items()}
+    for dotted in RETIRED_KEYS:
+        section, _, key = dotted.partition(".")
+        if isinstance(out.get(section), dict):
+            out[section].pop(key, None)
+    return out
+
+
+def schema_keys(node: type = RootCfg, prefix: str = "") -> list[str]:
+    """Every dotted key the schema knows, for did-you-mean suggestions and completion."""
+    keys: list[str] = []
+    for f in fields(node):
+        dotted = f"{prefix}{f.name}"
+        sub = f.default_factory
+        if sub is not MISSING and is_dataclass(sub):
+            keys.append(dotted)
+            keys.extend(schema_keys(sub, dotted + "."))
+        else:
+            keys.append(dotted)
+    return keys

@@ -1,0 +1,67 @@
+"""The plan: what will run, where, how and tracked where — a plain value, printed by ``plan``.
+
+``launch`` executes exactly the plan that ``plan`` prints, so what a user reviewed is what runs.
+A backend fills one in (``Backend.plan``); ``planner.make_plan`` adds the cost estimate.
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from llmctl.config.compose import to_yaml
+from llmctl.plan.devices import Hardware
+from llmctl.tracking.mlflow_run import redact
+
+
+@dataclass
+class Plan:
+    cfg: dict[str, Any]
+    choices: dict[str, Optional[str]]
+    backend: str
+    where: str
+    nodes: int
+    nproc_per_node: int
+    layout: dict[str, int]
+    device: str
+    command: list[str]
+    tracking_uri: str
+    hardware: Hardware
+    # catalog offers by mode (False: on-demand, True: spot), cheapest first; empty off the catalog
+    offers: dict[bool, list[Any]] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    # what `launch` would refuse and why (the backend's preflight raises it): shown, not hidden
+    refusals: list[str] = field(default_factory=list)
+    estimate: Any = None  # llmctl.cost.estimate.Estimate, filled by planner.make_plan
+    memory: Any = None  # llmctl.plan.memory_fit.MemoryFit, filled by planner.make_plan
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.nproc_per_node
+
+    def describe(self) -> str:
+        """Human summary (no secrets): the resolved config and how it would run."""
+        lay = self.layout
+        checkpoint = self.cfg["checkpoint"]["dir"] or "llmctl-runs/<run-id>/checkpoints"
+        lines = [
+            "# resolved config",
+            to_yaml(self.cfg).rstrip(),
+            "",
+            "# plan",
+            f"where:       {self.where}",
+            f"processes:   {self.nodes} node(s) x {self.nproc_per_node} = {self.world_size} on {self.device}",
+            f"mesh:        dp_replicate={lay['dp_replicate']} dp_shard={lay['dp_shard']} tp={lay['tp']}",
+            f"tokens:      {self.cfg['train']['steps'] * self.cfg['train']['batch_size'] * self.cfg['train']['seq_len']:,}"
+            f" ({self.cfg['train']['steps']} steps x {self.cfg['train']['batch_size']} x {self.cfg['train']['seq_len']})",
+            f"command:     {redact(shlex.join(self.command))}",
+            f"tracking:    {redact(self.tracking_uri)} (experiment '{self.cfg['tracking']['experiment']}')",
+            f"checkpoints: {redact(checkpoint)}",
+        ]
+        lines += [f"note:        {n}" for n in self.notes]
+        lines += [f"refused:     `llmctl launch` will refuse: {r}" for r in self.refusals]
+        if self.memory is not None:
+            lines += ["", self.memory.describe()]
+        if self.estimate is not None:
+            lines += ["", self.estimate.describe()]
+        return "\n".join(lines)

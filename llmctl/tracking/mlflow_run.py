@@ -1,0 +1,289 @@
+"""MLflow on the controller side: create the run, describe it, hand it to workers, close it.
+
+The controller owns the run's lifecycle (so a crashed worker still ends FAILED, never RUNNING);
+workers only append metrics to the run id they are handed in ``MLFLOW_RUN_ID``.
+mlflow is imported inside functions: it costs ~1.5 s and ``--help`` must not pay it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional, TypeVar
+from urllib.parse import urlsplit, urlunsplit
+
+from llmctl import __version__
+
+SQLITE_DEFAULT = "mlflow.db"
+MAX_PARAM_CHARS = 6000
+T = TypeVar("T")
+
+
+@dataclass
+class RunHandle:
+    """Everything a worker needs: the run the controller created, and this attempt's environment
+    (``workloads.pretrain.contract.protocol``: attempt number, budget guard inputs), set by the lifecycle."""
+
+    uri: str
+    run_id: str
+    experiment_id: str
+    attempt_env: dict[str, str] = field(default_factory=dict)
+
+    def env(self) -> dict[str, str]:
+        return {
+            "MLFLOW_TRACKING_URI": self.uri,
+            "MLFLOW_RUN_ID": self.run_id,
+            "MLFLOW_EXPERIMENT_ID": self.experiment_id,
+            **self.attempt_env,
+        }
+
+
+def resolve_uri(configured: Optional[str]) -> str:
+    """``tracking.uri``, else ``$MLFLOW_TRACKING_URI``, else a sqlite file in the working directory."""
+    uri = configured or os.environ.get("MLFLOW_TRACKING_URI")
+    if not uri:
+        return f"sqlite:///{Path.cwd() / SQLITE_DEFAULT}"
+    if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
+        # make a relative sqlite path absolute, so workers started elsewhere hit the same file
+        return f"sqlite:///{sqlite_path(uri).resolve()}"  # type: ignore[union-attr]
+    return uri
+
+
+def sqlite_path(uri: str) -> Optional[Path]:
+    """The file of a ``sqlite:///`` store, or None for any other store."""
+    return Path(uri[len("sqlite:///"):]) if uri.startswith("sqlite:///") else None
+
+
+def redact(value: str) -> str:
+    """Strip credentials from URLs (``https://user:token@host`` → ``https://***@host``)."""
+    def _one(match: re.Match[str]) -> str:
+        parts = urlsplit(match.group(0))
+        if parts.username or parts.password:
+            host = parts.hostname or ""
+            if parts.port:
+                host += f":{parts.port}"
+            return urlunsplit((parts.scheme, f"***@{host}", parts.path, parts.query, parts.fragment))
+        return match.group(0)
+
+    return re.sub(r"[a-zA-Z][a-zA-Z0-9+.-]*://[^\s'\"]+", _one, value)
+
+
+def _artifact_location(uri: str) -> Optional[str]:
+    """Artifacts beside a local sqlite store, not in whatever directory a worker happens to run."""
+    path = sqlite_path(uri)
+    return (path.parent / "mlruns").as_uri() if path else None
+
+
+def _git(cwd: str, *args: str) -> str:
+    return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=5,
+                          check=True).stdout.strip()
+
+
+def git_state(path: Optional[Path] = None) -> dict[str, str]:
+    """Commit SHA, dirty flag, checkout root and origin URL of the code being run, when it is a git checkout."""
+    cwd = str(path or Path.cwd())
+    try:
+        sha = _git(cwd, "rev-parse", "HEAD")
+        dirty = _git(cwd, "status", "--porcelain", "--untracked-files=no")
+        root = _git(cwd, "rev-parse", "--show-toplevel")
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    try:
+        origin = _git(cwd, "remote", "get-url", "origin")
+    except (OSError, subprocess.SubprocessError):
+        origin = ""
+    return {"git_sha": sha, "git_dirty": str(bool(dirty)).lower(), "root": root, "origin": origin}
+
+
+MAX_DIFF_BYTES = 1_000_000
+
+
+def git_diff(root: str) -> str:
+    """The uncommitted changes to tracked files (what a dirty run really ran), capped at 1 MB."""
+    try:
+        return _git(root, "diff", "HEAD")[:MAX_DIFF_BYTES]
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def source_tags(git: dict[str, str]) -> dict[str, str]:
+    """MLflow's standard source fields (the run list's Source column, the run page's git commit)."""
+    from mlflow.utils import mlflow_tags as t
+
+    tags = {t.MLFLOW_SOURCE_TYPE: "PROJECT", t.MLFLOW_SOURCE_NAME: git.get("origin") or git["root"],
+            t.MLFLOW_GIT_COMMIT: git["git_sha"]}
+    if git.get("origin"):
+        tags[t.MLFLOW_GIT_REPO_URL] = git["origin"]
+    return tags
+
+
+def retry(fn: Callable[..., T], *args: Any, attempts: int = 8, **kwargs: Any) -> T:
+    """Call ``fn``; on sqlite's 'database is locked' back off and try again (many writers, one file)."""
+    delay = 0.1
+    for attempt in range(attempts):
+        try:
+            return fn(*args, **kwargs)
+        except Exception as exc:  # MlflowException / sqlalchemy OperationalError wrap the same text
+            if "locked" not in str(exc).lower() or attempt == attempts - 1:
+                raise
+            time.sleep(delay)
+            delay = min(delay * 2, 3.0)
+    raise AssertionError("unreachable")
+
+
+class _RetryingClient:
+    """An ``MlflowClient`` whose calls ride out sqlite's write lock: parallel trials, several
+    launches at once and their workers all write one file."""
+
+    def __init__(self, inner: Any):
+        self._inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._inner, name)
+        if not callable(attr):
+            return attr
+        return lambda *args, **kwargs: retry(attr, *args, **kwargs)
+
+
+@contextmanager
+def _directory_lock(directory: Path) -> Iterator[None]:
+    """An exclusive lock on a directory (flock on its descriptor): no lock file left behind."""
+    import fcntl
+
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
+
+
+def client(uri: str) -> Any:
+    """A retrying ``MlflowClient``. A sqlite store is opened under a lock on its directory: MLflow
+    creates a new store's schema on first open, and two processes doing that at once collide
+    (``table alembic_version already exists``), so several launches in a fresh directory would die."""
+    from mlflow.tracking import MlflowClient
+
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # resume/eval/export print our lines only
+    path = sqlite_path(uri)
+    if path is None:
+        return _RetryingClient(MlflowClient(tracking_uri=uri))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with _directory_lock(path.parent):  # the constructor opens the store (creating it if new): once per process
+        return _RetryingClient(retry(MlflowClient, tracking_uri=uri))
+
+
+# MLflow 3 opens an experiment on its GenAI overview unless told it holds model training
+# (the UI reads this tag; ``mlflow.entities.ExperimentKind``-style values)
+TAG_EXPERIMENT_KIND = "mlflow.experimentKind"
+TRAINING_KIND = "custom_model_development"
+
+
+def experiment_id(mlflow_client: Any, name: str, uri: str) -> str:
+    """The experiment's id, created if missing (a concurrent creator of the same name wins the race),
+    marked as a training experiment so MLflow's UI opens it on its runs."""
+    exp = mlflow_client.get_experiment_by_name(name)
+    if exp is None:
+        try:
+            mlflow_client.create_experiment(name, artifact_location=_artifact_location(uri),
+                                            tags={TAG_EXPERIMENT_KIND: TRAINING_KIND})
+        except Exception:  # noqa: BLE001 - MlflowException RESOURCE_ALREADY_EXISTS, or a unique-constraint error
+            pass
+        exp = mlflow_client.get_experiment_by_name(name)
+        if exp is None:
+            raise LookupError(f"MLflow experiment {name!r} could neither be found nor created")
+    if TAG_EXPERIMENT_KIND not in exp.tags:  # one created before llmctl set it, or by someone else
+        mlflow_client.set_experiment_tag(exp.experiment_id, TAG_EXPERIMENT_KIND, TRAINING_KIND)
+    return exp.experiment_id
+
+
+def create_run(cfg: dict[str, Any], choices: dict[str, Optional[str]],
+               extra_tags: Optional[dict[str, str]] = None) -> RunHandle:
+    """Create the run with provenance tags; ``describe_run`` adds the final config once known."""
+    uri = resolve_uri(cfg["tracking"]["uri"])
+    mc = client(uri)
+    exp_id = experiment_id(mc, cfg["tracking"]["experiment"], uri)
+    tags = {
+        "llmctl.version": __version__,
+        "llmctl.infra": cfg["infra"]["name"],
+        "llmctl.model": cfg["model"]["name"],
+        "llmctl.host": socket.gethostname(),
+        "llmctl.status": "launching",
+        **{f"llmctl.choice.{k}": str(v) for k, v in choices.items()},
+    }
+    git = git_state(Path(__file__).resolve().parent)
+    if git:
+        tags.update({"llmctl.git_sha": git["git_sha"], "llmctl.git_dirty": git["git_dirty"], **source_tags(git)})
+    if choices.get("experiment"):
+        tags["llmctl.experiment"] = str(choices["experiment"])
+    tags.update(extra_tags or {})
+    run = mc.create_run(exp_id, run_name=cfg["tracking"]["run_name"],
+                        tags={k: redact(v) for k, v in tags.items()})
+    if git.get("git_dirty") == "true":
+        mc.log_text(run.info.run_id, git_diff(git["root"]), "source/uncommitted.diff")
+    return RunHandle(uri=uri, run_id=run.info.run_id, experiment_id=exp_id)
+
+
+def describe_run(handle: RunHandle, cfg: dict[str, Any], resolved_yaml: str) -> None:
+    """Params = the flattened resolved config (credentials redacted); the YAML as an artifact."""
+    from mlflow.entities import Param
+
+    from llmctl.config.compose import flatten
+
+    mc = client(handle.uri)
+    params = [Param(k, redact(str(v))[:MAX_PARAM_CHARS]) for k, v in flatten(cfg).items()]
+    for i in range(0, len(params), 100):
+        mc.log_batch(handle.run_id, params=params[i:i + 100])
+    mc.log_text(handle.run_id, redact(resolved_yaml), "config.yaml")
+
+
+def end_run(handle: RunHandle, status: str, reason: str = "") -> None:
+    """Close the run as FINISHED, FAILED or KILLED (never leave it RUNNING)."""
+    mc = client(handle.uri)
+    mc.set_tag(handle.run_id, "llmctl.status", redact(reason or status.lower())[:5000])
+    log_loss_curve(handle, mc)
+    mc.set_terminated(handle.run_id, status=status)
+
+
+def log_loss_curve(handle: RunHandle, mc: Any = None) -> None:
+    """Attach ``loss_curve.svg`` (train and val loss by step) to the run."""
+    from llmctl.tracking.loss_plot import loss_curve_svg
+
+    mc = mc or client(handle.uri)
+    curves = {name: [(m.step, m.value) for m in mc.get_metric_history(handle.run_id, name)]
+              for name in ("train/loss", "val/loss")}
+    mc.log_text(handle.run_id, loss_curve_svg(curves, f"run {handle.run_id}"), "loss_curve.svg")
+
+
+def summary(handle: RunHandle, elapsed_s: float) -> str:
+    """The closing line: how val loss moved."""
+    mc = client(handle.uri)
+    history = sorted(mc.get_metric_history(handle.run_id, "val/loss"), key=lambda m: m.step)
+    loss = f": val/loss {history[0].value:.4f} -> {history[-1].value:.4f}" if history else ""
+    return f"llmctl: run {handle.run_id} FINISHED in {elapsed_s:.0f} s{loss}"
+
+
+UI_DEFAULT = "http://127.0.0.1:5000"  # where ``mlflow ui`` serves by default
+# MLflow 3.17's UI has a GenAI / machine-learning switch (default GenAI) that outranks the experiment's
+# kind tag; this query parameter of the page address selects machine learning, so the run page shows runs
+RUN_PAGE_QUERY = "?workflowType=machine_learning"
+
+
+def run_page(base: str, experiment: str, run_id: str) -> str:
+    """The run's page in MLflow's UI served at ``base``."""
+    return f"{base.rstrip('/')}/#/experiments/{experiment}/runs/{run_id}{RUN_PAGE_QUERY}"
+
+
+def run_url(handle: RunHandle) -> str:
+    """How to look at the run: its page on a tracking server; for a local store, the command that
+    serves the UI and the page to open once it runs."""
+    if handle.uri.startswith(("http://", "https://")):
+        return run_page(redact(handle.uri), handle.experiment_id, handle.run_id)
+    return (f"mlflow ui --backend-store-uri {handle.uri}, then "
+            f"{run_page(UI_DEFAULT, handle.experiment_id, handle.run_id)}")

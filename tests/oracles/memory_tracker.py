@@ -1,0 +1,228 @@
+"""The memory plan's oracle: torch's own memory tracker over real training steps, on fake tensors.
+
+``tracked_peak(cfg, world_size)`` builds the workload's model with the workload's own code
+(``Transformer`` on ``meta`` -> ``parallelize``: TP -> AC -> FSDP2, as ``train.py`` does), joins a
+*fake* process group of ``world_size`` ranks (collectives are no-ops; this process plays rank 0),
+materialises the parameters as ``FakeTensor``s (no memory, no FLOPs) and runs two optimizer steps
+the way ``train.train`` runs them (``train.step_loss``, micro-batches with gradient sync on the last
+one only, ``loss_parallel`` under TP, autocast for bf16, grad clipping, the trainer's own
+``optim.build_optimizer``, ``zero_grad``) under ``torch.distributed._tools``' tracker:
+``FSDPMemTracker`` when the model is FSDP-sharded, else ``MemTracker``. The second step counts
+(AdamW's states exist by then): its peak, in bytes per category.
+
+Recipe and its pitfalls (SCALE-NOTES C): TP and ``fully_shard`` run on ``meta`` *outside* fake
+mode; ``to_empty``, the optimizer and the steps inside ``FakeTensorMode(allow_non_fake_inputs=True)``.
+And one fix of ours (``_private_propagation_fake_mode``): DTensor's sharding propagation must not
+run in *our* fake mode, or the tracker counts global-shape tensors that never exist. With it,
+fake and real tensors give byte-identical peaks (``fake=False`` runs the same step on real tensors;
+checked on TP, FSDP, FSDP+TP, micro-batches, AC, bf16) and AdamW fused / foreach / single-tensor
+all count correctly (SCALE-NOTES B's foreach inflation was this effect).
+
+What neither this nor the plan counts: the CUDA context, cuBLAS/NCCL workspaces and the caching
+allocator's rounding and fragmentation (typically 0.5-2 GiB more on a GPU).
+
+``CASES`` is the shared list of configurations the benchmark (``benchmarks/memory_plan.py``) and
+the test (``tests/workload/test_memory_plan.py``) hold the plan against; ``compare`` does one.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager, nullcontext
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from workloads.pretrain.parallel.fake_world import fake_process_group
+
+# The trackers' categories folded into the plan's parts (``memory_plan.PARTS``), so the benchmark
+# can print them side by side. The tracker has no "logits" part: the loss's buffers are
+# "Activation" in the forward and "Temp" in the backward. BUFFER (RoPE tables) goes with the
+# parameters, the token ids (INP / OTH) with the activations, as in the plan.
+_PARTS = {
+    "Sharded Param": "params", "Parameter": "params", "Buffer": "params",
+    "Sharded Grad": "grads", "Gradient": "grads",
+    "OptState": "optimizer", "Optstate": "optimizer",
+    "Unsharded Param": "unsharded", "Unsharded Grad": "unsharded",
+    "Activation": "activations", "Inputs": "activations", "Other": "activations",
+    "Temp": "temporaries",
+    "All Gather": "comm", "Reduce Scatter": "comm",
+}
+TRACKER_PARTS = ("params", "grads", "optimizer", "unsharded", "activations", "temporaries", "comm")
+
+
+def trainer_cfg(cfg: Any):
+    """The trainer's typed config: ``schema.TrainerCfg``'s defaults under ``cfg`` (a nested dict,
+    an OmegaConf config or a ``TrainerCfg``); sections the trainer does not read (a launcher's
+    ``infra``, ``tracking``) are dropped. What ``Transformer`` and ``parallelize`` read."""
+    from dataclasses import fields
+
+    from omegaconf import OmegaConf
+
+    from workloads.pretrain.contract.schema import TrainerCfg
+
+    if not OmegaConf.is_config(cfg) and not isinstance(cfg, dict):
+        cfg = OmegaConf.structured(cfg)
+    sections = {f.name for f in fields(TrainerCfg)}
+    return OmegaConf.merge(OmegaConf.structured(TrainerCfg), {k: v for k, v in cfg.items() if k in sections})
+
+
+@contextmanager
+def _private_propagation_fake_mode():
+    """Keep DTensor's sharding propagation out of the tracker's books.
+
+    To learn an op's output shape, DTensor runs the op on *global*-shape fake tensors
+    (``ShardingPropagator._propagate_tensor_meta_non_cached``) in ``detect_fake_mode() or
+    FakeTensorMode()``. In a real run that is a private fake mode, which the tracker recognises
+    and skips. Under our ``FakeTensorMode`` it is *our* mode, so the tracker counts every DTensor
+    op's global-shape arguments and output as allocations (and with fake mode on, DTensor also
+    skips its propagation cache, so this happens on every op of every step): a TP step then peaks
+    at an unsharded [tokens, vocab] log-softmax that never exists (+2 x 250 MiB on a 32k vocab at
+    tp 2), and an FSDP optimizer step counts global-shape copies of each parameter. Propagating in
+    a fresh fake mode, as a real run does, removes exactly those tensors (fake == real afterwards).
+    """
+    from torch.distributed.tensor import _sharding_prop
+
+    saved = _sharding_prop.detect_fake_mode
+    _sharding_prop.detect_fake_mode = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        _sharding_prop.detect_fake_mode = saved
+
+
+def _train_step(model, optimizer, micro_batches, dims, autocast, grad_clip: float, grad_sync: Any, tracker) -> None:
+    """One optimizer step as ``train.train`` runs it (same helpers, same order)."""
+    from workloads.pretrain.parallel.parallelize import gradient_sync_due, loss_context, set_gradient_sync
+    from workloads.pretrain.train import step_loss
+
+    for i, micro in enumerate(micro_batches):
+        tracker.reset_mod_stats()  # module stats only: each forward is an "iteration" to the tracker
+        set_gradient_sync(model, gradient_sync_due(i, len(micro_batches), grad_sync))
+        with loss_context(dims)():
+            with autocast():
+                loss, _ = step_loss(model, micro, dims.dp)
+            loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else math.inf)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def tracked_peak(cfg: Any, world_size: int, device: str = "cpu", steps: int = 2, fake: bool = True) -> dict[str, Any]:
+    """Peak bytes on one device (rank 0) during the last of ``steps`` training steps of ``cfg`` at
+    ``world_size`` processes, by torch's tracker.
+
+    Returns ``{part: bytes}`` over ``TRACKER_PARTS`` (the plan's parts, less ``logits``), ``total``,
+    and the tracker's own categories under ``raw``. ``device``: the device type the fake tensors
+    claim; "cpu" works anywhere ("cuda" needs a GPU present). ``fake=False`` runs the same steps
+    on real tensors (small configurations only: it allocates and computes for real).
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.distributed.fsdp import FSDPModule
+
+    from workloads.pretrain.data.sampler import Batch
+    from workloads.pretrain.model.transformer import Transformer
+    from workloads.pretrain.components.optim import build_optimizer
+    from workloads.pretrain.parallel.parallelize import ParallelDims, parallelize
+
+    cfg = trainer_cfg(cfg)
+    tc = cfg.train
+    dims = ParallelDims.from_config(cfg, world_size)
+    local_batch, seq, vocab = int(tc.batch_size) // dims.dp, int(tc.seq_len), int(cfg.model.vocab_size)
+    if getattr(tc.dtype, "value", tc.dtype) == "bf16":
+        autocast = lambda: torch.autocast(device, dtype=torch.bfloat16)
+    else:
+        autocast = nullcontext
+    with fake_process_group(world_size):
+        mesh = dims.build_mesh(device) if world_size > 1 else None
+        with torch.device("meta"):
+            model = Transformer(cfg.model)
+        model = parallelize(model, dims, mesh, cfg)  # on meta, outside fake mode (SCALE-NOTES C)
+        with (FakeTensorMode(allow_non_fake_inputs=True) if fake else nullcontext()), _private_propagation_fake_mode():
+            model.to_empty(device=device)
+            if fake:
+                model.tie_weights()
+            else:
+                model.init_weights(buffer_device=torch.device(device), seed=0)
+            optimizer = build_optimizer(model, tc)
+            inputs = torch.randint(0, vocab, (local_batch, seq), device=device)
+            targets = torch.randint(0, vocab, (local_batch, seq), device=device)
+            packed = {}
+            if getattr(cfg.data.format, "value", cfg.data.format) == "sft" or cfg.data.document_mask:  # block mask
+                packed = {"positions": torch.zeros_like(inputs), "doc_ids": torch.zeros_like(inputs)}
+            micro_batches = Batch(inputs, targets, int(tc.batch_size) * seq, **packed).split(tc.micro_batch_size)
+            if isinstance(model, FSDPModule):
+                tracker = FSDPMemTracker(model, optimizer)
+                tracker.track_inputs((inputs, targets))
+            else:
+                tracker = MemTracker()
+                tracker.track_external(model, optimizer, inputs, targets)
+            for _ in range(steps):
+                with tracker:  # entering resets the peak to the current use: the peak of this step
+                    _train_step(model, optimizer, micro_batches, dims, autocast, float(tc.grad_clip or 0),
+                                cfg.parallel.grad_sync, tracker)
+            return _by_part(tracker.get_tracker_snapshot("peak"))
+
+
+def _by_part(snapshot: dict) -> dict[str, Any]:
+    """The tracker's peak snapshot ({device: {category: bytes, "Total": bytes}}) by plan part."""
+    (dev_snap,) = snapshot.values()
+    raw = {getattr(k, "value", str(k)): int(v) for k, v in dev_snap.items() if k != "Total"}
+    parts = dict.fromkeys(TRACKER_PARTS, 0)
+    for name, nbytes in raw.items():
+        parts[_PARTS.get(name, "temporaries")] += nbytes
+    return {**parts, "total": int(dev_snap["Total"]), "raw": raw}
+
+
+# ----------------------------------------------------------------------------- the cases
+
+
+def _case(name: str, world_size: int, model: dict, train: dict, parallel: dict | None = None,
+          data: dict | None = None, slow: bool = False) -> dict[str, Any]:
+    """A case: a trainer config (``max_seq_len`` 4096 unless given) at ``world_size`` processes.
+    ``slow``: the test marks it ``pytest.mark.slow`` (10-25 s on a busy 2-core machine)."""
+    cfg = {"model": {"max_seq_len": 4096, **model}, "train": train, "parallel": parallel or {}}
+    if data:
+        cfg["data"] = data
+    return {"name": name, "world_size": world_size, "cfg": cfg, "slow": slow}
+
+
+_D512 = {"dim": 512, "n_layers": 4, "n_heads": 8, "n_kv_heads": 4, "vocab_size": 8192}
+_D768 = {"dim": 768, "n_layers": 4, "n_heads": 12, "n_kv_heads": 4, "vocab_size": 16384}
+_D1024 = {"dim": 1024, "n_layers": 4, "n_heads": 16, "n_kv_heads": 4, "vocab_size": 32000}
+
+# Shapes, layouts, AC modes and micro-batching the trainer supports, each a few seconds on fake
+# tensors (world-1 runs are the slowest: MemTracker follows every module). The names say what varies.
+CASES = [
+    _case("w1 d512 none fp32", 1, _D512, {"batch_size": 4, "seq_len": 1024}),
+    _case("w1 d512 sft selective bf16", 1, {**_D512, "n_layers": 3},
+          {"batch_size": 4, "seq_len": 1024, "dtype": "bf16"}, {"ac": "selective"},
+          {"format": "sft", "source": "examples.jsonl"}),
+    _case("fsdp8 d1024 selective bf16", 8, _D1024, {"batch_size": 8, "seq_len": 2048, "dtype": "bf16"},
+          {"ac": "selective"}),
+    _case("fsdp4 d1024 full mb1x2", 4, _D1024, {"batch_size": 8, "seq_len": 2048, "micro_batch_size": 1},
+          {"ac": "full", "grad_sync": "step"}, slow=True),
+    _case("fsdp4 d768 none mb1x4 sync each", 4, _D768, {"batch_size": 16, "seq_len": 512, "micro_batch_size": 1},
+          {"grad_sync": "micro_batch"}),
+    _case("tp4 d1024 full fp32", 4, _D1024, {"batch_size": 4, "seq_len": 1024}, {"ac": "full", "tp": 4}, slow=True),
+    _case("dp2xtp2 d768 none bf16 mb2x2", 4, _D768, {"batch_size": 8, "seq_len": 1024, "dtype": "bf16",
+                                                      "micro_batch_size": 2}, {"tp": 2}),
+    _case("hsdp2x2xtp2 d1024 selective", 8, _D1024, {"batch_size": 8, "seq_len": 1024}, {"ac": "selective",
+                                                                                        "tp": 2, "dp_replicate": 2}),
+    _case("fsdp2 d512 document mask none", 2, _D512, {"batch_size": 4, "seq_len": 1024}, {"ac": "none"},
+          {"document_mask": True}),
+    _case("fsdp2 d768 qwen2 tied none", 2, {**_D768, "arch": "qwen2", "tie_embeddings": True, "n_kv_heads": 2},
+          {"batch_size": 4, "seq_len": 1024}),
+]
+
+
+def compare(case: dict[str, Any]) -> tuple[Any, dict[str, Any], float]:
+    """(plan, tracker's peak, relative error of the plan's total) for one of ``CASES``, on CPU."""
+    from workloads.pretrain.contract.memory_plan import plan_memory
+
+    plan = plan_memory(case["cfg"], case["world_size"], device="cpu")
+    tracked = tracked_peak(case["cfg"], case["world_size"], device="cpu")
+    return plan, tracked, plan.total / tracked["total"] - 1.0
