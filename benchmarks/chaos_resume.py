@@ -32,8 +32,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 TRIALS = 20
 STEPS = 20
-RUN = ["experiment=smoke", f"train.steps={STEPS}", "train.log_every=1", "train.val_every=10",
-       "checkpoint.every=5", "parallel.dp_shard=2"]
+RUN = [
+    "experiment=smoke",
+    f"train.steps={STEPS}",
+    "train.log_every=1",
+    "train.val_every=10",
+    "checkpoint.every=5",
+    "parallel.dp_shard=2",
+]
 TOL = 1e-6
 
 
@@ -48,15 +54,24 @@ def losses(path: Path) -> dict[int, float]:
 
 
 def llmctl(args: list[str], cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "llmctl", *args], cwd=cwd, env=env, text=True,
-                          capture_output=True, timeout=900)
+    return subprocess.run(
+        [sys.executable, "-m", "llmctl", *args], cwd=cwd, env=env, text=True, capture_output=True, timeout=900
+    )
 
 
 def environment(home: Path, cache: Path, loss_file: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "LLMCTL_"))}
-    env.update({"HOME": str(home), "LLMCTL_CACHE_DIR": str(cache), "PYTHONUNBUFFERED": "1",
-                "LLMCTL_LOSS_FILE": str(loss_file), "PYTHONPATH": str(ROOT),
-                "SKYPILOT_DISABLE_USAGE_COLLECTION": "1", "DO_NOT_TRACK": "1"})
+    env.update(
+        {
+            "HOME": str(home),
+            "LLMCTL_CACHE_DIR": str(cache),
+            "PYTHONUNBUFFERED": "1",
+            "LLMCTL_LOSS_FILE": str(loss_file),
+            "PYTHONPATH": str(ROOT),
+            "SKYPILOT_DISABLE_USAGE_COLLECTION": "1",
+            "DO_NOT_TRACK": "1",
+        }
+    )
     return env
 
 
@@ -67,8 +82,14 @@ def trial(n: int, rng: random.Random, ref: dict[int, float], base: Path, cache: 
     env = environment(base, cache, loss_file)
     sig = rng.choice([signal.SIGTERM, signal.SIGKILL])
     at, delay = rng.randint(1, STEPS - 4), rng.uniform(0.0, 0.5)
-    proc = subprocess.Popen([sys.executable, "-m", "llmctl", "launch", *RUN], cwd=cwd, env=env, text=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "llmctl", "launch", *RUN],
+        cwd=cwd,
+        env=env,
+        text=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 600
     while not any(s >= at for s in losses(loss_file)):
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -95,8 +116,13 @@ def trial(n: int, rng: random.Random, ref: dict[int, float], base: Path, cache: 
     runs = mc.search_runs([e.experiment_id for e in mc.search_experiments()])
     got = losses(loss_file)
     worst = max((abs(got[s] - ref[s]) for s in ref if s in got), default=float("inf"))
-    ok = (len(runs) == 1 and runs[0].info.status == "FINISHED" and runs[0].data.tags.get("llmctl.attempt") == "2"
-          and sorted(got) == sorted(ref) and worst <= TOL)
+    ok = (
+        len(runs) == 1
+        and runs[0].info.status == "FINISHED"
+        and runs[0].data.tags.get("llmctl.attempt") == "2"
+        and sorted(got) == sorted(ref)
+        and worst <= TOL
+    )
     return ok, f"{what}; max |dloss| {worst:.2e}, attempts {runs[0].data.tags.get('llmctl.attempt') if runs else '-'}"
 
 
@@ -153,8 +179,11 @@ def main() -> int:
                 t = time.monotonic()
                 ok, detail = trial(n, rng, ref, base, cache)
                 survived += ok
-                print(f"trial {n}: {'survived' if ok else 'LOST'} - {detail} ({time.monotonic() - t:.0f} s,"
-                      f" load avg {os.getloadavg()[0]:.1f})", flush=True)
+                print(
+                    f"trial {n}: {'survived' if ok else 'LOST'} - {detail} ({time.monotonic() - t:.0f} s,"
+                    f" load avg {os.getloadavg()[0]:.1f})",
+                    flush=True,
+                )
             print(f"CPU burners ({os.cpu_count()} processes) switched on/off {burners.switches} times", flush=True)
     print(f"chaos_resume: {survived}/{TRIALS}")
     return 0 if survived == TRIALS else 1

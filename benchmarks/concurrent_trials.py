@@ -36,8 +36,14 @@ def sweep(cache: Path, threads: int | None) -> tuple[float, set[str]]:
         env["OMP_NUM_THREADS"] = str(threads)
     with tempfile.TemporaryDirectory(prefix="llmctl-concurrent-") as tmp:
         t0 = time.monotonic()
-        out = subprocess.run([sys.executable, "-m", "llmctl", "launch", "-m", "--max-parallel", "2", "--wait", *TRIALS],
-                             cwd=tmp, env=env, text=True, capture_output=True, timeout=1200)
+        out = subprocess.run(
+            [sys.executable, "-m", "llmctl", "launch", "-m", "--max-parallel", "2", "--wait", *TRIALS],
+            cwd=tmp,
+            env=env,
+            text=True,
+            capture_output=True,
+            timeout=1200,
+        )
         wall = time.monotonic() - t0
         if out.returncode != 0:
             sys.exit(f"sweep failed ({out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
@@ -52,8 +58,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="llmctl-cache-") as cache:
         sweep(Path(cache), None)  # builds the tokenizer and corpus cache; not timed
         for r in range(ROUNDS):
-            for name, threads in (("split", None), ("all cores", cores)) if r % 2 == 0 else \
-                                 (("all cores", cores), ("split", None)):
+            for name, threads in (
+                (("split", None), ("all cores", cores)) if r % 2 == 0 else (("all cores", cores), ("split", None))
+            ):
                 wall, shown = sweep(Path(cache), threads)
                 times[name].append(wall)
                 print(f"round {r + 1} {name:>9}: {wall:6.1f} s  (trials report {', '.join(sorted(shown))})", flush=True)

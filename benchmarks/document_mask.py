@@ -39,16 +39,19 @@ def config(cuda: bool):
     cfg = OmegaConf.structured(TrainerCfg)
     model = "1b" if cuda else "smoke"
     cfg.model = OmegaConf.merge(cfg.model, OmegaConf.load(REPO / f"conf/model/{model}.yaml"))
-    shape = ["train.seq_len=8192", "train.batch_size=1", "train.dtype=bf16", "model.compile=true"] if cuda else \
-        ["train.seq_len=1024", "train.batch_size=4", "train.dtype=fp32"]
+    shape = (
+        ["train.seq_len=8192", "train.batch_size=1", "train.dtype=bf16", "model.compile=true"]
+        if cuda
+        else ["train.seq_len=1024", "train.batch_size=4", "train.dtype=fp32"]
+    )
     return OmegaConf.merge(cfg, OmegaConf.from_dotlist(["model.kernels=fused", "model.max_seq_len=8192", *shape]))
 
 
 def main() -> None:
     from contextlib import nullcontext
 
-    from workloads.pretrain.data import prepare_corpus
     from workloads.pretrain.components.optim import build_optimizer
+    from workloads.pretrain.data import prepare_corpus
     from workloads.pretrain.parallel.parallelize import ParallelDims
     from workloads.pretrain.train import DistEnv, init_sharded
 
@@ -60,8 +63,10 @@ def main() -> None:
     tc = cfg.train
     corpus = prepare_corpus(cfg.data)
     plain, masked = (corpus.sequences(float(cfg.data.val_fraction), tc.seq_len, mask)[0] for mask in (False, True))
-    batches = [(plain.batch(idx, 0, device), masked.batch(idx, 0, device))
-               for idx in (range(i * tc.batch_size, (i + 1) * tc.batch_size) for i in range(STEPS))]
+    batches = [
+        (plain.batch(idx, 0, device), masked.batch(idx, 0, device))
+        for idx in (range(i * tc.batch_size, (i + 1) * tc.batch_size) for i in range(STEPS))
+    ]
     docs = [float(d) + 1 for _, b in batches for d in b.doc_ids.max(dim=1).values]
     torch.manual_seed(0)
     model = init_sharded(cfg, DistEnv(0, 1, 0, 1, device, ParallelDims(1, 1, 1, 1), None))
@@ -89,7 +94,7 @@ def main() -> None:
             steps(which)  # compile / allocator warm-up, untimed
     tokens = STEPS * tc.batch_size * tc.seq_len
     for r in range(ROUNDS):
-        for which in ((0, 1) if r % 2 == 0 else (1, 0)):
+        for which in (0, 1) if r % 2 == 0 else (1, 0):
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
             t0 = time.perf_counter()
@@ -98,11 +103,17 @@ def main() -> None:
             if cuda:
                 peaks[names[which]] = max(peaks[names[which]], torch.cuda.max_memory_allocated() / 2**30)
     where = torch.cuda.get_device_name() if cuda else "CPU, 1 thread"
-    print(f"model {cfg.model.name}, seq {tc.seq_len} x batch {tc.batch_size}, {getattr(tc.dtype, 'value', tc.dtype)}, {where}; "
-          f"about {statistics.mean(docs):.1f} documents per window")
+    print(
+        f"model {cfg.model.name}, seq {tc.seq_len} x batch {tc.batch_size}, "
+        f"{getattr(tc.dtype, 'value', tc.dtype)}, {where}; "
+        f"about {statistics.mean(docs):.1f} documents per window"
+    )
     for n in names:
         mem = f", peak {peaks[n]:.2f} GiB" if cuda else ""
-        print(f"{n:>7}: {statistics.median(rates[n]):,.0f} tok/s (windows {', '.join(f'{x:,.0f}' for x in rates[n])}){mem}")
+        print(
+            f"{n:>7}: {statistics.median(rates[n]):,.0f} tok/s "
+            f"(windows {', '.join(f'{x:,.0f}' for x in rates[n])}){mem}"
+        )
     print(f"document_mask: {statistics.median(rates['masked']) / statistics.median(rates['plain']):.2f}x")
 
 

@@ -38,12 +38,21 @@ ROOT = Path(__file__).resolve().parents[1]
 CALIB_STEPS, LONGER_STEPS, BIGGER_STEPS = 30, 120, 30
 ROUNDS = 5
 BIGGER = ["model.dim=256", "model.n_layers=6"]  # 4.3x the smoke shape's training FLOPs per token at seq 128
-COMMON = ["model=smoke", "train.batch_size=16", "train.seq_len=128", "train.log_every=5", "train.val_every=25",
-          "checkpoint.every=0", "infra.price_per_gpu_hour=1.0"]
+COMMON = [
+    "model=smoke",
+    "train.batch_size=16",
+    "train.seq_len=128",
+    "train.log_every=5",
+    "train.val_every=25",
+    "checkpoint.every=0",
+    "infra.price_per_gpu_hour=1.0",
+]
 
 
 def llmctl(args: list[str], cwd: Path, env: dict[str, str]) -> str:
-    out = subprocess.run([sys.executable, "-m", "llmctl", *args], check=False, cwd=cwd, env=env, text=True, capture_output=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "llmctl", *args], check=False, cwd=cwd, env=env, text=True, capture_output=True
+    )
     if out.returncode != 0:
         sys.exit(f"llmctl {' '.join(args)} failed ({out.returncode}):\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
     return out.stdout
@@ -52,10 +61,12 @@ def llmctl(args: list[str], cwd: Path, env: dict[str, str]) -> str:
 def prime_cache(cwd: Path, env: dict[str, str]) -> None:
     """The corpus built, the store created (its schema migrations take seconds): one-off costs that
     the first run would otherwise be charged for and the estimator would learn as overhead."""
-    code = ("from omegaconf import OmegaConf; from llmctl.config.compose import compose;"
-            "from workloads.pretrain.data import prepare_corpus;"
-            f"prepare_corpus(OmegaConf.create(compose({COMMON!r}).cfg['data']));"
-            "import mlflow; mlflow.MlflowClient().search_experiments()")
+    code = (
+        "from omegaconf import OmegaConf; from llmctl.config.compose import compose;"
+        "from workloads.pretrain.data import prepare_corpus;"
+        f"prepare_corpus(OmegaConf.create(compose({COMMON!r}).cfg['data']));"
+        "import mlflow; mlflow.MlflowClient().search_experiments()"
+    )
     subprocess.run([sys.executable, "-c", code], cwd=cwd, env={**env, "PYTHONPATH": str(ROOT)}, check=True)
 
 
@@ -78,22 +89,26 @@ def one_round(show_plans: bool) -> dict[str, float]:
             plan = llmctl(["plan", *COMMON, *extra], work, env)
             if show_plans:
                 print(f"--- {name}: llmctl plan {' '.join(extra)}")
-                print(plan[plan.index("# cost estimate"):].rstrip())
+                print(plan[plan.index("# cost estimate") :].rstrip())
             llmctl(["launch", *COMMON, *extra, f"tracking.run_name={name}"], work, env)
 
         mc = MlflowClient(uri)
         runs = {r.info.run_name: r for r in mc.search_runs([e.experiment_id for e in mc.search_experiments()])}
         calib = figures(runs["calibration"])
-        print(f"calibration run: {CALIB_STEPS} steps in {calib['time/wall_s']:.1f} s"
-              f" (steady {calib['perf/tokens_per_s_steady']:,.0f} tok/s, overhead {calib['time/overhead_s']:.1f} s)")
+        print(
+            f"calibration run: {CALIB_STEPS} steps in {calib['time/wall_s']:.1f} s"
+            f" (steady {calib['perf/tokens_per_s_steady']:,.0f} tok/s, overhead {calib['time/overhead_s']:.1f} s)"
+        )
         ratios = {}
         for name in cases:
             m = figures(runs[name])
             predicted, actual = m["time/estimate_h"] * 3600, m["time/wall_s"]
             ratios[name] = predicted / actual
-            print(f"  {name}: estimate {predicted:.1f} s, actual {actual:.1f} s (its own steady"
-                  f" {m['perf/tokens_per_s_steady']:,.0f} tok/s, overhead {m['time/overhead_s']:.1f} s):"
-                  f" predicted/actual {ratios[name]:.3f}")
+            print(
+                f"  {name}: estimate {predicted:.1f} s, actual {actual:.1f} s (its own steady"
+                f" {m['perf/tokens_per_s_steady']:,.0f} tok/s, overhead {m['time/overhead_s']:.1f} s):"
+                f" predicted/actual {ratios[name]:.3f}"
+            )
         return ratios
 
 

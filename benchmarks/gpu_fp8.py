@@ -48,17 +48,28 @@ def config(recipe: str):
 
     cfg = OmegaConf.structured(TrainerCfg)
     cfg.model = OmegaConf.merge(cfg.model, OmegaConf.load(REPO / "conf/model/1b.yaml"))
-    return OmegaConf.merge(cfg, OmegaConf.from_dotlist([
-        "model.kernels=fused", "model.compile=true", "train.dtype=bf16", f"train.fp8={recipe}",
-        f"train.seq_len={SEQ_LEN}", f"train.batch_size={BATCH}", "train.lr=3e-4"]))
+    return OmegaConf.merge(
+        cfg,
+        OmegaConf.from_dotlist(
+            [
+                "model.kernels=fused",
+                "model.compile=true",
+                "train.dtype=bf16",
+                f"train.fp8={recipe}",
+                f"train.seq_len={SEQ_LEN}",
+                f"train.batch_size={BATCH}",
+                "train.lr=3e-4",
+            ]
+        ),
+    )
 
 
 class Contender:
     """One model + optimizer built and stepped the way the trainer does it."""
 
     def __init__(self, recipe: str, device: torch.device, x: torch.Tensor, y: torch.Tensor):
-        from workloads.pretrain.parallel import fp8
         from workloads.pretrain.components.optim import build_optimizer
+        from workloads.pretrain.parallel import fp8
         from workloads.pretrain.parallel.parallelize import ParallelDims
         from workloads.pretrain.train import DistEnv, init_sharded
 
@@ -94,8 +105,10 @@ class Contender:
 
 def main() -> int:
     if not torch.cuda.is_available():
-        print(f"{TAG} | no CUDA device available (torch.cuda.is_available() is False): this benchmark needs one "
-              "FP8 GPU (H100, H200, L40S, L4...); nothing was measured")
+        print(
+            f"{TAG} | no CUDA device available (torch.cuda.is_available() is False): this benchmark needs one "
+            "FP8 GPU (H100, H200, L40S, L4...); nothing was measured"
+        )
         print(f"{TAG}: skipped (no CUDA device)")
         return 0
     from gpu_timing import alternate
@@ -108,9 +121,12 @@ def main() -> int:
     name = torch.cuda.get_device_name(device)
     peak = peak_tflops(device, "bf16")
     flops = flops_per_token(config("none").model, SEQ_LEN)
-    print(f"{TAG} | {name} (cc {'.'.join(map(str, torch.cuda.get_device_capability(device)))}) | torch "
-          f"{torch.__version__} | Llama-3.2-1B shape, batch {BATCH} x seq {SEQ_LEN}, bf16 autocast, per-block "
-          f"compile | FLOPs/token {flops / 1e9:.2f} G | bf16 peak {peak or 'unknown'} TFLOP/s", flush=True)
+    print(
+        f"{TAG} | {name} (cc {'.'.join(map(str, torch.cuda.get_device_capability(device)))}) | torch "
+        f"{torch.__version__} | Llama-3.2-1B shape, batch {BATCH} x seq {SEQ_LEN}, bf16 autocast, per-block "
+        f"compile | FLOPs/token {flops / 1e9:.2f} G | bf16 peak {peak or 'unknown'} TFLOP/s",
+        flush=True,
+    )
     g = torch.Generator(device="cpu").manual_seed(0)
     tokens = torch.randint(0, 128256, (BATCH, SEQ_LEN + 1), generator=g).to(device)
     x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
@@ -141,9 +157,11 @@ def main() -> int:
         tflops = r["tok_s"] * flops / 1e12
         mfu = f"{100 * tflops / peak:.1f}%" if peak else "n/a (unknown peak)"
         vs = f" | {ratios[side]:.2f}x bf16 (same alternation)" if side in ratios else ""
-        print(f"{side:>10}: {r['tok_s']:,.0f} tok/s | {tflops:.1f} TFLOP/s | MFU {mfu} (of bf16 peak) | peak mem "
-              f"{r['resident_gb'] + r['step_peak_gb']:.1f} GB (resident {r['resident_gb']:.1f} + step "
-              f"{r['step_peak_gb']:.1f}) | {r['linears']} Float8Linear{vs}")
+        print(
+            f"{side:>10}: {r['tok_s']:,.0f} tok/s | {tflops:.1f} TFLOP/s | MFU {mfu} (of bf16 peak) | peak mem "
+            f"{r['resident_gb'] + r['step_peak_gb']:.1f} GB (resident {r['resident_gb']:.1f} + step "
+            f"{r['step_peak_gb']:.1f}) | {r['linears']} Float8Linear{vs}"
+        )
     if not ratios:
         print(f"{TAG}: failed (no FP8 recipe ran)")
         return 1

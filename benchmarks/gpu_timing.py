@@ -26,8 +26,13 @@ def warm_up(name: str, step: Callable[[], torch.Tensor], steps: int, device: tor
     return float(loss)
 
 
-def alternate(steps_by_name: dict[str, Callable[[], torch.Tensor]], tokens_per_step: int, rounds: int,
-              steps: int, device: torch.device) -> dict[str, dict[str, float]]:
+def alternate(
+    steps_by_name: dict[str, Callable[[], torch.Tensor]],
+    tokens_per_step: int,
+    rounds: int,
+    steps: int,
+    device: torch.device,
+) -> dict[str, dict[str, float]]:
     """``rounds`` windows of ``steps`` steps per contender, taken in turn (ABAB...).
 
     Per contender: ``tok_s`` (median over windows), ``windows`` (all of them) and ``step_peak_gb``

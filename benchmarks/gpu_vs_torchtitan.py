@@ -45,8 +45,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import titan_sides as ts  # noqa: E402
-from gpu_timing import warm_up  # noqa: E402
+import titan_sides as ts
+from gpu_timing import warm_up
 
 sys.path.insert(0, str(ts.REPO))
 
@@ -54,19 +54,23 @@ SEQ_LEN = 4096
 WARMUP, ROUNDS, STEPS = 4, 5, 5
 LR = 3e-4
 # set globally by torchtitan's apply_compile; restored so they do not leak into the next side
-DYNAMO_FLAGS = {k: getattr(torch._dynamo.config, k) for k in
-                ("capture_scalar_outputs", "skip_fwd_side_effects_in_bwd_under_checkpoint")
-                if hasattr(torch._dynamo.config, k)}
+DYNAMO_FLAGS = {
+    k: getattr(torch._dynamo.config, k)
+    for k in ("capture_scalar_outputs", "skip_fwd_side_effects_in_bwd_under_checkpoint")
+    if hasattr(torch._dynamo.config, k)
+}
 
 
 def settings() -> dict:
     """Environment knobs, checked before anything is built."""
-    s = {"batch": _positive_int("GPU_BENCH_BATCH", "2"),
-         "layers_8b": _positive_int("GPU_BENCH_8B_LAYERS", "10"),
-         "precision": os.environ.get("GPU_BENCH_PRECISION", "fsdp"),
-         "tt_attn": os.environ.get("GPU_BENCH_TT_ATTN", "flex"),
-         "compile_loss": os.environ.get("GPU_BENCH_COMPILE_LOSS", "0") == "1",
-         "shapes": os.environ.get("GPU_BENCH_SHAPES", "1b,8b").split(",")}
+    s = {
+        "batch": _positive_int("GPU_BENCH_BATCH", "2"),
+        "layers_8b": _positive_int("GPU_BENCH_8B_LAYERS", "10"),
+        "precision": os.environ.get("GPU_BENCH_PRECISION", "fsdp"),
+        "tt_attn": os.environ.get("GPU_BENCH_TT_ATTN", "flex"),
+        "compile_loss": os.environ.get("GPU_BENCH_COMPILE_LOSS", "0") == "1",
+        "shapes": os.environ.get("GPU_BENCH_SHAPES", "1b,8b").split(","),
+    }
     ts.check_settings(s["precision"], s["tt_attn"])
     unknown = [n for n in s["shapes"] if n not in ts.SHAPES]
     if unknown:
@@ -85,10 +89,12 @@ def build(side: str, shape: str, batch: int, layers: int | None, s: dict, device
     ours_name, flavor = ts.SHAPES[shape]
     torch.manual_seed(0)
     if side == "llmctl":
-        return ts.ours_side(ts.ours_cfg(ours_name, layers), SEQ_LEN, device, precision=s["precision"],
-                            compile_loss=s["compile_loss"])
-    return ts.titan_side(ts.titan_config(flavor, layers, s["tt_attn"]), SEQ_LEN, batch, device,
-                         precision=s["precision"])
+        return ts.ours_side(
+            ts.ours_cfg(ours_name, layers), SEQ_LEN, device, precision=s["precision"], compile_loss=s["compile_loss"]
+        )
+    return ts.titan_side(
+        ts.titan_config(flavor, layers, s["tt_attn"]), SEQ_LEN, batch, device, precision=s["precision"]
+    )
 
 
 def measure(side: ts.Side, device, x, y) -> dict:
@@ -113,8 +119,12 @@ def measure(side: ts.Side, device, x, y) -> dict:
             loss = step()
         torch.cuda.synchronize(device)
         rates.append(STEPS * x.numel() / (time.perf_counter() - t0))
-    return {"tok_s": statistics.median(rates), "peak_gb": torch.cuda.max_memory_allocated(device) / 1e9,
-            "loss": float(loss), "flops": side.flops_per_token}
+    return {
+        "tok_s": statistics.median(rates),
+        "peak_gb": torch.cuda.max_memory_allocated(device) / 1e9,
+        "loss": float(loss),
+        "flops": side.flops_per_token,
+    }
 
 
 def run_shape(shape: str, s: dict, device, peak) -> dict:
@@ -135,8 +145,11 @@ def run_shape(shape: str, s: dict, device, peak) -> dict:
             side = build(name, shape, batch, layers, s, device)
             results[name] = measure(side, device, x, y)
         except ImportError as e:
-            print(f"gpu_vs_torchtitan |   {name}: import failed ({type(e).__name__}: {e}); "
-                  f'install with: pip install -e ".[bench,gpu]"', flush=True)
+            print(
+                f"gpu_vs_torchtitan |   {name}: import failed ({type(e).__name__}: {e}); "
+                f'install with: pip install -e ".[bench,gpu]"',
+                flush=True,
+            )
         except Exception as e:  # report and go on: the other side's figures are still useful
             traceback.print_exc()
             print(f"gpu_vs_torchtitan |   {name}: failed ({type(e).__name__}: {e})", flush=True)
@@ -149,19 +162,27 @@ def run_shape(shape: str, s: dict, device, peak) -> dict:
     for name, r in results.items():
         tflops = r["tok_s"] * r["flops"] / 1e12
         mfu = f"{100 * tflops / peak:.1f}%" if peak else "n/a (unknown peak)"
-        print(f"gpu_vs_torchtitan |   {shape} {name:>10}: {r['tok_s']:>9,.0f} tok/s | {tflops:6.1f} TFLOP/s | "
-              f"MFU {mfu} | peak mem {r['peak_gb']:.1f} GB | loss {r['loss']:.3f} | "
-              f"{r['flops'] / 1e9:.2f} GFLOP/token", flush=True)
+        print(
+            f"gpu_vs_torchtitan |   {shape} {name:>10}: {r['tok_s']:>9,.0f} tok/s | {tflops:6.1f} TFLOP/s | "
+            f"MFU {mfu} | peak mem {r['peak_gb']:.1f} GB | loss {r['loss']:.3f} | "
+            f"{r['flops'] / 1e9:.2f} GFLOP/token",
+            flush=True,
+        )
     if len(results) == 2:
-        print(f"gpu_vs_torchtitan |   {shape} llmctl/torchtitan: "
-              f"{results['llmctl']['tok_s'] / results['torchtitan']['tok_s']:.2f}x", flush=True)
+        print(
+            f"gpu_vs_torchtitan |   {shape} llmctl/torchtitan: "
+            f"{results['llmctl']['tok_s'] / results['torchtitan']['tok_s']:.2f}x",
+            flush=True,
+        )
     return results
 
 
 def main() -> int:
     if not torch.cuda.is_available():
-        print("gpu_vs_torchtitan | no CUDA device available (torch.cuda.is_available() is False): "
-              "this benchmark needs one GPU; nothing was measured")
+        print(
+            "gpu_vs_torchtitan | no CUDA device available (torch.cuda.is_available() is False): "
+            "this benchmark needs one GPU; nothing was measured"
+        )
         print("gpu_vs_torchtitan: skipped (no CUDA device)")
         return 0
     s = settings()
@@ -171,9 +192,12 @@ def main() -> int:
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
     peak = peak_tflops(device, "bf16")
-    print(f"gpu_vs_torchtitan | {torch.cuda.get_device_name(device)} | torch {torch.__version__} | "
-          f"{ts.TORCHTITAN} | precision {s['precision']} | torchtitan attention {s['tt_attn']} | "
-          f"llmctl loss compiled: {s['compile_loss']} | peak {peak or 'unknown'} TFLOP/s bf16", flush=True)
+    print(
+        f"gpu_vs_torchtitan | {torch.cuda.get_device_name(device)} | torch {torch.__version__} | "
+        f"{ts.TORCHTITAN} | precision {s['precision']} | torchtitan attention {s['tt_attn']} | "
+        f"llmctl loss compiled: {s['compile_loss']} | peak {peak or 'unknown'} TFLOP/s bf16",
+        flush=True,
+    )
     results = {shape: run_shape(shape, s, device, peak) for shape in s["shapes"]}
     one_b = results.get("1b", {})
     if "llmctl" in one_b and "torchtitan" in one_b:

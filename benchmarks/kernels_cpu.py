@@ -42,9 +42,10 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import plain_llama  # noqa: E402
-from workloads.pretrain.model.transformer import build_model  # noqa: E402
+
 from workloads.pretrain.components.optim import build_optimizer  # noqa: E402
 from workloads.pretrain.contract.shape import num_params  # noqa: E402
+from workloads.pretrain.model.transformer import build_model  # noqa: E402
 
 THREADS = int(os.environ.get("KERNELS_CPU_THREADS", "1"))
 # shape -> (batch, seq, warmup steps, rounds, steps per window)
@@ -126,9 +127,12 @@ def run_shape(shape: str) -> dict[str, float]:
     tokens = torch.randint(0, cfg.vocab_size, (batch, seq + 1), generator=g)
     x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
     cs = [Contender(name, m, f, x, y) for name, (m, f) in build_contenders(cfg).items()]
-    print(f"kernels_cpu | {shape}: {num_params(cfg) / 1e6:.1f}M params ({cfg.n_layers} x {cfg.dim}, vocab "
-          f"{cfg.vocab_size}) | batch {batch} x seq {seq} fp32 | {warmup} warmup + {rounds} rounds x {steps} "
-          f"step(s) per contender", flush=True)
+    print(
+        f"kernels_cpu | {shape}: {num_params(cfg) / 1e6:.1f}M params ({cfg.n_layers} x {cfg.dim}, vocab "
+        f"{cfg.vocab_size}) | batch {batch} x seq {seq} fp32 | {warmup} warmup + {rounds} rounds x {steps} "
+        f"step(s) per contender",
+        flush=True,
+    )
 
     first = {c.name: c.step() for c in cs}  # same weights, same batch: the same loss
     print(f"kernels_cpu | {shape}: step-1 loss " + ", ".join(f"{k} {v:.6f}" for k, v in first.items()), flush=True)
@@ -141,16 +145,22 @@ def run_shape(shape: str) -> dict[str, float]:
     by = {c.name: c for c in cs}
     ratios: dict[str, list[float]] = {"plain": [], "hf": []}
     for r in range(rounds):
-        for c in cs[r % len(cs):] + cs[: r % len(cs)]:
+        for c in cs[r % len(cs) :] + cs[: r % len(cs)]:
             c.timed(steps)
         for base in ratios:
             ratios[base].append(by["fused"].tok_s[-1] / by[base].tok_s[-1])
-        print(f"kernels_cpu | {shape} round {r + 1}: " + ", ".join(f"{c.name} {c.tok_s[-1]:,.0f}" for c in cs)
-              + " tok/s", flush=True)
+        print(
+            f"kernels_cpu | {shape} round {r + 1}: " + ", ".join(f"{c.name} {c.tok_s[-1]:,.0f}" for c in cs) + " tok/s",
+            flush=True,
+        )
     out = {f"{c.name}_tok_s": statistics.median(c.tok_s) for c in cs}
     out.update({f"fused/{base}": statistics.median(v) for base, v in ratios.items()})
-    print(f"kernels_cpu | {shape}: " + ", ".join(f"{c.name} {out[c.name + '_tok_s']:,.0f} tok/s" for c in cs)
-          + f" (medians) | fused/plain {out['fused/plain']:.2f}x, fused/hf {out['fused/hf']:.2f}x", flush=True)
+    print(
+        f"kernels_cpu | {shape}: "
+        + ", ".join(f"{c.name} {out[c.name + '_tok_s']:,.0f} tok/s" for c in cs)
+        + f" (medians) | fused/plain {out['fused/plain']:.2f}x, fused/hf {out['fused/hf']:.2f}x",
+        flush=True,
+    )
     return out
 
 

@@ -31,15 +31,17 @@ MIB = 2**20
 
 
 def _row(name: str, plan: float | None, tracked: float | None) -> str:
-    fmt = lambda v: f"{v / MIB:10.1f}" if v is not None else f"{'-':>10s}"
+    def fmt(v: float | None) -> str:
+        return f"{v / MIB:10.1f}" if v is not None else f"{'-':>10s}"
+
     return f"    {name:<12s}{fmt(plan)}{fmt(tracked)}"
 
 
 def main() -> None:
     import logging
 
-    from workloads.pretrain.memory_check import CASES, TRACKER_PARTS, compare
     from workloads.pretrain.contract.memory_plan import PARTS
+    from workloads.pretrain.memory_check import CASES, TRACKER_PARTS, compare
 
     warnings.filterwarnings("ignore")
     logging.getLogger("torch.distributed").setLevel(logging.ERROR)  # DTensor's 2-D grad-norm notice
@@ -50,9 +52,11 @@ def main() -> None:
         plan, tracked, err = compare(case)
         errors.append(err)
         lay = plan.layout
-        print(f"{case['name']}  (world {case['world_size']}: dp_replicate {lay['dp_replicate']} x dp_shard "
-              f"{lay['dp_shard']} x tp {lay['tp']}; {lay['micro_batches']} micro-batch(es) of {lay['micro_batch']} seq; "
-              f"ac {lay['ac']}; {lay['dtype']})")
+        print(
+            f"{case['name']}  (world {case['world_size']}: dp_replicate {lay['dp_replicate']} x dp_shard "
+            f"{lay['dp_shard']} x tp {lay['tp']}; {lay['micro_batches']} micro-batch(es) of {lay['micro_batch']} seq; "
+            f"ac {lay['ac']}; {lay['dtype']})"
+        )
         print(f"    {'MiB':<12s}{'plan':>10s}{'tracker':>10s}")
         for part in PARTS:
             print(_row(part, getattr(plan, part), tracked[part] if part in TRACKER_PARTS else None))
@@ -60,8 +64,10 @@ def main() -> None:
         print(f"    error {err * 100:+.2f}%   plan's peak: {plan.phase}   ({time.perf_counter() - t0:.1f} s)")
         print(flush=True)
     worst = max(abs(e) for e in errors)
-    print(f"{len(CASES)} cases in {time.perf_counter() - t_all:.0f} s; errors: "
-          + ", ".join(f"{e * 100:+.1f}%" for e in errors))
+    print(
+        f"{len(CASES)} cases in {time.perf_counter() - t_all:.0f} s; errors: "
+        + ", ".join(f"{e * 100:+.1f}%" for e in errors)
+    )
     print(f"memory_plan_max_error: {worst * 100:.1f}%")
 
 

@@ -36,8 +36,13 @@ class Block(nn.Module):
         k = a.wk(h).view(b, s, self.n_kv, self.hd)
         v = a.wv(h).view(b, s, self.n_kv, self.hd)
         q, k = rope(q, freqs), rope(k, freqs)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
-                                             enable_gqa=self.n_kv != self.n_heads)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            is_causal=True,
+            enable_gqa=self.n_kv != self.n_heads,
+        )
         x = x + a.wo(out.transpose(1, 2).reshape(b, s, -1))
         f, h = self.feed_forward, self.ffn_norm(x)
         return x + f.w2(F.silu(f.w1(h)) * f.w3(h))
@@ -52,8 +57,19 @@ def rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
 class PlainLlama(nn.Module):
     """forward(tokens, targets) -> mean cross-entropy over full fp32 logits."""
 
-    def __init__(self, vocab: int, dim: int, n_layers: int, n_heads: int, n_kv_heads: int, hidden: int,
-                 max_seq_len: int, theta: float, eps: float, tie: bool):
+    def __init__(
+        self,
+        vocab: int,
+        dim: int,
+        n_layers: int,
+        n_heads: int,
+        n_kv_heads: int,
+        hidden: int,
+        max_seq_len: int,
+        theta: float,
+        eps: float,
+        tie: bool,
+    ):
         super().__init__()
         self.tok_embeddings = nn.Embedding(vocab, dim)
         self.layers = nn.ModuleDict({str(i): Block(dim, n_heads, n_kv_heads, hidden, eps) for i in range(n_layers)})
@@ -78,6 +94,15 @@ def from_model_cfg(cfg) -> PlainLlama:
     """The plain model for a workload ``ModelCfg`` (same shape; load the weights separately)."""
     from workloads.pretrain.contract.shape import hidden_dim
 
-    return PlainLlama(int(cfg.vocab_size), int(cfg.dim), int(cfg.n_layers), int(cfg.n_heads),
-                      int(cfg.n_kv_heads or cfg.n_heads), hidden_dim(cfg), int(cfg.max_seq_len),
-                      float(cfg.rope_theta), float(cfg.norm_eps), bool(cfg.tie_embeddings))
+    return PlainLlama(
+        int(cfg.vocab_size),
+        int(cfg.dim),
+        int(cfg.n_layers),
+        int(cfg.n_heads),
+        int(cfg.n_kv_heads or cfg.n_heads),
+        hidden_dim(cfg),
+        int(cfg.max_seq_len),
+        float(cfg.rope_theta),
+        float(cfg.norm_eps),
+        bool(cfg.tie_embeddings),
+    )

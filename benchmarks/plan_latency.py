@@ -55,21 +55,33 @@ def populate(uri: str) -> None:
         train = plan.cfg["train"]
         for i in range(RUNS_PER_PLAN):
             rid = mc.create_run(exp, tags=tags).info.run_id
-            mc.log_batch(rid, metrics=[Metric(history.STEADY, 1000.0 + i, 0, 0), Metric(history.OVERHEAD, 20.0, 0, 0),
-                                       Metric(history.VAL_PASS, 0.5, 0, 0)],
-                         params=[Param("infra.nodes", "1"), Param("train.batch_size", str(train["batch_size"])),
-                                 Param("train.val_batches", str(train["val_batches"]))])
+            mc.log_batch(
+                rid,
+                metrics=[
+                    Metric(history.STEADY, 1000.0 + i, 0, 0),
+                    Metric(history.OVERHEAD, 20.0, 0, 0),
+                    Metric(history.VAL_PASS, 0.5, 0, 0),
+                ],
+                params=[
+                    Param("infra.nodes", "1"),
+                    Param("train.batch_size", str(train["batch_size"])),
+                    Param("train.val_batches", str(train["val_batches"])),
+                ],
+            )
             mc.set_terminated(rid, "FINISHED")
 
 
 def plan_once(args: list[str], cwd: str, env: dict[str, str]) -> float:
     t0 = time.perf_counter()
-    out = subprocess.run([sys.executable, "-m", "llmctl", "plan", *args], cwd=cwd, env=env, capture_output=True,
-                         text=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "llmctl", "plan", *args], cwd=cwd, env=env, capture_output=True, text=True
+    )
     wall = time.perf_counter() - t0
     if out.returncode != 0 or "measured: run" not in out.stdout:
-        sys.exit(f"llmctl plan {' '.join(args)} failed or found no measured run ({out.returncode}):"
-                 f" {out.stderr[-2000:] or out.stdout[-2000:]}")
+        sys.exit(
+            f"llmctl plan {' '.join(args)} failed or found no measured run ({out.returncode}):"
+            f" {out.stderr[-2000:] or out.stdout[-2000:]}"
+        )
     return wall
 
 
@@ -83,8 +95,15 @@ def main() -> None:
         cwd.mkdir()
         uri = f"sqlite:///{tmp}/mlflow.db"
         env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "LLMCTL_", "SKYPILOT_API"))}
-        env.update({"HOME": str(home), "MLFLOW_TRACKING_URI": uri, "SKYPILOT_DISABLE_USAGE_COLLECTION": "1",
-                    "DO_NOT_TRACK": "1", "AWS_EC2_METADATA_DISABLED": "true"})
+        env.update(
+            {
+                "HOME": str(home),
+                "MLFLOW_TRACKING_URI": uri,
+                "SKYPILOT_DISABLE_USAGE_COLLECTION": "1",
+                "DO_NOT_TRACK": "1",
+                "AWS_EC2_METADATA_DISABLED": "true",
+            }
+        )
         os.environ.update(env)  # this process plans too (for the shapes): same HOME for SkyPilot
         sys.path.insert(0, str(ROOT))
         populate(uri)
@@ -98,8 +117,10 @@ def main() -> None:
     medians = {name: statistics.median(w) for name, w in walls.items()}
     for name, w in walls.items():
         fresh = " (SkyPilot asked afresh)" if name in FRESH else ""
-        print(f"llmctl plan {' '.join(PLANS[name]) or '(local)'}{fresh}: median {medians[name]:.2f} s over {len(w)} runs"
-              f" ({', '.join(f'{x:.2f}' for x in w)})")
+        print(
+            f"llmctl plan {' '.join(PLANS[name]) or '(local)'}{fresh}: median {medians[name]:.2f} s over {len(w)} runs"
+            f" ({', '.join(f'{x:.2f}' for x in w)})"
+        )
     print(f"remembered / fresh SkyPilot answers: {medians['lambda'] / medians['lambda-fresh']:.2f}")
     print(f"plan_latency_median_s: {max(v for k, v in medians.items() if k not in FRESH):.2f}")
 

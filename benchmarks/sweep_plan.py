@@ -26,8 +26,9 @@ SWEEP = ["train.lr=1e-3,6e-4,3e-4,1e-4,5e-5", "model=tiny,smoke", "train.seed=ra
 def cli_once(cwd: str) -> float:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "LLMCTL_"))}
     t0 = time.perf_counter()
-    out = subprocess.run([sys.executable, "-m", "llmctl", "plan", "-m", *SWEEP], cwd=cwd, env=env,
-                         capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "llmctl", "plan", "-m", *SWEEP], cwd=cwd, env=env, capture_output=True, text=True
+    )
     wall = time.perf_counter() - t0
     if out.returncode != 0 or "100 trials" not in out.stdout:
         sys.exit(f"plan -m failed ({out.returncode}): {out.stderr[-2000:]}")

@@ -86,12 +86,19 @@ def ours_cfg(name: str, n_layers: int | None = None, **overrides: Any):
     return cfg
 
 
-def ours_side(cfg: Any, seq_len: int, device: torch.device, *, precision: str = "fsdp",
-              compile_model: bool = True, compile_loss: bool = False) -> Side:
+def ours_side(
+    cfg: Any,
+    seq_len: int,
+    device: torch.device,
+    *,
+    precision: str = "fsdp",
+    compile_model: bool = True,
+    compile_loss: bool = False,
+) -> Side:
     """llmctl: ``model.kernels=fused`` (SDPA, fused linear-CE), per-block ``apply_compile``, and for
     ``fsdp`` the trainer's own ``parallelize.apply_fsdp`` (bf16 params, fp32 reduce) on 1 rank."""
-    from workloads.pretrain.model.transformer import apply_compile, build_model
     from workloads.pretrain.contract.shape import flops_per_token
+    from workloads.pretrain.model.transformer import apply_compile, build_model
 
     check_settings(precision)
     cfg.kernels = "fused"
@@ -141,8 +148,16 @@ def titan_flops(cfg: Any, seq_len: int, model: torch.nn.Module | None = None) ->
     return int(cfg.get_nparams_and_flops(model, seq_len)[1])
 
 
-def titan_side(cfg: Any, seq_len: int, batch: int, device: torch.device, *, precision: str = "fsdp",
-               compile_model: bool = True, compile_loss: bool = True) -> Side:
+def titan_side(
+    cfg: Any,
+    seq_len: int,
+    batch: int,
+    device: torch.device,
+    *,
+    precision: str = "fsdp",
+    compile_model: bool = True,
+    compile_loss: bool = True,
+) -> Side:
     """torchtitan as its trainer sets it up for one device: RoPE cache cut to ``seq_len``, meta
     build, per-block compile, FSDP2 bf16 policy, chunked lm_head + (compiled) CE."""
     from torchtitan.components.loss import IGNORE_INDEX, ChunkedLossWrapper, CrossEntropyLoss
@@ -157,16 +172,22 @@ def titan_side(cfg: Any, seq_len: int, batch: int, device: torch.device, *, prec
     with torch.device("meta"):
         model = cfg.build()
     flops = titan_flops(cfg, seq_len, model)
-    compile_cfg = CompileConfig(enable=compile_model or compile_loss,
-                                components=[c for c, on in (("model", compile_model), ("loss", compile_loss)) if on])
+    compile_cfg = CompileConfig(
+        enable=compile_model or compile_loss,
+        components=[c for c, on in (("model", compile_model), ("loss", compile_loss)) if on],
+    )
     if compile_model:
-        apply_compile(model, compile_config=compile_cfg,
-                      parallel_dims=ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, world_size=1))
+        apply_compile(
+            model,
+            compile_config=compile_cfg,
+            parallel_dims=ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, world_size=1),
+        )
     if precision == "fsdp":
         from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
 
-        apply_fsdp_to_decoder(model, one_rank_mesh(device), param_dtype=torch.bfloat16,
-                              reduce_dtype=torch.float32, pp_enabled=False)
+        apply_fsdp_to_decoder(
+            model, one_rank_mesh(device), param_dtype=torch.bfloat16, reduce_dtype=torch.float32, pp_enabled=False
+        )
     model.to_empty(device=device)
     with torch.no_grad():
         model.init_states(buffer_device=None)
@@ -180,7 +201,8 @@ def titan_side(cfg: Any, seq_len: int, batch: int, device: torch.device, *, prec
         positions = torch.arange(seq_len, device=device).expand(batch, seq_len)
         masks = model.get_attention_masks(positions=positions)
     loss_fn = ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(global_vocab_size=cfg.vocab_size)).build(
-        compile_config=compile_cfg)
+        compile_config=compile_cfg
+    )
     loss_fn.set_lm_head(model.lm_head)
     model._skip_lm_head = True
 
@@ -189,4 +211,3 @@ def titan_side(cfg: Any, seq_len: int, batch: int, device: torch.device, *, prec
         return loss_fn(model(x, attention_masks=masks), y, valid)[0]
 
     return Side("torchtitan", model, loss, flops, _autocast(device, precision))
-

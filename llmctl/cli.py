@@ -13,9 +13,9 @@ from typing import Any, List, Optional
 
 # Plain click help renders in ~0.13 s; Rich's costs ~0.35 s. TYPER_USE_RICH=1 brings Rich back.
 os.environ.setdefault("TYPER_USE_RICH", "0")
-import typer  # noqa: E402
+import typer
 
-from llmctl import __version__  # noqa: E402
+from llmctl import __version__
 from llmctl.errors import ConfigError, LaunchError
 
 EXIT_FAILED = 1
@@ -82,27 +82,61 @@ def _compose_and_plan(overrides: Optional[List[str]], config_dir: Optional[str])
         raise _fail(str(exc), EXIT_CONFIG) from None
 
 
-MultirunOpt = typer.Option(False, "--multirun", "-m", help="Sweep: expand a,b / range() / glob() into trials (see docs/sweeps.md).")
+MultirunOpt = typer.Option(
+    False, "--multirun", "-m", help="Sweep: expand a,b / range() / glob() into trials (see docs/sweeps.md)."
+)
 MaxParallelOpt = typer.Option(None, "--max-parallel", help="Sweep: trials at once (default: local GPUs, else cores/2).")
-SearchOpt = typer.Option("grid", "--search", help="Sweep: grid (every combination, as Hydra's basic sweeper) or random/tpe (Optuna's samplers; interval(), tag(log, ...)).")
+SearchOpt = typer.Option(
+    "grid",
+    "--search",
+    help=(
+        "Sweep: grid (every combination, as Hydra's basic sweeper) or random/tpe (Optuna's samplers; interval(), "
+        "tag(log, ...))."
+    ),
+)
 TrialsOpt = typer.Option(None, "--trials", help="Sweep with --search random|tpe: how many trials.")
-PruneOpt = typer.Option("none", "--prune", help="Sweep with --search random|tpe: stop bad trials early at their val steps: none, median or asha.")
-SeedOpt = typer.Option(None, "--seed", help="Sweep with --search random|tpe: the sampler's seed (default: a random one, recorded).")
+PruneOpt = typer.Option(
+    "none",
+    "--prune",
+    help="Sweep with --search random|tpe: stop bad trials early at their val steps: none, median or asha.",
+)
+SeedOpt = typer.Option(
+    None, "--seed", help="Sweep with --search random|tpe: the sampler's seed (default: a random one, recorded)."
+)
 
 
 @app.command()
-def plan(overrides: Optional[List[str]] = OverridesArg, config_dir: Optional[str] = ConfigDirOpt,
-         multirun: bool = MultirunOpt, max_parallel: Optional[int] = MaxParallelOpt,
-         search: str = SearchOpt, trials: Optional[int] = TrialsOpt, prune: str = PruneOpt, seed: Optional[int] = SeedOpt,
-         max_cost: Optional[float] = typer.Option(None, "--max-cost", help="Show whether the estimate (USD) is within this."),
-         dry_run: bool = typer.Option(False, "--dry-run", help="Also build the real model on meta at the target world size (fake process group) and report each rank's parameters: seconds, no GPU.")) -> None:
+def plan(
+    overrides: Optional[List[str]] = OverridesArg,
+    config_dir: Optional[str] = ConfigDirOpt,
+    multirun: bool = MultirunOpt,
+    max_parallel: Optional[int] = MaxParallelOpt,
+    search: str = SearchOpt,
+    trials: Optional[int] = TrialsOpt,
+    prune: str = PruneOpt,
+    seed: Optional[int] = SeedOpt,
+    max_cost: Optional[float] = typer.Option(
+        None, "--max-cost", help="Show whether the estimate (USD) is within this."
+    ),
+    dry_run: bool = typer.Option(
+        False,
+        "--dry-run",
+        help=(
+            "Also build the real model on meta at the target world size (fake process group) and report each rank's "
+            "parameters: seconds, no GPU."
+        ),
+    ),
+) -> None:
     """Show the config, how it runs, memory and cost; changes nothing."""
     if multirun:
         from llmctl.sweep import trial_plans as planning
 
         try:
-            typer.echo(planning.plan_text(overrides or [], config_dir, max_parallel, search=search, n_trials=trials,
-                                          prune=prune, seed=seed))
+            typer.echo(
+                planning.plan_text(
+                    overrides or [], config_dir, max_parallel, search=search, n_trials=trials, prune=prune, seed=seed
+                )
+            )
         except ConfigError as exc:
             raise _fail(str(exc), EXIT_CONFIG) from None
         return
@@ -120,20 +154,46 @@ def plan(overrides: Optional[List[str]] = OverridesArg, config_dir: Optional[str
 
 
 @app.command()
-def launch(overrides: Optional[List[str]] = OverridesArg, config_dir: Optional[str] = ConfigDirOpt,
-           multirun: bool = MultirunOpt, max_parallel: Optional[int] = MaxParallelOpt,
-           search: str = SearchOpt, trials: Optional[int] = TrialsOpt, prune: str = PruneOpt, seed: Optional[int] = SeedOpt,
-           wait: bool = typer.Option(False, "--wait", help="Sweep: block with a live table until every trial ends."),
-           max_cost: Optional[float] = typer.Option(None, "--max-cost", help="Refuse if the estimated total (USD) is above this, or if the infra is unpriced; a running job stops after a checkpoint before passing it. With -m: the sweep's total, each trial stopping at its share."),
-           metric: str = typer.Option("val/loss", "--metric", help="Sweep: metric that picks the best trial."),
-           mode: str = typer.Option("min", "--mode", help="Sweep: min or max of --metric.")) -> None:
+def launch(
+    overrides: Optional[List[str]] = OverridesArg,
+    config_dir: Optional[str] = ConfigDirOpt,
+    multirun: bool = MultirunOpt,
+    max_parallel: Optional[int] = MaxParallelOpt,
+    search: str = SearchOpt,
+    trials: Optional[int] = TrialsOpt,
+    prune: str = PruneOpt,
+    seed: Optional[int] = SeedOpt,
+    wait: bool = typer.Option(False, "--wait", help="Sweep: block with a live table until every trial ends."),
+    max_cost: Optional[float] = typer.Option(
+        None,
+        "--max-cost",
+        help=(
+            "Refuse if the estimated total (USD) is above this, or if the infra is unpriced; a running job stops after "
+            "a checkpoint before passing it. With -m: the sweep's total, each trial stopping at its share."
+        ),
+    ),
+    metric: str = typer.Option("val/loss", "--metric", help="Sweep: metric that picks the best trial."),
+    mode: str = typer.Option("min", "--mode", help="Sweep: min or max of --metric."),
+) -> None:
     """Train where the config says (default: here), tracked in MLflow. With -m, a sweep."""
     if multirun:
         from llmctl.sweep import control
 
         try:
-            code = control.launch_cli(overrides or [], config_dir, max_parallel, wait, max_cost, metric, mode, typer.echo,
-                                      search=search, n_trials=trials, prune=prune, seed=seed)
+            code = control.launch_cli(
+                overrides or [],
+                config_dir,
+                max_parallel,
+                wait,
+                max_cost,
+                metric,
+                mode,
+                typer.echo,
+                search=search,
+                n_trials=trials,
+                prune=prune,
+                seed=seed,
+            )
         except ConfigError as exc:
             raise _fail(str(exc), EXIT_CONFIG) from None
         raise typer.Exit(code)
@@ -152,10 +212,28 @@ def launch(overrides: Optional[List[str]] = OverridesArg, config_dir: Optional[s
 
 
 @app.command()
-def resume(run_id: str = typer.Argument(..., help="MLflow run id (or a unique prefix) of a stopped (preempted, failed, killed) run, or a sweep id whose supervisor died."),
-           overrides: Optional[List[str]] = OverridesArg, config_dir: Optional[str] = ConfigDirOpt,
-           tracking_uri: Optional[str] = typer.Option(None, "--tracking-uri", help="MLflow store of the run (default: $MLFLOW_TRACKING_URI, else ./mlflow.db)."),
-           max_cost: Optional[float] = typer.Option(None, "--max-cost", help="Budget (USD) for the whole run, earlier attempts included (default: the run's own); refuses if what is left would pass it.")) -> None:
+def resume(
+    run_id: str = typer.Argument(
+        ...,
+        help=(
+            "MLflow run id (or a unique prefix) of a stopped (preempted, failed, killed) run, or a sweep id whose "
+            "supervisor died."
+        ),
+    ),
+    overrides: Optional[List[str]] = OverridesArg,
+    config_dir: Optional[str] = ConfigDirOpt,
+    tracking_uri: Optional[str] = typer.Option(
+        None, "--tracking-uri", help="MLflow store of the run (default: $MLFLOW_TRACKING_URI, else ./mlflow.db)."
+    ),
+    max_cost: Optional[float] = typer.Option(
+        None,
+        "--max-cost",
+        help=(
+            "Budget (USD) for the whole run, earlier attempts included (default: the run's own); refuses if what is "
+            "left would pass it."
+        ),
+    ),
+) -> None:
     """Continue a run from its last checkpoint, in the same MLflow run.
 
     See docs/resume.md.
@@ -184,12 +262,14 @@ def resume(run_id: str = typer.Argument(..., help="MLflow run id (or a unique pr
     raise typer.Exit(code)
 
 
-TrackingUriOpt = typer.Option(None, "--tracking-uri", help="MLflow store of the run (default: $MLFLOW_TRACKING_URI, else ./mlflow.db).")
+TrackingUriOpt = typer.Option(
+    None, "--tracking-uri", help="MLflow store of the run (default: $MLFLOW_TRACKING_URI, else ./mlflow.db)."
+)
 
 
 def _run_and_backend(run_id: str, tracking_uri: Optional[str]) -> Any:
-    from llmctl.tracking import runs
     from llmctl.backends import backend_of
+    from llmctl.tracking import runs
 
     uri = runs.tracking_uri(tracking_uri)
     try:
@@ -200,8 +280,12 @@ def _run_and_backend(run_id: str, tracking_uri: Optional[str]) -> Any:
 
 
 @app.command()
-def status(run_id: Optional[str] = typer.Argument(None, help="MLflow run id (or a unique prefix) or sweep id; omit to list recent runs."),
-           tracking_uri: Optional[str] = TrackingUriOpt) -> None:
+def status(
+    run_id: Optional[str] = typer.Argument(
+        None, help="MLflow run id (or a unique prefix) or sweep id; omit to list recent runs."
+    ),
+    tracking_uri: Optional[str] = TrackingUriOpt,
+) -> None:
     """Show a run's status: MLflow state, processes, cluster or job.
 
     Without RUN_ID, lists recent runs.
@@ -236,9 +320,11 @@ def status(run_id: Optional[str] = typer.Argument(None, help="MLflow run id (or 
 
 
 @app.command()
-def logs(run_id: str = typer.Argument(..., help="MLflow run id (or a unique prefix)."),
-         follow: bool = typer.Option(False, "--follow", "-f", help="Keep streaming until the run ends."),
-         tracking_uri: Optional[str] = TrackingUriOpt) -> None:
+def logs(
+    run_id: str = typer.Argument(..., help="MLflow run id (or a unique prefix)."),
+    follow: bool = typer.Option(False, "--follow", "-f", help="Keep streaming until the run ends."),
+    tracking_uri: Optional[str] = TrackingUriOpt,
+) -> None:
     """Print a run's output (local log, cluster or managed job)."""
     uri, run, backend = _run_and_backend(run_id, tracking_uri)
     try:
@@ -248,8 +334,10 @@ def logs(run_id: str = typer.Argument(..., help="MLflow run id (or a unique pref
 
 
 @app.command()
-def down(run_id: str = typer.Argument(..., help="MLflow run id (or a unique prefix) or sweep id."),
-         tracking_uri: Optional[str] = TrackingUriOpt) -> None:
+def down(
+    run_id: str = typer.Argument(..., help="MLflow run id (or a unique prefix) or sweep id."),
+    tracking_uri: Optional[str] = TrackingUriOpt,
+) -> None:
     """Stop a run and release its processes, cluster or managed job. A sweep id cancels every trial."""
     if run_id.startswith("sweep-"):
         from llmctl.sweep import control
@@ -269,7 +357,9 @@ def down(run_id: str = typer.Argument(..., help="MLflow run id (or a unique pref
         raise _fail(str(exc), EXIT_CONFIG) from None
     if run.info.status in ENDED:  # its pid may be another process's by now; its status stays as it ended
         detail = run.data.tags.get("llmctl.status")
-        typer.echo(f"llmctl: run {run_id} has already ended: {run.info.status}{f' ({detail})' if detail else ''}; {what}")
+        typer.echo(
+            f"llmctl: run {run_id} has already ended: {run.info.status}{f' ({detail})' if detail else ''}; {what}"
+        )
         return
     from llmctl.run import lifecycle
 
@@ -283,10 +373,13 @@ JsonOpt = typer.Option(False, "--json", help="Print JSON instead of a table.")
 
 
 @app.command("runs")
-def runs_cmd(since: Optional[str] = SinceOpt,
-             experiment: Optional[str] = typer.Option(None, "--experiment", "-e", help="Only this MLflow experiment."),
-             limit: int = typer.Option(50, "--limit", help="At most this many runs, newest first."),
-             as_json: bool = JsonOpt, tracking_uri: Optional[str] = TrackingUriOpt) -> None:
+def runs_cmd(
+    since: Optional[str] = SinceOpt,
+    experiment: Optional[str] = typer.Option(None, "--experiment", "-e", help="Only this MLflow experiment."),
+    limit: int = typer.Option(50, "--limit", help="At most this many runs, newest first."),
+    as_json: bool = JsonOpt,
+    tracking_uri: Optional[str] = TrackingUriOpt,
+) -> None:
     """List runs: status, loss, tokens/s, MFU, estimated vs actual cost."""
     import json
 
@@ -301,9 +394,12 @@ def runs_cmd(since: Optional[str] = SinceOpt,
 
 
 @app.command("cost")
-def cost_cmd(since: Optional[str] = SinceOpt,
-             by: str = typer.Option("experiment", "--by", help="Group by experiment, infra or accelerator."),
-             as_json: bool = JsonOpt, tracking_uri: Optional[str] = TrackingUriOpt) -> None:
+def cost_cmd(
+    since: Optional[str] = SinceOpt,
+    by: str = typer.Option("experiment", "--by", help="Group by experiment, infra or accelerator."),
+    as_json: bool = JsonOpt,
+    tracking_uri: Optional[str] = TrackingUriOpt,
+) -> None:
     """Spend over a period by experiment, infra or accelerator."""
     import json
 
@@ -318,13 +414,26 @@ def cost_cmd(since: Optional[str] = SinceOpt,
 
 
 @app.command("eval")
-def eval_cmd(target: str = typer.Argument(..., help="MLflow run id (or a unique prefix), a checkpoint's model URI (models:/m-...), or a checkpoint URL (root or step-N directory)."),
-             overrides: Optional[List[str]] = OverridesArg,
-             nproc: int = typer.Option(1, "--nproc", help="Eval processes (torchrun); any number loads any checkpoint."),
-             hf: Optional[str] = typer.Option(None, "--hf", help="Score this Hugging Face export (transformers + accelerate) instead."),
-             tasks: Optional[str] = typer.Option(None, "--tasks", help="lm-eval-harness tasks (comma-separated), run on an HF export."),
-             limit: Optional[float] = typer.Option(None, "--limit", help="lm-eval: examples per task (or fraction)."),
-             config_dir: Optional[str] = ConfigDirOpt, tracking_uri: Optional[str] = TrackingUriOpt) -> None:
+def eval_cmd(
+    target: str = typer.Argument(
+        ...,
+        help=(
+            "MLflow run id (or a unique prefix), a checkpoint's model URI (models:/m-...), or a checkpoint URL (root "
+            "or step-N directory)."
+        ),
+    ),
+    overrides: Optional[List[str]] = OverridesArg,
+    nproc: int = typer.Option(1, "--nproc", help="Eval processes (torchrun); any number loads any checkpoint."),
+    hf: Optional[str] = typer.Option(
+        None, "--hf", help="Score this Hugging Face export (transformers + accelerate) instead."
+    ),
+    tasks: Optional[str] = typer.Option(
+        None, "--tasks", help="lm-eval-harness tasks (comma-separated), run on an HF export."
+    ),
+    limit: Optional[float] = typer.Option(None, "--limit", help="lm-eval: examples per task (or fraction)."),
+    config_dir: Optional[str] = ConfigDirOpt,
+    tracking_uri: Optional[str] = TrackingUriOpt,
+) -> None:
     """Score a checkpoint (loss, perplexity, bits/byte, samples)."""
     from llmctl.run import eval_and_export as ev
 
@@ -355,12 +464,19 @@ def eval_cmd(target: str = typer.Argument(..., help="MLflow run id (or a unique 
 
 
 @app.command("export")
-def export_cmd(target: str = typer.Argument(..., help="MLflow run id (or a unique prefix), a checkpoint's model URI (models:/m-...), or a checkpoint URL."),
-               fmt: str = typer.Option("hf", "--format", help="Output format: hf (transformers Llama: safetensors + config + tokenizer)."),
-               out: Optional[str] = typer.Option(None, "--out", help="Directory (default: llmctl-runs/<run>/export-hf)."),
-               step: Optional[int] = typer.Option(None, "--step", help="Checkpoint step (default: newest complete)."),
-               upload: bool = typer.Option(False, "--upload", help="Also copy the files into the run's artifacts (export/hf)."),
-               config_dir: Optional[str] = ConfigDirOpt, tracking_uri: Optional[str] = TrackingUriOpt) -> None:
+def export_cmd(
+    target: str = typer.Argument(
+        ..., help="MLflow run id (or a unique prefix), a checkpoint's model URI (models:/m-...), or a checkpoint URL."
+    ),
+    fmt: str = typer.Option(
+        "hf", "--format", help="Output format: hf (transformers Llama: safetensors + config + tokenizer)."
+    ),
+    out: Optional[str] = typer.Option(None, "--out", help="Directory (default: llmctl-runs/<run>/export-hf)."),
+    step: Optional[int] = typer.Option(None, "--step", help="Checkpoint step (default: newest complete)."),
+    upload: bool = typer.Option(False, "--upload", help="Also copy the files into the run's artifacts (export/hf)."),
+    config_dir: Optional[str] = ConfigDirOpt,
+    tracking_uri: Optional[str] = TrackingUriOpt,
+) -> None:
     """Export a checkpoint for transformers, lm-eval or vLLM."""
     from llmctl.run import eval_and_export as ev
 
@@ -375,7 +491,9 @@ def export_cmd(target: str = typer.Argument(..., help="MLflow run id (or a uniqu
         raise _fail(str(exc), EXIT_CONFIG) from None
     except LaunchError as exc:
         raise _fail(str(exc), EXIT_FAILED) from None
-    typer.echo(f"llmctl: exported step {got} to {out_dir}" + (f" (tag llmctl.export.hf on run {t.run_id})" if t.run_id else ""))
+    typer.echo(
+        f"llmctl: exported step {got} to {out_dir}" + (f" (tag llmctl.export.hf on run {t.run_id})" if t.run_id else "")
+    )
 
 
 @data_app.command("prepare")
@@ -396,10 +514,12 @@ def data_prepare(overrides: Optional[List[str]] = OverridesArg, config_dir: Opti
 
 
 @app.command()
-def smoke(overrides: Optional[List[str]] = OverridesArg,
-          min_loss_drop: float = typer.Option(0.5, "--min-loss-drop", help="Fail unless val/loss falls by this much (nats)."),
-          junit_xml: Optional[str] = typer.Option(None, "--junit-xml", help="Write the stages as JUnit XML here."),
-          tracking_uri: Optional[str] = typer.Option(None, "--tracking-uri", help="MLflow store (default as for launch).")) -> None:
+def smoke(
+    overrides: Optional[List[str]] = OverridesArg,
+    min_loss_drop: float = typer.Option(0.5, "--min-loss-drop", help="Fail unless val/loss falls by this much (nats)."),
+    junit_xml: Optional[str] = typer.Option(None, "--junit-xml", help="Write the stages as JUnit XML here."),
+    tracking_uri: Optional[str] = typer.Option(None, "--tracking-uri", help="MLflow store (default as for launch)."),
+) -> None:
     """CI gate: launch, resume, eval; fails if the loss does not fall."""
     from llmctl import smoke as smoke_mod
 

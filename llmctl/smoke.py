@@ -68,13 +68,25 @@ def _val_losses(run_id: str, uri: Optional[str]) -> tuple[list[float], Optional[
     return [m.value for m in history], (evals[-1].value if evals else None), run.data.tags
 
 
-def run_smoke(overrides: list[str], min_loss_drop: float, tracking_uri: Optional[str],
-              echo: Callable[[str], None]) -> SmokeResult:
+def run_smoke(
+    overrides: list[str], min_loss_drop: float, tracking_uri: Optional[str], echo: Callable[[str], None]
+) -> SmokeResult:
     """Run the stages in order; stop at the first that fails (later ones would only repeat it)."""
     result = SmokeResult()
     uri_args = [f"tracking.uri={tracking_uri}"] if tracking_uri else []
-    launch = _stage(result, "launch", ["launch", "experiment=smoke", f"train.steps={HALF_STEPS}",
-                                       f"checkpoint.every={HALF_STEPS}", *uri_args, *overrides], echo)
+    launch = _stage(
+        result,
+        "launch",
+        [
+            "launch",
+            "experiment=smoke",
+            f"train.steps={HALF_STEPS}",
+            f"checkpoint.every={HALF_STEPS}",
+            *uri_args,
+            *overrides,
+        ],
+        echo,
+    )
     match = RUN_ID.search(launch.output)
     result.run_id = match.group(1) if match else None
     if launch.failure or not result.run_id:
@@ -99,8 +111,10 @@ def run_smoke(overrides: list[str], min_loss_drop: float, tracking_uri: Optional
     result.first_val, result.final_val = vals[0], vals[-1]
     drop = vals[0] - vals[-1]
     if drop < min_loss_drop:
-        check.failure = (f"val/loss fell by {drop:.3f} ({vals[0]:.3f} -> {vals[-1]:.3f}), "
-                         f"less than --min-loss-drop {min_loss_drop}: training is broken or too weak")
+        check.failure = (
+            f"val/loss fell by {drop:.3f} ({vals[0]:.3f} -> {vals[-1]:.3f}), "
+            f"less than --min-loss-drop {min_loss_drop}: training is broken or too weak"
+        )
     elif eval_loss is None or abs(eval_loss - vals[-1]) > 1e-4:
         check.failure = f"eval/val_loss {eval_loss} differs from the run's final val/loss {vals[-1]:.6f}"
     elif tags.get("llmctl.attempt") != "2":
@@ -111,8 +125,13 @@ def run_smoke(overrides: list[str], min_loss_drop: float, tracking_uri: Optional
 def junit_xml(result: SmokeResult) -> str:
     """One <testcase> per stage, in the format CI systems read."""
     failures = sum(s.failure is not None for s in result.stages)
-    suite = ET.Element("testsuite", name="llmctl-smoke", tests=str(len(result.stages)), failures=str(failures),
-                       time=f"{sum(s.seconds for s in result.stages):.2f}")
+    suite = ET.Element(
+        "testsuite",
+        name="llmctl-smoke",
+        tests=str(len(result.stages)),
+        failures=str(failures),
+        time=f"{sum(s.seconds for s in result.stages):.2f}",
+    )
     for stage in result.stages:
         case = ET.SubElement(suite, "testcase", classname="llmctl.smoke", name=stage.name, time=f"{stage.seconds:.2f}")
         if stage.failure:
@@ -121,8 +140,10 @@ def junit_xml(result: SmokeResult) -> str:
 
 
 def summary(result: SmokeResult) -> str:
-    lines = [f"  {s.name:<11} {'ok' if s.failure is None else 'FAILED: ' + s.failure} ({s.seconds:.1f} s)"
-             for s in result.stages]
+    lines = [
+        f"  {s.name:<11} {'ok' if s.failure is None else 'FAILED: ' + s.failure} ({s.seconds:.1f} s)"
+        for s in result.stages
+    ]
     if result.first_val is not None and result.final_val is not None:
         lines.append(f"  val/loss    {result.first_val:.4f} -> {result.final_val:.4f}")
     verdict = "passed" if result.ok else "FAILED"

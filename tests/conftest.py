@@ -14,17 +14,29 @@ import pytest
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     # here, not in tests/sky/conftest.py: options must be known before collection starts
-    parser.addoption("--no-slurm", action="store_true", default=False,
-                     help="skip the test that brings up Slurm on localhost (needs root and apt packages)")
+    parser.addoption(
+        "--no-slurm",
+        action="store_true",
+        default=False,
+        help="skip the test that brings up Slurm on localhost (needs root and apt packages)",
+    )
 
 
 # Test files that take minutes, longest first (CI's durations). With addopts' `--dist loadfile
 # --no-loadscope-reorder` the xdist workers take files in this collection order, so these start first
 # and the many short files fill in around them; xdist's own reorder (most tests first) left the
 # Slurm file, with 3 tests and 15 minutes, for last.
-LONGEST_FIRST = ("tests/test_docs.py", "tests/sky/test_slurm_launch.py", "tests/test_sweep_search_e2e.py",
-                 "tests/test_lifecycle.py", "tests/test_resume.py", "tests/test_sweep_e2e.py",
-                 "tests/test_eval_e2e.py", "tests/test_runs_local.py", "tests/test_schedule_extend.py")
+LONGEST_FIRST = (
+    "tests/test_docs.py",
+    "tests/sky/test_slurm_launch.py",
+    "tests/test_sweep_search_e2e.py",
+    "tests/test_lifecycle.py",
+    "tests/test_resume.py",
+    "tests/test_sweep_e2e.py",
+    "tests/test_eval_e2e.py",
+    "tests/test_runs_local.py",
+    "tests/test_schedule_extend.py",
+)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -58,12 +70,14 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture()
 def cli_env(cache_dir: Path, tmp_path: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "LLMCTL_"))}
-    env.update({
-        "LLMCTL_CACHE_DIR": str(cache_dir),
-        "PYTHONUNBUFFERED": "1",
-        "HOME": str(tmp_path / "home"),
-        "SKYPILOT_DISABLE_USAGE_COLLECTION": "1",
-        "DO_NOT_TRACK": "1",
-    })
+    env.update(
+        {
+            "LLMCTL_CACHE_DIR": str(cache_dir),
+            "PYTHONUNBUFFERED": "1",
+            "HOME": str(tmp_path / "home"),
+            "SKYPILOT_DISABLE_USAGE_COLLECTION": "1",
+            "DO_NOT_TRACK": "1",
+        }
+    )
     (tmp_path / "home").mkdir(exist_ok=True)
     return env

@@ -23,18 +23,30 @@ from llmctl.run.lifecycle import RULES, Outcome
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_cli(args: list[str], cwd: Path, env: dict[str, str], timeout: float = 600,
-            **kwargs: Any) -> subprocess.CompletedProcess[str]:
+def run_cli(
+    args: list[str], cwd: Path, env: dict[str, str], timeout: float = 600, **kwargs: Any
+) -> subprocess.CompletedProcess[str]:
     """The real CLI in a subprocess, exactly as a user runs it."""
-    return subprocess.run([sys.executable, "-m", "llmctl", *args], cwd=cwd, env=env, text=True,
-                          capture_output=True, timeout=timeout, **kwargs)
+    return subprocess.run(
+        [sys.executable, "-m", "llmctl", *args],
+        cwd=cwd,
+        env=env,
+        text=True,
+        capture_output=True,
+        timeout=timeout,
+        **kwargs,
+    )
 
 
 def pip_target(target: Path, *requirements: str) -> subprocess.CompletedProcess[str]:
     """``pip install --no-deps --target``: packages the venv must not hold (pins that clash with it,
     or heavy dependency trees a test does not import), for a test to put first on ``sys.path``."""
-    return subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target),
-                           *requirements], capture_output=True, text=True, timeout=900)
+    return subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), *requirements],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
 
 
 def free_port() -> int:
@@ -44,19 +56,36 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def mlflow_server(root: Path, *extra: str, env: Optional[Mapping[str, str]] = None,
-                  startup_s: float = 300) -> Iterator[str]:
+def mlflow_server(
+    root: Path, *extra: str, env: Optional[Mapping[str, str]] = None, startup_s: float = 300
+) -> Iterator[str]:
     """A real ``mlflow server`` on 127.0.0.1 (sqlite store and proxied artifacts under ``root``), healthy
     before it is yielded. Its whole process group is killed afterwards: uvicorn and MLflow's job
     consumers outlive the ``mlflow`` process on SIGTERM and would pile up over a test session."""
     port = free_port()
-    log = open(root / "server.log", "wb")
-    proc = subprocess.Popen([str(Path(sys.executable).with_name("mlflow")), "server", *extra, "--host", "127.0.0.1",
-                             "--port", str(port), "--workers", "1",
-                             "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
-                             "--artifacts-destination", str(root / "artifacts")],
-                            cwd=root, env=dict(env) if env is not None else None, stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    log = open(root / "server.log", "wb")  # noqa: SIM115 - the server's stdout, for its lifetime
+    proc = subprocess.Popen(
+        [
+            str(Path(sys.executable).with_name("mlflow")),
+            "server",
+            *extra,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--workers",
+            "1",
+            "--backend-store-uri",
+            f"sqlite:///{root / 'mlflow.db'}",
+            "--artifacts-destination",
+            str(root / "artifacts"),
+        ],
+        cwd=root,
+        env=dict(env) if env is not None else None,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     uri = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + startup_s  # generous for a loaded machine; not a timing assertion
@@ -67,7 +96,8 @@ def mlflow_server(root: Path, *extra: str, env: Optional[Mapping[str, str]] = No
                         break
             except OSError:
                 if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"mlflow server did not start: {(root / 'server.log').read_text()[-3000:]}")
+                    log_tail = (root / "server.log").read_text()[-3000:]
+                    raise RuntimeError(f"mlflow server did not start: {log_tail}") from None
                 time.sleep(0.5)
         yield uri
     finally:
@@ -88,7 +118,7 @@ def mlflow_runs(tracking_uri: str) -> list[Any]:
     return client.search_runs([e.experiment_id for e in exps]) if exps else []
 
 
-# ----------------------------------------------------------------------------- the outcome table (llmctl/run/lifecycle.py)
+# ----------------------------------------------------------------- the outcome table (llmctl/run/lifecycle.py)
 
 STATUS_PREFIX = {
     Outcome.FINISHED: "finished",

@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from helpers import run_cli
 
 # (override, text the message must contain: the key, and the fix or the options)
@@ -36,8 +35,9 @@ BAD = [
 
 
 @pytest.mark.parametrize("override,needles", BAD, ids=[b[0] for b in BAD])
-def test_bad_override_is_refused_clearly(override: str, needles: list[str], cli_env: dict[str, str],
-                                         tmp_path: Path) -> None:
+def test_bad_override_is_refused_clearly(
+    override: str, needles: list[str], cli_env: dict[str, str], tmp_path: Path
+) -> None:
     out = run_cli(["launch", "model=tiny", override], tmp_path, cli_env)
     assert out.returncode == 3, (out.stdout, out.stderr)
     assert "Traceback" not in out.stderr + out.stdout

@@ -23,7 +23,7 @@ def _modules_loaded_by(argv: list[str]) -> list[str]:
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     line = [ln for ln in out.stdout.splitlines() if ln.startswith("LOADED:")][-1]
-    return [m for m in line[len("LOADED:"):].split(",") if m]
+    return [m for m in line[len("LOADED:") :].split(",") if m]
 
 
 def test_help_and_version_import_no_heavy_modules() -> None:
@@ -87,8 +87,21 @@ def test_help_lists_every_command_on_one_untruncated_line(cli_env: dict[str, str
     out = run_cli(["--help"], tmp_path, cli_env)
     lines = [ln for ln in out.stdout.split("Commands:")[1].splitlines() if ln.strip()]
     names = [line.split()[0] for line in lines]
-    for command in ("plan", "launch", "resume", "status", "logs", "down", "runs", "cost", "eval", "export",
-                    "smoke", "config", "data"):
+    for command in (
+        "plan",
+        "launch",
+        "resume",
+        "status",
+        "logs",
+        "down",
+        "runs",
+        "cost",
+        "eval",
+        "export",
+        "smoke",
+        "config",
+        "data",
+    ):
         assert command in names, command
     for line in lines:
         assert line.startswith("  ") and not line.startswith("   ") and not line.rstrip().endswith("..."), line

@@ -10,21 +10,38 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from helpers import mlflow_client, mlflow_runs
 
 pytestmark = pytest.mark.slow
 N, STEPS = 8, 3
 
 
-def test_eight_launches_at_once_on_a_fresh_store_all_finish_with_every_point(cli_env: dict[str, str],
-                                                                              tmp_path: Path) -> None:
+def test_eight_launches_at_once_on_a_fresh_store_all_finish_with_every_point(
+    cli_env: dict[str, str], tmp_path: Path
+) -> None:
     assert not (tmp_path / "mlflow.db").exists()
-    procs = [subprocess.Popen([sys.executable, "-m", "llmctl", "launch", "experiment=smoke", f"train.steps={STEPS}",
-                               "train.log_every=1", "train.val_every=0", f"train.seed={i}",
-                               f"tracking.run_name=concurrent-{i}"],
-                              cwd=tmp_path, env=cli_env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-             for i in range(N)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "llmctl",
+                "launch",
+                "experiment=smoke",
+                f"train.steps={STEPS}",
+                "train.log_every=1",
+                "train.val_every=0",
+                f"train.seed={i}",
+                f"tracking.run_name=concurrent-{i}",
+            ],
+            cwd=tmp_path,
+            env=cli_env,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for i in range(N)
+    ]
     outs = [p.communicate(timeout=900)[0] for p in procs]
     for p, out in zip(procs, outs):
         assert p.returncode == 0, out[-3000:]

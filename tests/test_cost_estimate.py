@@ -20,9 +20,21 @@ from workloads.pretrain.contract.shape import flops_per_token, num_params
 ROOT = Path(__file__).resolve().parents[1]
 REMOTE_URI = "http://mlflow.example:5000"
 # dim 512, 8 layers, 8 heads (head dim 64), vocab 32000, FFN round_up(int(2*4*512/3)=1365, 256) = 1536
-SHAPE = ["model.dim=512", "model.n_layers=8", "model.n_heads=8", "model.n_kv_heads=8", "model.vocab_size=32000",
-         "model.multiple_of=256", "model.tie_embeddings=false", "train.seq_len=1024", "train.batch_size=64",
-         "train.steps=1000", "train.val_every=250", "train.val_batches=4", "train.dtype=bf16"]
+SHAPE = [
+    "model.dim=512",
+    "model.n_layers=8",
+    "model.n_heads=8",
+    "model.n_kv_heads=8",
+    "model.vocab_size=32000",
+    "model.multiple_of=256",
+    "model.tie_embeddings=false",
+    "train.seq_len=1024",
+    "train.batch_size=64",
+    "train.steps=1000",
+    "train.val_every=250",
+    "train.val_batches=4",
+    "train.dtype=bf16",
+]
 N_SHAPE = 8 * (4 * 512 * 512 + 3 * 512 * 1536 + 2 * 512) + 512 + 32000 * 512  # layers + final norm + LM head
 FPT_SHAPE = 6 * N_SHAPE + 12 * 8 * 8 * 64 * 1024
 TOKENS = 1000 * 64 * 1024
@@ -32,14 +44,17 @@ VAL_PASSES = 1 + 1000 // 250  # step 0, then 250, 500, 750, 1000
 # ----------------------------------------------------------------------------- parameter count
 
 
-@pytest.mark.parametrize("overrides", [
-    ["model=tiny"],  # GQA 4/2
-    ["model=smoke"],
-    ["model=125m"],  # tied embeddings
-    ["model=1b"],  # tied + GQA 32/8 + ffn_dim_multiplier
-    ["model=8b"],  # untied + GQA + multiplier
-    ["model=smoke", "model.tie_embeddings=true", "model.n_kv_heads=1", "model.ffn_dim_multiplier=1.3"],
-])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["model=tiny"],  # GQA 4/2
+        ["model=smoke"],
+        ["model=125m"],  # tied embeddings
+        ["model=1b"],  # tied + GQA 32/8 + ffn_dim_multiplier
+        ["model=8b"],  # untied + GQA + multiplier
+        ["model=smoke", "model.tie_embeddings=true", "model.n_kv_heads=1", "model.ffn_dim_multiplier=1.3"],
+    ],
+)
 def test_param_count_equals_the_workload_model(overrides: list[str]) -> None:
     import torch
 
@@ -115,8 +130,9 @@ def test_lambda_one_node(catalog_home: Path) -> None:
 
 
 def test_slurm_priced_per_gpu_hour(catalog_home: Path) -> None:
-    est = _sky_plan(["infra=slurm", "infra.accelerators=H100:8", "infra.nodes=2",
-                     "infra.price_per_gpu_hour=2.5"]).estimate
+    est = _sky_plan(
+        ["infra=slurm", "infra.accelerators=H100:8", "infra.nodes=2", "infra.price_per_gpu_hour=2.5"]
+    ).estimate
     wall_h = _h100_wall_s(16) / 3600
     assert est.offers == []  # no catalog for Slurm
     assert est.price.usd_per_hour == pytest.approx(2.5 * 16)
@@ -126,8 +142,9 @@ def test_slurm_priced_per_gpu_hour(catalog_home: Path) -> None:
 
 
 def test_local_cpu_prior(tmp_path: Path) -> None:
-    plan = make_plan(compose(["experiment=smoke", "infra.price_per_gpu_hour=1.8",
-                              f"tracking.uri=sqlite:///{tmp_path / 'none.db'}"]))
+    plan = make_plan(
+        compose(["experiment=smoke", "infra.price_per_gpu_hour=1.8", f"tracking.uri=sqlite:///{tmp_path / 'none.db'}"])
+    )
     est = plan.estimate
     if est.hw.gpus_per_node:
         pytest.skip("this machine has GPUs")
@@ -144,9 +161,21 @@ def test_local_cpu_prior(tmp_path: Path) -> None:
 # ----------------------------------------------------------------------------- calibration from MLflow
 
 
-def _finished_run(mc: Any, exp: str, *, shape: str, accelerator: str, tok_s: float, overhead: float,
-                  val_pass: float, status: str = "FINISHED", batch: int = 8, nodes: int = 1,
-                  flops: Any = None, as_metrics: bool = False) -> str:
+def _finished_run(
+    mc: Any,
+    exp: str,
+    *,
+    shape: str,
+    accelerator: str,
+    tok_s: float,
+    overhead: float,
+    val_pass: float,
+    status: str = "FINISHED",
+    batch: int = 8,
+    nodes: int = 1,
+    flops: Any = None,
+    as_metrics: bool = False,
+) -> str:
     """A run as ``hooks.close`` leaves it: the figures as tags (``as_metrics``: as runs logged them before)."""
     from mlflow.entities import Metric, Param
 
@@ -158,9 +187,16 @@ def _finished_run(mc: Any, exp: str, *, shape: str, accelerator: str, tok_s: flo
         tags.update({k: repr(v) for k, v in figures.items()})
     run = mc.create_run(exp, tags=tags)
     rid = run.info.run_id
-    mc.log_batch(rid, metrics=[Metric(k, v, 0, 0) for k, v in figures.items()] if as_metrics else [],
-                 params=[Param("infra.nodes", str(nodes)), Param("train.batch_size", str(batch)),
-                         Param("train.val_batches", "4"), Param("train.steps", "40")])
+    mc.log_batch(
+        rid,
+        metrics=[Metric(k, v, 0, 0) for k, v in figures.items()] if as_metrics else [],
+        params=[
+            Param("infra.nodes", str(nodes)),
+            Param("train.batch_size", str(batch)),
+            Param("train.val_batches", "4"),
+            Param("train.steps", "40"),
+        ],
+    )
     if status != "RUNNING":
         mc.set_terminated(rid, status=status)
     return rid
@@ -174,12 +210,22 @@ def test_calibration_picks_same_shape_and_accelerator(tmp_path: Path) -> None:
     shape, acc = shape_key(plan.cfg), plan.hardware.accelerator
     mc = MlflowClient(uri)
     exp = mc.create_experiment("calib")
-    good = _finished_run(mc, exp, shape=shape, accelerator=acc, tok_s=1000.0, overhead=5.0, val_pass=0.5,
-                         as_metrics=True)  # a run from before the figures were tags is still read
+    good = _finished_run(
+        mc, exp, shape=shape, accelerator=acc, tok_s=1000.0, overhead=5.0, val_pass=0.5, as_metrics=True
+    )  # a run from before the figures were tags is still read
     other = compose(["experiment=smoke", "model.dim=128"]).cfg
-    _finished_run(mc, exp, shape=shape_key({**other, "parallel": plan.cfg["parallel"]}), accelerator=acc,
-                  tok_s=9e9, overhead=0.0, val_pass=0.0)  # another shape
-    _finished_run(mc, exp, shape=shape, accelerator="H100:8", tok_s=9e9, overhead=0.0, val_pass=0.0)  # another accelerator
+    _finished_run(
+        mc,
+        exp,
+        shape=shape_key({**other, "parallel": plan.cfg["parallel"]}),
+        accelerator=acc,
+        tok_s=9e9,
+        overhead=0.0,
+        val_pass=0.0,
+    )  # another shape
+    _finished_run(
+        mc, exp, shape=shape, accelerator="H100:8", tok_s=9e9, overhead=0.0, val_pass=0.0
+    )  # another accelerator
     _finished_run(mc, exp, shape=shape, accelerator=acc, tok_s=9e9, overhead=0.0, val_pass=0.0, status="RUNNING")
     _finished_run(mc, exp, shape=shape, accelerator=acc, tok_s=9e9, overhead=0.0, val_pass=0.0, status="FAILED")
 
@@ -204,14 +250,32 @@ def test_new_shape_transfers_flops_per_second_of_another_shape(tmp_path: Path) -
     exp = mc.create_experiment("calib")
     small = compose(["experiment=smoke"]).cfg
     small_shape, small_fpt = shape_key(small), flops_per_token(small["model"], 64)
-    near = _finished_run(mc, exp, shape=small_shape, accelerator=acc, tok_s=1000.0, overhead=5.0, val_pass=0.5,
-                         flops=small_fpt)
-    _finished_run(mc, exp, shape=small_shape.replace("-T64-", "-T8-"), accelerator=acc, tok_s=9e9, overhead=0.0,
-                  val_pass=0.0, flops=small_fpt / 50)  # same regime, much further in FLOPs/token
-    _finished_run(mc, exp, shape=small_shape.replace("-fp32-", "-bf16-"), accelerator=acc, tok_s=9e9, overhead=0.0,
-                  val_pass=0.0, flops=small_fpt)  # another dtype: another regime
-    _finished_run(mc, exp, shape=small_shape, accelerator="H100:8", tok_s=9e9, overhead=0.0, val_pass=0.0,
-                  flops=small_fpt)  # another accelerator
+    near = _finished_run(
+        mc, exp, shape=small_shape, accelerator=acc, tok_s=1000.0, overhead=5.0, val_pass=0.5, flops=small_fpt
+    )
+    _finished_run(
+        mc,
+        exp,
+        shape=small_shape.replace("-T64-", "-T8-"),
+        accelerator=acc,
+        tok_s=9e9,
+        overhead=0.0,
+        val_pass=0.0,
+        flops=small_fpt / 50,
+    )  # same regime, much further in FLOPs/token
+    _finished_run(
+        mc,
+        exp,
+        shape=small_shape.replace("-fp32-", "-bf16-"),
+        accelerator=acc,
+        tok_s=9e9,
+        overhead=0.0,
+        val_pass=0.0,
+        flops=small_fpt,
+    )  # another dtype: another regime
+    _finished_run(
+        mc, exp, shape=small_shape, accelerator="H100:8", tok_s=9e9, overhead=0.0, val_pass=0.0, flops=small_fpt
+    )  # another accelerator
     _finished_run(mc, exp, shape=small_shape, accelerator=acc, tok_s=9e9, overhead=0.0, val_pass=0.0)  # no FLOPs tag
 
     est = for_plan(plan)
@@ -233,9 +297,12 @@ def test_calibration_metrics_from_a_run(tmp_path: Path) -> None:
     mc = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     rid = mc.create_run(mc.create_experiment("c")).info.run_id
     speeds = [(10, 100.0), (20, 400.0), (30, 200.0)]  # first interval (warm-up) is left out
-    mc.log_batch(rid, metrics=[Metric("perf/tokens_per_s", v, 0, s) for s, v in speeds]
-                 + [Metric("train/loss", 1.0, 0, s) for s, _ in speeds]
-                 + [Metric("time/val_s", v, 0, s) for s, v in ((0, 2.0), (30, 3.0))])
+    mc.log_batch(
+        rid,
+        metrics=[Metric("perf/tokens_per_s", v, 0, s) for s, v in speeds]
+        + [Metric("train/loss", 1.0, 0, s) for s, _ in speeds]
+        + [Metric("time/val_s", v, 0, s) for s, v in ((0, 2.0), (30, 3.0))],
+    )
     cfg = {"train": {"batch_size": 4, "seq_len": 10}}
     cal = history.calibration(mc, rid, cfg, wall_s=100.0)
     steady = 20 / (10 / 400 + 10 / 200)  # tokens over time of steps 11-30

@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from helpers import run_cli
+
 from llmctl.cost import ledger
 
 H = 3600.0
@@ -24,15 +24,33 @@ def _store(tmp_path: Path) -> tuple[str, Any, str]:
     return uri, mc, mc.create_experiment("pretrain")
 
 
-def _run(mc: Any, exp: str, *, infra: str, accelerator: str, attempts: list[tuple[float, float, float, int, int]],
-         steps: int, estimate: float, start_ms: int | None = None) -> str:
+def _run(
+    mc: Any,
+    exp: str,
+    *,
+    infra: str,
+    accelerator: str,
+    attempts: list[tuple[float, float, float, int, int]],
+    steps: int,
+    estimate: float,
+    start_ms: int | None = None,
+) -> str:
     """A run as launch leaves it: params, tags, one train/loss point at its last step, ledger attempts."""
     from mlflow.entities import Metric, Param
 
-    rid = mc.create_run(exp, start_time=start_ms, tags={"llmctl.infra": infra, "llmctl.accelerator": accelerator}).info.run_id
-    mc.log_batch(rid, params=[Param("train.batch_size", "64"), Param("train.seq_len", "1000"),
-                              Param("train.steps", str(steps)), Param("infra.nodes", "1")],
-                 metrics=[Metric("train/loss", 2.0, 0, steps), Metric("cost/estimate_usd", estimate, 0, 0)])
+    rid = mc.create_run(
+        exp, start_time=start_ms, tags={"llmctl.infra": infra, "llmctl.accelerator": accelerator}
+    ).info.run_id
+    mc.log_batch(
+        rid,
+        params=[
+            Param("train.batch_size", "64"),
+            Param("train.seq_len", "1000"),
+            Param("train.steps", str(steps)),
+            Param("infra.nodes", "1"),
+        ],
+        metrics=[Metric("train/loss", 2.0, 0, steps), Metric("cost/estimate_usd", estimate, 0, 0)],
+    )
     for start, end, price, nodes, devices in attempts:
         n = ledger.open_attempt(mc, rid, usd_per_hour=price, nodes=nodes, devices=devices, start=start)
         ledger.close_attempt(mc, rid, n, end)
@@ -44,8 +62,15 @@ def test_ledger_sums_two_attempts(tmp_path: Path) -> None:
     _, mc, exp = _store(tmp_path)
     t0 = 1_790_000_000.0
     # attempt 1: 1 node of 8 GPUs at $32/h for 2 h, preempted; attempt 2 (recovery): 2 nodes at $64/h for 30 min
-    rid = _run(mc, exp, infra="aws", accelerator="H100:8", steps=1000, estimate=100.0,
-               attempts=[(t0, t0 + 2 * H, 32.0, 1, 8), (t0 + 2 * H + 600, t0 + 2.5 * H + 600, 64.0, 2, 16)])
+    rid = _run(
+        mc,
+        exp,
+        infra="aws",
+        accelerator="H100:8",
+        steps=1000,
+        estimate=100.0,
+        attempts=[(t0, t0 + 2 * H, 32.0, 1, 8), (t0 + 2 * H + 600, t0 + 2.5 * H + 600, 64.0, 2, 16)],
+    )
     led = ledger.update(mc, rid)
     assert [a.n for a in led.attempts] == [1, 2]
     assert led.actual_usd == pytest.approx(2 * 32 + 0.5 * 64)  # the 10 min between attempts is not billed
@@ -68,14 +93,43 @@ def test_reports_from_mlflow(cli_env: dict[str, str], tmp_path: Path) -> None:
     uri, mc, exp = _store(tmp_path)
     now = time.time()
     old_ms = int((now - 30 * 86400) * 1000)
-    _run(mc, exp, infra="aws", accelerator="H100:8", steps=100, estimate=30.0,
-         attempts=[(now - 2 * H, now - H, 32.0, 1, 8)])
-    _run(mc, exp, infra="lambda", accelerator="H100:8", steps=100, estimate=10.0,
-         attempts=[(now - 3 * H, now - 2.5 * H, 24.0, 1, 8), (now - 2 * H, now - 1.5 * H, 24.0, 1, 8)])
-    _run(mc, exp, infra="aws", accelerator="A100:8", steps=100, estimate=5.0, start_ms=old_ms,
-         attempts=[(now - 30 * 86400, now - 30 * 86400 + H, 20.0, 1, 8)])
-    _run(mc, exp, infra="slurm", accelerator="H100:8", steps=100, estimate=0.0,  # unpriced: not a $0 run
-         attempts=[(now - H, now - 0.5 * H, None, 1, 8)])
+    _run(
+        mc,
+        exp,
+        infra="aws",
+        accelerator="H100:8",
+        steps=100,
+        estimate=30.0,
+        attempts=[(now - 2 * H, now - H, 32.0, 1, 8)],
+    )
+    _run(
+        mc,
+        exp,
+        infra="lambda",
+        accelerator="H100:8",
+        steps=100,
+        estimate=10.0,
+        attempts=[(now - 3 * H, now - 2.5 * H, 24.0, 1, 8), (now - 2 * H, now - 1.5 * H, 24.0, 1, 8)],
+    )
+    _run(
+        mc,
+        exp,
+        infra="aws",
+        accelerator="A100:8",
+        steps=100,
+        estimate=5.0,
+        start_ms=old_ms,
+        attempts=[(now - 30 * 86400, now - 30 * 86400 + H, 20.0, 1, 8)],
+    )
+    _run(
+        mc,
+        exp,
+        infra="slurm",
+        accelerator="H100:8",
+        steps=100,
+        estimate=0.0,  # unpriced: not a $0 run
+        attempts=[(now - H, now - 0.5 * H, None, 1, 8)],
+    )
     env = {**cli_env, "MLFLOW_TRACKING_URI": uri}
 
     out = run_cli(["cost", "--by", "infra", "--since", "7d", "--json"], tmp_path, env)

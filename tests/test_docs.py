@@ -28,17 +28,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-
 from helpers import ROOT
 
 sys.path.insert(0, str(ROOT / "tests" / "sky"))
-from sky_helpers import install_catalog  # noqa: E402
+from sky_helpers import install_catalog
 
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```\n?", re.S | re.M)
 EXIT = re.compile(r"#\s*exit\s+(\d+)\s*$")
 PLACEHOLDER = re.compile(r"<[a-z][a-z0-9-]*>")
-NOT_RUN = re.compile(r"^(pip|python3? -m (venv|pip)|\. \S*activate|source |mlflow ui|sky |git clone|cd |python3? benchmarks/)")
+NOT_RUN = re.compile(
+    r"^(pip|python3? -m (venv|pip)|\. \S*activate|source |mlflow ui|sky |git clone|cd |python3? benchmarks/)"
+)
 REMOTE_INFRA = re.compile(r"^infra=(?!local$)")
 
 
@@ -68,12 +69,12 @@ def steps(doc: Path) -> list[Step]:
                 continue
             code = EXIT.search(line)
             if "&&" in line and "llmctl " in line:  # an install chain ending in the llmctl command
-                line = line[line.rindex("&&") + 2:].strip()
+                line = line[line.rindex("&&") + 2 :].strip()
             if NOT_RUN.match(line):
                 continue
             lines.append(Step(line, int(code.group(1)) if code else 0, ""))
         nxt = blocks[i + 1] if i + 1 < len(blocks) else None
-        if lines and nxt is not None and nxt.group(1) == "text" and not text[block.end():nxt.start()].strip():
+        if lines and nxt is not None and nxt.group(1) == "text" and not text[block.end() : nxt.start()].strip():
             lines[-1].expect_output = _norm(nxt.group(2))
         out += lines
     return out
@@ -96,8 +97,15 @@ def _newest(workdir: Path, sweep: bool) -> str | None:
 
 
 def _run(args: list[str], workdir: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "llmctl", *args], cwd=workdir, env=env, text=True,
-                          capture_output=True, timeout=600, stdin=subprocess.DEVNULL)
+    return subprocess.run(
+        [sys.executable, "-m", "llmctl", *args],
+        cwd=workdir,
+        env=env,
+        text=True,
+        capture_output=True,
+        timeout=600,
+        stdin=subprocess.DEVNULL,
+    )
 
 
 def _resolve(line: str, workdir: Path, env: dict[str, str]) -> str:
@@ -136,23 +144,30 @@ def test_doc_commands_run(doc: Path, tmp_path: Path, cli_env: dict[str, str]) ->
     workdir = tmp_path / "session"
     workdir.mkdir()
     install_catalog(Path(cli_env["HOME"]))
-    env = {**cli_env, "AWS_EC2_METADATA_DISABLED": "true", "COLUMNS": "200",
-           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{cli_env.get('PATH', '')}"}
+    env = {
+        **cli_env,
+        "AWS_EC2_METADATA_DISABLED": "true",
+        "COLUMNS": "200",
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{cli_env.get('PATH', '')}",
+    }
     for step in todo:
         line = _resolve(step.line, workdir, env)
         print(f"$ {line}")
         if line.startswith("llmctl "):
             out = _run(_llmctl_args(line), workdir, env)
         else:
-            out = subprocess.run(["bash", "-c", line.split(" # ")[0]], cwd=workdir, env=env, text=True,
-                                 capture_output=True, timeout=300)
+            out = subprocess.run(
+                ["bash", "-c", line.split(" # ")[0]], cwd=workdir, env=env, text=True, capture_output=True, timeout=300
+            )
         shown = out.stdout + out.stderr
         assert out.returncode == step.expected_exit, (
-            f"{doc.name}: `{step.line}` exited {out.returncode}, expected {step.expected_exit}\n{shown[-4000:]}")
+            f"{doc.name}: `{step.line}` exited {out.returncode}, expected {step.expected_exit}\n{shown[-4000:]}"
+        )
         if step.expect_output:
             assert step.expect_output in _norm(shown), (
                 f"{doc.name}: `{step.line}` no longer prints what the doc shows:\n"
-                f"expected: {step.expect_output}\ngot: {shown[-3000:]}")
+                f"expected: {step.expect_output}\ngot: {shown[-3000:]}"
+            )
 
 
 def test_config_reference_covers_every_key_and_option() -> None:
@@ -184,11 +199,15 @@ def test_ci_workflow_is_valid_and_runs_smoke() -> None:
 
 def test_steps_parser_reads_the_conventions(tmp_path: Path) -> None:
     doc = tmp_path / "x.md"
-    doc.write_text("```bash\npip install -e . && llmctl plan  # comment\nllmctl plan train.lr=abc   # exit 3\n"
-                   "```\n\n```text\nBad value  for 'train.lr'\n```\n")
+    doc.write_text(
+        "```bash\npip install -e . && llmctl plan  # comment\nllmctl plan train.lr=abc   # exit 3\n"
+        "```\n\n```text\nBad value  for 'train.lr'\n```\n"
+    )
     got = steps(doc)
-    assert [(s.line, s.expected_exit) for s in got] == [("llmctl plan  # comment", 0),
-                                                       ("llmctl plan train.lr=abc   # exit 3", 3)]
+    assert [(s.line, s.expected_exit) for s in got] == [
+        ("llmctl plan  # comment", 0),
+        ("llmctl plan train.lr=abc   # exit 3", 3),
+    ]
     assert got[1].expect_output == "Bad value for 'train.lr'"
     assert _llmctl_args("llmctl launch infra=aws train.steps=5  # x") == ["plan", "infra=aws", "train.steps=5"]
     assert _llmctl_args("llmctl launch infra=local") == ["launch", "infra=local"]

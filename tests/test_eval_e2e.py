@@ -7,13 +7,18 @@ import os
 from pathlib import Path
 
 import pytest
-
 from helpers import mlflow_runs, run_cli
 
 pytestmark = pytest.mark.slow
 
-TRAIN = ["experiment=smoke", "train.steps=10", "train.val_every=5", "train.log_every=5", "train.val_batches=2",
-         "checkpoint.every=3"]  # saved at 3, 6, 9, 10; checkpoint.keep=2 leaves 9 and 10
+TRAIN = [
+    "experiment=smoke",
+    "train.steps=10",
+    "train.val_every=5",
+    "train.log_every=5",
+    "train.val_batches=2",
+    "checkpoint.every=3",
+]  # saved at 3, 6, 9, 10; checkpoint.keep=2 leaves 9 and 10
 FEW_TOKENS = ["eval.max_new_tokens=6", "eval.prompts=[The,'def ']"]
 
 
@@ -81,8 +86,13 @@ def test_export_loads_in_transformers_and_accelerate_eval_matches(trained) -> No
 
     tags = MlflowClient(tracking_uri=uri).get_run(run_id).data.tags
     assert tags["llmctl.export.hf"] == str(cwd / "hf") and tags["llmctl.export.hf_step"] == "10"
-    for name in ("model.safetensors", "config.json", "generation_config.json", "tokenizer.json",
-                 "tokenizer_config.json"):
+    for name in (
+        "model.safetensors",
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ):
         assert (cwd / "hf" / name).is_file(), name
     info = json.loads((cwd / "hf" / "llmctl_export.json").read_text())
     assert (info["run_id"], info["step"]) == (run_id, 10)  # provenance, written inside the atomic directory

@@ -6,7 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from helpers import run_cli
 
 
@@ -19,8 +18,10 @@ def test_fp8_without_a_local_gpu_is_refused(command: str, cli_env: dict[str, str
     out = run_cli([command, "model=tiny", "train.dtype=bf16", "train.fp8=rowwise"], tmp_path, cli_env)
     assert out.returncode == 3, (out.stdout[-2000:], out.stderr)
     message = out.stderr.strip()
-    assert message == ("error: train.fp8=rowwise needs an FP8 GPU (compute capability >= 8.9: H100, H200, B200, "
-                       "L40S, L4...); this run targets CPU (no CUDA device). Fix: train.fp8=none"), message
+    assert message == (
+        "error: train.fp8=rowwise needs an FP8 GPU (compute capability >= 8.9: H100, H200, B200, "
+        "L40S, L4...); this run targets CPU (no CUDA device). Fix: train.fp8=none"
+    ), message
     assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "mlruns").exists()
     assert not (tmp_path / "llmctl-runs").exists()
 

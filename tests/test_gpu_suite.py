@@ -14,8 +14,13 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _pytest(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-n", "0", "tests/gpu", *args],
-                          cwd=REPO, text=True, capture_output=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-n", "0", "tests/gpu", *args],
+        cwd=REPO,
+        text=True,
+        capture_output=True,
+        timeout=300,
+    )
 
 
 def test_default_run_deselects_the_gpu_suite() -> None:

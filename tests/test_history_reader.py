@@ -14,10 +14,9 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
-
 from helpers import mlflow_server
-from llmctl.cost import history
 
+from llmctl.cost import history
 
 SHAPE, ACC = "d64-L2-H4-KV4-V512-F256-tie0-T64-fp32-fused-tp1-acnone", "cpu"
 ADMIN, PASSWORD = "admin", "llmctl-test-pw-1"
@@ -30,18 +29,35 @@ def _populate(mc: Any) -> None:
     step order (the latest is the highest step), a NaN."""
     from mlflow.entities import Metric, Param
 
-    def run(exp: str, start: int, shape: str = SHAPE, acc: str = ACC, status: str = "FINISHED",
-            steady: float = 1000.0, nodes: int = 1) -> str:
-        tags = {history.TAG_SHAPE: shape, history.TAG_ACCELERATOR: acc, history.TAG_FLOPS: str(start * 7),
-                "other.tag": "x"}
+    def run(
+        exp: str,
+        start: int,
+        shape: str = SHAPE,
+        acc: str = ACC,
+        status: str = "FINISHED",
+        steady: float = 1000.0,
+        nodes: int = 1,
+    ) -> str:
+        tags = {
+            history.TAG_SHAPE: shape,
+            history.TAG_ACCELERATOR: acc,
+            history.TAG_FLOPS: str(start * 7),
+            "other.tag": "x",
+        }
         if (start // 1000) % 2:  # some runs: the figures as tags (over the metrics older runs logged)
             tags.update({history.STEADY: repr(steady * 2), history.WALL: "12.5"})
         r = mc.create_run(exp, start_time=start, tags=tags)
         rid = r.info.run_id
-        mc.log_batch(rid, metrics=[Metric(history.STEADY, steady, 5, 2), Metric(history.STEADY, -1.0, 9, 1),
-                                   Metric(history.OVERHEAD, steady / 100, 5, 0),
-                                   Metric("train/steps_done", float(start % 97), 5, 0)],
-                     params=[Param("infra.nodes", str(nodes)), Param("train.batch_size", str(8 + start % 3))])
+        mc.log_batch(
+            rid,
+            metrics=[
+                Metric(history.STEADY, steady, 5, 2),
+                Metric(history.STEADY, -1.0, 9, 1),
+                Metric(history.OVERHEAD, steady / 100, 5, 0),
+                Metric("train/steps_done", float(start % 97), 5, 0),
+            ],
+            params=[Param("infra.nodes", str(nodes)), Param("train.batch_size", str(8 + start % 3))],
+        )
         if status != "RUNNING":
             mc.set_terminated(rid, status=status)
         return rid
@@ -64,21 +80,36 @@ def _populate(mc: Any) -> None:
 
 def _oracle(mc: Any, shape: str, acc: str, limit: int) -> list[tuple[Any, ...]]:
     exps = mc.search_experiments()
-    runs = mc.search_runs([e.experiment_id for e in exps], history._filter(shape, acc), max_results=limit,
-                          order_by=["attributes.start_time DESC"])
-    return [_row(r.info.run_id, r.info.start_time, r.info.status, r.data.params, r.data.metrics,
-                 {k: v for k, v in r.data.tags.items() if k in history._TAGS_READ}) for r in runs]
+    runs = mc.search_runs(
+        [e.experiment_id for e in exps],
+        history._filter(shape, acc),
+        max_results=limit,
+        order_by=["attributes.start_time DESC"],
+    )
+    return [
+        _row(
+            r.info.run_id,
+            r.info.start_time,
+            r.info.status,
+            r.data.params,
+            r.data.metrics,
+            {k: v for k, v in r.data.tags.items() if k in history._TAGS_READ},
+        )
+        for r in runs
+    ]
 
 
-def _row(run_id: str, start: Any, status: str, params: dict[str, str], metrics: dict[str, float],
-         tags: dict[str, str]) -> tuple[Any, ...]:
+def _row(
+    run_id: str, start: Any, status: str, params: dict[str, str], metrics: dict[str, float], tags: dict[str, str]
+) -> tuple[Any, ...]:
     nan_safe = {k: ("nan" if math.isnan(v) else v) for k, v in metrics.items()}
     return run_id, start, status, dict(params), nan_safe, dict(tags)
 
 
 def _read(uri: str, shape: str, acc: str) -> list[tuple[Any, ...]]:
-    return [_row(c.run_id, c.start_time, c.status, c.params, c.metrics, c.tags)
-            for c in history.candidates(uri, shape, acc)]
+    return [
+        _row(c.run_id, c.start_time, c.status, c.params, c.metrics, c.tags) for c in history.candidates(uri, shape, acc)
+    ]
 
 
 def _same_as_oracle(mc: Any, uri: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -116,10 +147,12 @@ def auth_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     pytest.importorskip("flask_wtf", reason="mlflow[auth] (the dev extra) runs the basic-auth server")
     root = tmp_path_factory.mktemp("mlflow-auth")
     ini = root / "auth.ini"
-    ini.write_text(f"[mlflow]\ndefault_permission = READ\ndatabase_uri = sqlite:///{root / 'users.db'}\n"
-                   f"admin_username = {ADMIN}\nadmin_password = {PASSWORD}\n"
-                   "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n"
-                   "auth_cache_ttl_seconds = 600\n")  # one password hash per client, not per request
+    ini.write_text(
+        f"[mlflow]\ndefault_permission = READ\ndatabase_uri = sqlite:///{root / 'users.db'}\n"
+        f"admin_username = {ADMIN}\nadmin_password = {PASSWORD}\n"
+        "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n"
+        "auth_cache_ttl_seconds = 600\n"
+    )  # one password hash per client, not per request
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
     env.update({"MLFLOW_AUTH_CONFIG_PATH": str(ini), "MLFLOW_FLASK_SERVER_SECRET_KEY": "llmctl-test-only"})
     with mlflow_server(root, "--app-name", "basic-auth", env=env, startup_s=180) as uri:
@@ -151,7 +184,8 @@ def test_rest_reader_equals_search_runs(auth_server: str, tmp_path: Path, monkey
     home = tmp_path / "home"
     (home / ".mlflow").mkdir(parents=True)
     (home / ".mlflow" / "credentials").write_text(
-        f"[mlflow]\nmlflow_tracking_username = {ADMIN}\nmlflow_tracking_password = {PASSWORD}\n")
+        f"[mlflow]\nmlflow_tracking_username = {ADMIN}\nmlflow_tracking_password = {PASSWORD}\n"
+    )
     monkeypatch.setenv("HOME", str(home))
     assert _read(auth_server, SHAPE, ACC) == expected  # MLflow's credentials file
     monkeypatch.setenv("HOME", str(tmp_path))
@@ -172,14 +206,25 @@ def test_plan_reads_history_without_importing_mlflow(cli_env: dict[str, str], tm
     args = ["experiment=smoke", f"tracking.uri={uri}"]
     plan = make_plan(compose(args))
     mc = MlflowClient(tracking_uri=uri)
-    run = mc.create_run(mc.create_experiment("history"), tags={
-        history.TAG_SHAPE: shape_key(plan.cfg), history.TAG_ACCELERATOR: plan.hardware.accelerator})
-    mc.log_batch(run.info.run_id, metrics=[Metric(history.STEADY, 12345.0, 0, 0), Metric(history.OVERHEAD, 3.0, 0, 0)],
-                 params=[Param("infra.nodes", "1"), Param("train.batch_size", "8")])
+    run = mc.create_run(
+        mc.create_experiment("history"),
+        tags={history.TAG_SHAPE: shape_key(plan.cfg), history.TAG_ACCELERATOR: plan.hardware.accelerator},
+    )
+    mc.log_batch(
+        run.info.run_id,
+        metrics=[Metric(history.STEADY, 12345.0, 0, 0), Metric(history.OVERHEAD, 3.0, 0, 0)],
+        params=[Param("infra.nodes", "1"), Param("train.batch_size", "8")],
+    )
     mc.set_terminated(run.info.run_id, "FINISHED")
 
-    out = subprocess.run([sys.executable, "-X", "importtime", "-m", "llmctl", "plan", *args], cwd=tmp_path,
-                         env=cli_env, text=True, capture_output=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "llmctl", "plan", *args],
+        cwd=tmp_path,
+        env=cli_env,
+        text=True,
+        capture_output=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"measured: run {run.info.run_id[:12]}" in out.stdout and "12,345 tok/s" in out.stdout
     imported = {line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines() if line.startswith("import time:")}

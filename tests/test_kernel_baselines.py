@@ -12,11 +12,10 @@ import sys
 
 import pytest
 import torch
-
 from helpers import ROOT
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
-import kernels_cpu  # noqa: E402
+import kernels_cpu
 
 
 @pytest.mark.parametrize("tie", [False, True])

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from helpers import mlflow_runs, run_cli
 
 pytestmark = pytest.mark.slow
@@ -65,7 +64,8 @@ def test_launch_finishes_with_tracked_run(cli_env: dict[str, str], tmp_path: Pat
     rid, eid = run.info.run_id, run.info.experiment_id
     assert out.stdout.strip().splitlines()[-1] == (
         f"llmctl: open it: mlflow ui --backend-store-uri {_sqlite(tmp_path)}, then "
-        f"http://127.0.0.1:5000/#/experiments/{eid}/runs/{rid}?workflowType=machine_learning")
+        f"http://127.0.0.1:5000/#/experiments/{eid}/runs/{rid}?workflowType=machine_learning"
+    )
     # the attempt's output.log, uploaded as it is on disk
     uploaded = client.download_artifacts(rid, "attempts/1/output.log", str(tmp_path / "dl"))
     assert Path(uploaded).read_text() == log
@@ -93,13 +93,17 @@ def test_launch_finishes_with_tracked_run(cli_env: dict[str, str], tmp_path: Pat
 def test_tracking_uri_precedence(cli_env: dict[str, str], tmp_path: Path) -> None:
     env_uri = f"sqlite:///{tmp_path / 'from-env.db'}"
     cfg_uri = f"sqlite:///{tmp_path / 'from-config.db'}"
-    out = run_cli(["launch", *TINY, "train.steps=2", "train.val_every=2", f"tracking.uri={cfg_uri}"],
-                  tmp_path, {**cli_env, "MLFLOW_TRACKING_URI": env_uri})
+    out = run_cli(
+        ["launch", *TINY, "train.steps=2", "train.val_every=2", f"tracking.uri={cfg_uri}"],
+        tmp_path,
+        {**cli_env, "MLFLOW_TRACKING_URI": env_uri},
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert len(mlflow_runs(cfg_uri)) == 1
     assert not (tmp_path / "from-env.db").exists() and not (tmp_path / "mlflow.db").exists()
-    out = run_cli(["launch", *TINY, "train.steps=2", "train.val_every=2"], tmp_path,
-                  {**cli_env, "MLFLOW_TRACKING_URI": env_uri})
+    out = run_cli(
+        ["launch", *TINY, "train.steps=2", "train.val_every=2"], tmp_path, {**cli_env, "MLFLOW_TRACKING_URI": env_uri}
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert [r.info.status for r in mlflow_runs(env_uri)] == ["FINISHED"]
 
@@ -120,9 +124,14 @@ def _pids_of(pattern: str) -> list[int]:
 
 def test_ctrl_c_stops_workers_and_marks_run_killed(cli_env: dict[str, str], tmp_path: Path) -> None:
     marker = f"llmctl-ctrlc-{os.getpid()}"
-    proc = subprocess.Popen([sys.executable, "-m", "llmctl", "launch", *TINY, "train.steps=100000",
-                             f"tracking.run_name={marker}"], cwd=tmp_path, env=cli_env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "llmctl", "launch", *TINY, "train.steps=100000", f"tracking.run_name={marker}"],
+        cwd=tmp_path,
+        env=cli_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     assert proc.stdout is not None
     deadline = time.monotonic() + 240
     for line in proc.stdout:  # wait until training is really under way

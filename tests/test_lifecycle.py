@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from helpers import STATUS_PREFIX, assert_outcome, controller_codes, mlflow_client, run_cli
+
 from llmctl.cost import ledger
 from llmctl.run.lifecycle import RULES, Outcome, classify
 
@@ -31,33 +31,51 @@ SMALL = ["experiment=smoke", "train.log_every=1", "train.val_every=1000", "check
 
 
 def test_outcomes_from_what_the_controller_and_the_workload_recorded() -> None:
-    from llmctl.run.procs import Interrupted
     from llmctl.errors import LaunchError
+    from llmctl.run.procs import Interrupted
 
     stop = json.dumps({"step": 3, "spent_usd": 1.5, "max_cost_usd": 1.0, "checkpoint": True})
     pre = json.dumps({"step": 7, "checkpoint": 7, "saved": True, "signal": "SIGTERM"})
     cases = [  # (exit code, error, stop request, tags) -> outcome, llmctl.status
         ((0, None, None, {}), Outcome.FINISHED, "finished"),
-        ((0, None, None, {"llmctl.budget_stop": stop}), Outcome.BUDGET_STOP,
-         "stopped: budget $1.00 reached at step 3 (spent $1.50; checkpoint saved)"),
+        (
+            (0, None, None, {"llmctl.budget_stop": stop}),
+            Outcome.BUDGET_STOP,
+            "stopped: budget $1.00 reached at step 3 (spent $1.50; checkpoint saved)",
+        ),
         ((0, None, None, {"llmctl.preempted": pre}), Outcome.FINISHED, "finished"),  # recovered, then done
-        ((1, None, signal.SIGTERM, {"llmctl.preempted": pre}), Outcome.PREEMPTED,
-         "preempted at step 7 (checkpoint step-7) — resume with: llmctl resume r1"),
+        (
+            (1, None, signal.SIGTERM, {"llmctl.preempted": pre}),
+            Outcome.PREEMPTED,
+            "preempted at step 7 (checkpoint step-7) — resume with: llmctl resume r1",
+        ),
         ((1, None, None, {}), Outcome.FAILED, "workload exited with code 1"),
         ((1, None, signal.SIGTERM, {}), Outcome.KILLED, STATUS_PREFIX[Outcome.KILLED]),  # workers hung past the grace
         ((None, LaunchError("no cluster"), None, {}), Outcome.FAILED, "failed to start: no cluster"),
-        ((None, Interrupted(signal.SIGINT), signal.SIGINT, {"llmctl.preempted": pre}), Outcome.INTERRUPTED,
-         "interrupted (Ctrl-C)"),
-        ((None, Interrupted(signal.SIGTERM), signal.SIGTERM, {"llmctl.preempted": pre}), Outcome.KILLED,
-         STATUS_PREFIX[Outcome.KILLED]),
+        (
+            (None, Interrupted(signal.SIGINT), signal.SIGINT, {"llmctl.preempted": pre}),
+            Outcome.INTERRUPTED,
+            "interrupted (Ctrl-C)",
+        ),
+        (
+            (None, Interrupted(signal.SIGTERM), signal.SIGTERM, {"llmctl.preempted": pre}),
+            Outcome.KILLED,
+            STATUS_PREFIX[Outcome.KILLED],
+        ),
     ]
     for (code, error, stop_request, tags), want, status in cases:
         got, reason = classify(code, error, tags, "r1", stop_request)
         assert got is want, (code, error, tags)
         assert reason.startswith(status), reason
     codes = {o: r.exit_code for o, r in RULES.items()}
-    assert codes == {Outcome.FINISHED: 0, Outcome.BUDGET_STOP: 4, Outcome.PREEMPTED: 75, Outcome.INTERRUPTED: 130,
-                     Outcome.KILLED: 143, Outcome.FAILED: 1}
+    assert codes == {
+        Outcome.FINISHED: 0,
+        Outcome.BUDGET_STOP: 4,
+        Outcome.PREEMPTED: 75,
+        Outcome.INTERRUPTED: 130,
+        Outcome.KILLED: 143,
+        Outcome.FAILED: 1,
+    }
     assert len(set(codes.values())) == len(codes), "each outcome has its own exit code"
 
 
@@ -77,8 +95,14 @@ def test_docs_show_the_table() -> None:
 
 
 def _start(args: list[str], cwd: Path, env: dict[str, str]) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "llmctl", *args], cwd=cwd, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    return subprocess.Popen(
+        [sys.executable, "-m", "llmctl", *args],
+        cwd=cwd,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
 
 
 def _steps(loss_file: Path) -> list[int]:
@@ -172,10 +196,15 @@ def _fast_history(uri: str, overrides: list[str]) -> None:
     plan = make_plan(compose(overrides + [f"tracking.uri={uri}"]))
     mc = mlflow_client(uri)
     exp = mc.get_experiment_by_name("history") or mc.get_experiment(mc.create_experiment("history"))
-    run = mc.create_run(exp.experiment_id, tags={history.TAG_SHAPE: shape_key(plan.cfg),
-                                                 history.TAG_ACCELERATOR: plan.hardware.accelerator})
-    mc.log_batch(run.info.run_id, metrics=[Metric(history.STEADY, 1e7, 0, 0), Metric(history.OVERHEAD, 0.0, 0, 0)],
-                 params=[Param("infra.nodes", "1"), Param("train.batch_size", "8"), Param("train.val_batches", "1")])
+    run = mc.create_run(
+        exp.experiment_id,
+        tags={history.TAG_SHAPE: shape_key(plan.cfg), history.TAG_ACCELERATOR: plan.hardware.accelerator},
+    )
+    mc.log_batch(
+        run.info.run_id,
+        metrics=[Metric(history.STEADY, 1e7, 0, 0), Metric(history.OVERHEAD, 0.0, 0, 0)],
+        params=[Param("infra.nodes", "1"), Param("train.batch_size", "8"), Param("train.val_batches", "1")],
+    )
     mc.set_terminated(run.info.run_id, "FINISHED")
 
 
@@ -286,13 +315,26 @@ def test_resume_outcomes_in_one_run(cli_env: dict[str, str], tmp_path: Path) -> 
     stopped(3, "interrupt", Outcome.INTERRUPTED)
     stopped(4, "kill", Outcome.KILLED)
     stopped(5, "preempt", Outcome.PREEMPTED)
-    ran(6, Outcome.BUDGET_STOP, [f"train.steps={last() + 10}", f"infra.price_per_gpu_hour={PRICE}", "--max-cost", "1"], {})
-    tags = ran(7, Outcome.FINISHED, [f"train.steps={last() + 2}", "infra.price_per_gpu_hour=0",
-                                     "--max-cost", "1000000000"], {})
+    ran(
+        6,
+        Outcome.BUDGET_STOP,
+        [f"train.steps={last() + 10}", f"infra.price_per_gpu_hour={PRICE}", "--max-cost", "1"],
+        {},
+    )
+    tags = ran(
+        7, Outcome.FINISHED, [f"train.steps={last() + 2}", "infra.price_per_gpu_hour=0", "--max-cost", "1000000000"], {}
+    )
     assert [int(tags[f"llmctl.attempt.{n}.from_step"]) for n in range(1, 8)] == from_steps
     statuses = [tags[f"llmctl.attempt.{n}.status"].split(":")[0].split(" at ")[0] for n in range(1, 8)]
-    assert statuses == ["preempted", "workload exited with code 1", "interrupted (Ctrl-C)", "killed", "preempted",
-                        "stopped", "finished"], statuses
+    assert statuses == [
+        "preempted",
+        "workload exited with code 1",
+        "interrupted (Ctrl-C)",
+        "killed",
+        "preempted",
+        "stopped",
+        "finished",
+    ], statuses
     assert [int(tags[f"llmctl.attempt.{n}.world_size"]) for n in range(1, 8)] == [1] * 7
 
 
@@ -303,8 +345,10 @@ def _sweep(tmp: Path) -> tuple[Any, list[Any]]:
     mc = mlflow_client(f"sqlite:///{tmp / 'mlflow.db'}")
     runs = mc.search_runs([e.experiment_id for e in mc.search_experiments()])
     [parent] = [r for r in runs if r.data.tags.get("llmctl.kind") == "sweep"]
-    children = sorted((r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id),
-                      key=lambda r: int(r.data.tags["llmctl.trial"]))
+    children = sorted(
+        (r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id),
+        key=lambda r: int(r.data.tags["llmctl.trial"]),
+    )
     return parent, children
 
 
@@ -315,8 +359,22 @@ def test_sweep_trial_outcomes_finished_failed_budget(cli_env: dict[str, str], tm
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     args = [*SMALL, "train.steps=20"]
     _fast_history(uri, args)
-    out = run_cli(["launch", "-m", "--max-parallel", "2", "--wait", "--max-cost", "1", *args,
-                   f"infra.price_per_gpu_hour=0,{PRICE}", "data.val_fraction=0.05,0.000001"], tmp_path, cli_env)
+    out = run_cli(
+        [
+            "launch",
+            "-m",
+            "--max-parallel",
+            "2",
+            "--wait",
+            "--max-cost",
+            "1",
+            *args,
+            f"infra.price_per_gpu_hour=0,{PRICE}",
+            "data.val_fraction=0.05,0.000001",
+        ],
+        tmp_path,
+        cli_env,
+    )
     assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]  # a trial failed
     sid = next(w.rstrip(":") for w in out.stdout.split() if w.startswith("sweep-"))
     last = out.stdout.splitlines()[-1]  # not piped: the final table once, then the verdict on its own line
@@ -335,8 +393,9 @@ def test_sweep_trial_outcomes_finished_failed_budget(cli_env: dict[str, str], tm
 def test_sweep_trial_outcomes_interrupted_and_killed(cli_env: dict[str, str], tmp_path: Path) -> None:
     """Two long trials: Ctrl-C to one trial's controller, ``kill_controller`` on the other's."""
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    out = run_cli(["launch", "-m", "--max-parallel", "2", *SMALL, "train.steps=100000", "train.seed=0,1"],
-                  tmp_path, cli_env)
+    out = run_cli(
+        ["launch", "-m", "--max-parallel", "2", *SMALL, "train.steps=100000", "train.seed=0,1"], tmp_path, cli_env
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     sid = next(w.rstrip(":") for w in out.stdout.split() if w.startswith("sweep-"))
     sdir = tmp_path / "llmctl-runs" / "sweeps" / sid

@@ -17,20 +17,33 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
-
 from helpers import mlflow_server, run_cli
+
 from llmctl.cost.ledger import FIGURES
 
 pytestmark = pytest.mark.slow
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="headless Chromium not installed (Debian: apt-get "
-                                    "install chromium; .ci/run installs it)")
+needs_chromium = pytest.mark.skipif(
+    CHROMIUM is None, reason="headless Chromium not installed (Debian: apt-get install chromium; .ci/run installs it)"
+)
 SHOTS = Path(__file__).resolve().parents[1] / ".ci" / "out"
-TRAIN = ["experiment=smoke", "train.steps=6", "train.val_every=3", "train.log_every=3", "train.val_batches=2",
-         "checkpoint.every=3"]
-SWEEP = ["experiment=smoke", "train.steps=2", "train.val_every=2", "train.log_every=2", "train.val_batches=1",
-         "train.lr=1e-3,3e-3"]
+TRAIN = [
+    "experiment=smoke",
+    "train.steps=6",
+    "train.val_every=3",
+    "train.log_every=3",
+    "train.val_batches=2",
+    "checkpoint.every=3",
+]
+SWEEP = [
+    "experiment=smoke",
+    "train.steps=2",
+    "train.val_every=2",
+    "train.log_every=2",
+    "train.val_batches=1",
+    "train.lr=1e-3,3e-3",
+]
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +76,9 @@ def launched(server: str, env: dict[str, str], tmp_path_factory: pytest.TempPath
 
 
 @pytest.fixture(scope="module")
-def swept(server: str, env: dict[str, str], launched: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> list[Any]:
+def swept(
+    server: str, env: dict[str, str], launched: dict[str, Any], tmp_path_factory: pytest.TempPathFactory
+) -> list[Any]:
     """A 2-trial sweep over train.lr into the same experiment: its trial runs."""
     cwd = tmp_path_factory.mktemp("ui-sweep")
     out = run_cli(["launch", "-m", "--max-parallel", "2", "--wait", *SWEEP, f"tracking.uri={server}"], cwd, env)
@@ -78,8 +93,16 @@ def _page(url: str, shot: str, tmp: Path) -> str:
     """The page's visible text once its scripts have run (Chromium's virtual time waits for the
     network), and a screenshot of it in ``.ci/out``."""
     SHOTS.mkdir(parents=True, exist_ok=True)
-    base = [str(CHROMIUM), "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-            f"--user-data-dir={tmp / 'chromium'}", "--virtual-time-budget=20000", "--window-size=1400,2200"]
+    base = [
+        str(CHROMIUM),
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        f"--user-data-dir={tmp / 'chromium'}",
+        "--virtual-time-budget=20000",
+        "--window-size=1400,2200",
+    ]
     subprocess.run([*base, f"--screenshot={SHOTS / f'mlflow-ui-{shot}.png'}", url], capture_output=True, timeout=300)
     dom = subprocess.run([*base, "--dump-dom", url], capture_output=True, text=True, timeout=300).stdout
     text = re.sub(r"<script.*?</script>|<style.*?</style>", " ", dom, flags=re.S)
@@ -87,13 +110,14 @@ def _page(url: str, shot: str, tmp: Path) -> str:
 
 
 @needs_chromium
-def test_printed_address_opens_the_run_with_its_source_dataset_and_cost_tags(launched: dict[str, Any], server: str,
-                                                                            tmp_path: Path) -> None:
+def test_printed_address_opens_the_run_with_its_source_dataset_and_cost_tags(
+    launched: dict[str, Any], server: str, tmp_path: Path
+) -> None:
     run, mc = launched["run"], launched["mc"]
     rid, eid = run.info.run_id, run.info.experiment_id
     prefix = "llmctl: open it: "
     assert launched["last"].startswith(prefix), launched["last"]
-    url = launched["last"][len(prefix):]
+    url = launched["last"][len(prefix) :]
     assert url.startswith(f"{server}/#/experiments/{eid}/runs/{rid}"), url
     text = _page(url, "run", tmp_path)
     assert run.info.run_name in text and "About this run" in text, text[:2000]
@@ -109,11 +133,16 @@ def test_printed_address_opens_the_run_with_its_source_dataset_and_cost_tags(lau
 
 
 @needs_chromium
-def test_model_metrics_chart_the_losses_and_no_cost_figures(launched: dict[str, Any], server: str,
-                                                           tmp_path: Path) -> None:
+def test_model_metrics_chart_the_losses_and_no_cost_figures(
+    launched: dict[str, Any], server: str, tmp_path: Path
+) -> None:
     run = launched["run"]
-    text = _page(f"{server}/#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}/model-metrics"
-                 "?workflowType=machine_learning", "model-metrics", tmp_path)
+    text = _page(
+        f"{server}/#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}/model-metrics"
+        "?workflowType=machine_learning",
+        "model-metrics",
+        tmp_path,
+    )
     sections = re.findall(r"\b([a-z]+) \((\d+)\)", text)  # chart groups as the page titles them: "train (4)"
     names = [name for name, _ in sections]
     assert "train" in names and "val" in names, sections
@@ -123,32 +152,45 @@ def test_model_metrics_chart_the_losses_and_no_cost_figures(launched: dict[str, 
 @needs_chromium
 def test_models_tab_lists_the_checkpoints(launched: dict[str, Any], server: str, tmp_path: Path) -> None:
     run, mc = launched["run"], launched["mc"]
-    models = mc.search_logged_models(experiment_ids=[run.info.experiment_id],
-                                     filter_string=f"source_run_id = '{run.info.run_id}'")
+    models = mc.search_logged_models(
+        experiment_ids=[run.info.experiment_id], filter_string=f"source_run_id = '{run.info.run_id}'"
+    )
     assert {m.name for m in models} >= {"step-6"}, [m.name for m in models]
-    text = _page(f"{server}/#/experiments/{run.info.experiment_id}/models?workflowType=machine_learning",
-                 "models", tmp_path)
+    text = _page(
+        f"{server}/#/experiments/{run.info.experiment_id}/models?workflowType=machine_learning", "models", tmp_path
+    )
     for m in models:
         assert m.name in text, text[:3000]
 
 
 @needs_chromium
-def test_sweep_trials_are_named_by_what_varies(swept: list[Any], launched: dict[str, Any], server: str,
-                                               tmp_path: Path) -> None:
+def test_sweep_trials_are_named_by_what_varies(
+    swept: list[Any], launched: dict[str, Any], server: str, tmp_path: Path
+) -> None:
     names = sorted(r.info.run_name for r in swept)
     assert names == ["lr=0.001", "lr=0.003"], names  # the values as Hydra's sweep expands them
     (parent,) = {r.data.tags["mlflow.parentRunId"] for r in swept}
-    text = _page(f"{server}/#/experiments/{launched['run'].info.experiment_id}/runs/{parent}"
-                 "?workflowType=machine_learning", "sweep", tmp_path)  # the sweep's run page lists its trials
+    text = _page(
+        f"{server}/#/experiments/{launched['run'].info.experiment_id}/runs/{parent}?workflowType=machine_learning",
+        "sweep",
+        tmp_path,
+    )  # the sweep's run page lists its trials
     assert "Child runs" in text and all(n in text for n in names), text[:3000]
 
 
-def test_eval_and_export_take_a_checkpoint_model_uri(launched: dict[str, Any], env: dict[str, str], server: str) -> None:
+def test_eval_and_export_take_a_checkpoint_model_uri(
+    launched: dict[str, Any], env: dict[str, str], server: str
+) -> None:
     """``models:/m-...`` (the Models tab's id) resolves to its run and its checkpoint's step."""
     run, mc, cwd = launched["run"], launched["mc"], launched["cwd"]
     rid = run.info.run_id
-    (final,) = [m for m in mc.search_logged_models(experiment_ids=[run.info.experiment_id],
-                                                   filter_string=f"source_run_id = '{rid}'") if m.name == "step-6"]
+    (final,) = [
+        m
+        for m in mc.search_logged_models(
+            experiment_ids=[run.info.experiment_id], filter_string=f"source_run_id = '{rid}'"
+        )
+        if m.name == "step-6"
+    ]
     assert {(m.key, m.step) for m in final.metrics} >= {("train/loss", 6), ("val/loss", 6)}  # linked to its step
     uri = f"models:/{final.model_id}"
     out = run_cli(["eval", uri, "eval.max_new_tokens=4", "eval.prompts=[The]", "--tracking-uri", server], cwd, env)

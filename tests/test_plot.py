@@ -8,8 +8,9 @@ from llmctl.tracking.loss_plot import HEIGHT, WIDTH, loss_curve_svg
 
 
 def test_svg_has_one_polyline_per_series_inside_the_frame() -> None:
-    svg = loss_curve_svg({"train/loss": [(1, 8.0), (2, 7.0), (3, 6.5)], "val/loss": [(0, 8.3), (3, 6.9)],
-                          "empty": []}, "run x")
+    svg = loss_curve_svg(
+        {"train/loss": [(1, 8.0), (2, 7.0), (3, 6.5)], "val/loss": [(0, 8.3), (3, 6.9)], "empty": []}, "run x"
+    )
     root = ET.fromstring(svg)
     lines = [el for el in root.iter() if el.tag.endswith("polyline")]
     assert len(lines) == 2

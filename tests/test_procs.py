@@ -29,7 +29,9 @@ def test_a_just_started_recorded_process_is_never_read_as_dead(tmp_path, monkeyp
     monkeypatch.chdir(tmp_path)
     d = state.sweep_dir("sweep-live")
     d.mkdir(parents=True)
-    burners = [multiprocessing.Process(target=_burn, args=(600,), daemon=True) for _ in range(multiprocessing.cpu_count())]
+    burners = [
+        multiprocessing.Process(target=_burn, args=(600,), daemon=True) for _ in range(multiprocessing.cpu_count())
+    ]
     for b in burners:
         b.start()
     misread, empty_cmdlines = [], 0

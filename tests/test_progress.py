@@ -61,9 +61,14 @@ def _read_all(fd: int) -> str:
 def test_launch_on_a_tty_draws_the_bar_and_keeps_the_log_plain(tmp_path: Path, cli_env: dict[str, str]) -> None:
     master, slave = pty.openpty()
     env = {**cli_env, "COLUMNS": "160", "TERM": "xterm"}
-    proc = subprocess.Popen([sys.executable, "-m", "llmctl", "launch", "experiment=smoke", "train.steps=20",
-                             "checkpoint.every=0"], cwd=tmp_path, env=env, stdin=subprocess.DEVNULL,
-                            stdout=slave, stderr=slave)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "llmctl", "launch", "experiment=smoke", "train.steps=20", "checkpoint.every=0"],
+        cwd=tmp_path,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=slave,
+        stderr=slave,
+    )
     os.close(slave)
     try:
         screen = _read_all(master)

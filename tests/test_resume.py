@@ -18,14 +18,19 @@ from datetime import datetime
 from pathlib import Path
 
 import pytest
-
 from helpers import mlflow_runs, run_cli
 
 pytestmark = pytest.mark.slow
 
 STEPS = 30
-RUN = ["experiment=smoke", f"train.steps={STEPS}", "train.log_every=1", "train.val_every=15", "checkpoint.every=5",
-       "parallel.dp_shard=2"]
+RUN = [
+    "experiment=smoke",
+    f"train.steps={STEPS}",
+    "train.log_every=1",
+    "train.val_every=15",
+    "checkpoint.every=5",
+    "parallel.dp_shard=2",
+]
 WORKLOAD_METRICS = ("train/loss", "train/lr", "train/grad_norm", "val/loss", "perf/tokens_per_s")
 
 
@@ -53,8 +58,15 @@ def _assert_same_losses(got: dict[int, float], ref: dict[int, float], tol: float
 def base_env(cache_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     home = tmp_path_factory.mktemp("home")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "LLMCTL_"))}
-    env.update({"LLMCTL_CACHE_DIR": str(cache_dir), "PYTHONUNBUFFERED": "1", "HOME": str(home),
-                "SKYPILOT_DISABLE_USAGE_COLLECTION": "1", "DO_NOT_TRACK": "1"})
+    env.update(
+        {
+            "LLMCTL_CACHE_DIR": str(cache_dir),
+            "PYTHONUNBUFFERED": "1",
+            "HOME": str(home),
+            "SKYPILOT_DISABLE_USAGE_COLLECTION": "1",
+            "DO_NOT_TRACK": "1",
+        }
+    )
     return env
 
 
@@ -67,8 +79,14 @@ def reference(base_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory
 
 
 def _start(args: list[str], cwd: Path, env: dict[str, str]) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "llmctl", "launch", *args], cwd=cwd, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    return subprocess.Popen(
+        [sys.executable, "-m", "llmctl", "launch", *args],
+        cwd=cwd,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
 
 
 def _wait_for_step(loss_file: Path, step: int, proc: subprocess.Popen[str], timeout: float = 240) -> None:
@@ -103,8 +121,12 @@ def moto_s3():
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
-    yield {"AWS_ENDPOINT_URL_S3": f"http://{host}:{port}", "AWS_ACCESS_KEY_ID": "testing",
-           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+    yield {
+        "AWS_ENDPOINT_URL_S3": f"http://{host}:{port}",
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
     server.stop()
 
 
@@ -123,7 +145,9 @@ def _assert_one_run_two_attempts(uri: str, run_id: str, world_sizes: tuple[str, 
     assert tags["llmctl.attempt.2.status"] == "finished"
     assert (tags["llmctl.attempt.1.world_size"], tags["llmctl.attempt.2.world_size"]) == world_sizes
     for n in (1, 2):
-        assert datetime.fromisoformat(tags[f"llmctl.attempt.{n}.end"]) >= datetime.fromisoformat(tags[f"llmctl.attempt.{n}.start"])
+        assert datetime.fromisoformat(tags[f"llmctl.attempt.{n}.end"]) >= datetime.fromisoformat(
+            tags[f"llmctl.attempt.{n}.start"]
+        )
     mc = MlflowClient(tracking_uri=uri)
     for key in WORKLOAD_METRICS:
         steps = [m.step for m in mc.get_metric_history(run_id, key)]

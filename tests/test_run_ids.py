@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from helpers import mlflow_client, run_cli
+
 from llmctl.run.procs import start_time
 
 
@@ -90,15 +90,24 @@ def test_an_ambiguous_or_unknown_id_is_refused_with_what_to_do(cli_env: dict[str
     assert "Traceback" not in unknown.stderr
 
 
-def test_down_of_a_finished_run_leaves_the_process_that_now_has_its_pid(cli_env: dict[str, str],
-                                                                        tmp_path: Path) -> None:
+def test_down_of_a_finished_run_leaves_the_process_that_now_has_its_pid(
+    cli_env: dict[str, str], tmp_path: Path
+) -> None:
     uri, mc, exp = _store(tmp_path)
     rid = _run(mc, exp, "FINISHED")
     other = _sleeper()
     try:
         # the pid reused, and even its start time matching: an ended run is never signalled
-        _record_pids(tmp_path, rid, {"controller": other.pid, "workers": other.pid,
-                                     "controller_start": start_time(other.pid), "workers_start": start_time(other.pid)})
+        _record_pids(
+            tmp_path,
+            rid,
+            {
+                "controller": other.pid,
+                "workers": other.pid,
+                "controller_start": start_time(other.pid),
+                "workers_start": start_time(other.pid),
+            },
+        )
         out = run_cli(["down", rid], tmp_path, cli_env)
         assert other.poll() is None, "the unrelated process was left alone"
         assert out.returncode == 0, out.stderr

@@ -10,7 +10,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from helpers import mlflow_runs, run_cli
 
 pytestmark = pytest.mark.slow
@@ -31,8 +30,14 @@ def test_status_and_logs_of_a_finished_run(cli_env: dict[str, str], tmp_path: Pa
 
 
 def test_down_stops_a_running_local_run(cli_env: dict[str, str], tmp_path: Path) -> None:
-    proc = subprocess.Popen([sys.executable, "-m", "llmctl", "launch", *TINY, "train.steps=100000"], cwd=tmp_path,
-                            env=cli_env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "llmctl", "launch", *TINY, "train.steps=100000"],
+        cwd=tmp_path,
+        env=cli_env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 180
         pids_file = None
@@ -58,8 +63,14 @@ def test_down_stops_a_running_local_run(cli_env: dict[str, str], tmp_path: Path)
 def test_runs_shows_the_steps_of_a_resumed_run(cli_env: dict[str, str], tmp_path: Path) -> None:
     """Resumed from step 2 to 4, the table says 4/4: the steps done and ``train.steps`` of the newest
     attempt, not the first attempt's (MLflow keeps the launch's params)."""
-    args = ["experiment=smoke", "train.steps=2", "train.log_every=1", "train.val_every=1000", "checkpoint.every=2",
-            "train.val_batches=1"]
+    args = [
+        "experiment=smoke",
+        "train.steps=2",
+        "train.log_every=1",
+        "train.val_every=1000",
+        "checkpoint.every=2",
+        "train.val_batches=1",
+    ]
     assert run_cli(["launch", *args], tmp_path, cli_env).returncode == 0
     (run,) = mlflow_runs(f"sqlite:///{tmp_path / 'mlflow.db'}")
     rid = run.info.run_id

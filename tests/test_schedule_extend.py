@@ -6,15 +6,21 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from helpers import mlflow_client, mlflow_runs, run_cli
 
 pytestmark = pytest.mark.slow
 
 
 def test_resume_with_more_steps_keeps_the_decay_and_says_so(cli_env: dict[str, str], tmp_path: Path) -> None:
-    base = ["experiment=smoke", "train.log_every=1", "train.val_every=0", "train.warmup_steps=2", "train.lr=3e-4",
-            "train.min_lr_ratio=0.1", "checkpoint.every=8"]
+    base = [
+        "experiment=smoke",
+        "train.log_every=1",
+        "train.val_every=0",
+        "train.warmup_steps=2",
+        "train.lr=3e-4",
+        "train.min_lr_ratio=0.1",
+        "checkpoint.every=8",
+    ]
     out = run_cli(["launch", *base, "train.steps=8"], tmp_path, cli_env)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"

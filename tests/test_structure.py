@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from helpers import ROOT
 
 
@@ -46,8 +45,9 @@ def _imports(path: Path, name: str, known: set[str]) -> set[str]:
 
 def _graph(package: str) -> dict[str, set[str]]:
     mods = _modules(package)
-    return {name: {m for m in _imports(path, name, set(mods)) if m in mods and m != name}
-            for name, path in mods.items()}
+    return {
+        name: {m for m in _imports(path, name, set(mods)) if m in mods and m != name} for name, path in mods.items()
+    }
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -88,8 +88,10 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_the_workload_imports_nothing_from_llmctl() -> None:
     mods = _modules("workloads")
     assert len(mods) > 15, "the scan found the workload's modules"
-    offenders = {name: sorted(m for m in _imports(path, name, set(mods)) if m == "llmctl" or m.startswith("llmctl."))
-                 for name, path in mods.items()}
+    offenders = {
+        name: sorted(m for m in _imports(path, name, set(mods)) if m == "llmctl" or m.startswith("llmctl."))
+        for name, path in mods.items()
+    }
     assert {k: v for k, v in offenders.items() if v} == {}
 
 
@@ -112,13 +114,21 @@ def test_no_import_cycle_among_llmctl_modules() -> None:
 def test_data_flows_one_way() -> None:
     """Backends and the cost model never reach back into what calls them."""
     graph = _graph("llmctl")
-    upstream = {"llmctl.cli", "llmctl.run.lifecycle", "llmctl.run.resume", "llmctl.plan.make", "llmctl.sweep.control",
-                "llmctl.sweep.supervisor", "llmctl.sweep.trial_plans"}
+    upstream = {
+        "llmctl.cli",
+        "llmctl.run.lifecycle",
+        "llmctl.run.resume",
+        "llmctl.plan.make",
+        "llmctl.sweep.control",
+        "llmctl.sweep.supervisor",
+        "llmctl.sweep.trial_plans",
+    }
     for name, deps in graph.items():
         if name.startswith(("llmctl.backends", "llmctl.cost")):
             assert not deps & upstream, (name, sorted(deps & upstream))
     assert "llmctl.backends" not in graph["llmctl.cost.estimate"] and not any(
-        d.startswith("llmctl.backends") for d in graph["llmctl.cost.estimate"])
+        d.startswith("llmctl.backends") for d in graph["llmctl.cost.estimate"]
+    )
 
 
 def test_every_backend_implements_the_whole_interface() -> None:
@@ -138,14 +148,24 @@ def test_every_backend_implements_the_whole_interface() -> None:
             assert list(inspect.signature(impl).parameters) == want, (kind, method)
 
 
-@pytest.mark.parametrize("module", ["workloads.pretrain.contract.schema", "workloads.pretrain.contract.hardware",
-                                    "workloads.pretrain.contract.shape", "workloads.pretrain.contract.validate",
-                                    "workloads.pretrain.contract.protocol", "llmctl.cli"])
+@pytest.mark.parametrize(
+    "module",
+    [
+        "workloads.pretrain.contract.schema",
+        "workloads.pretrain.contract.hardware",
+        "workloads.pretrain.contract.shape",
+        "workloads.pretrain.contract.validate",
+        "workloads.pretrain.contract.protocol",
+        "llmctl.cli",
+    ],
+)
 def test_contract_modules_import_no_heavy_dependency(module: str) -> None:
     """What the CLI reads at start-up and what a launcher reads of the trainer's contract costs
     no torch, hydra, mlflow or sky import."""
-    code = (f"import sys; import {module}; "
-            "print(sorted(m for m in ('torch', 'hydra', 'mlflow', 'sky', 'omegaconf') if m in sys.modules))")
+    code = (
+        f"import sys; import {module}; "
+        "print(sorted(m for m in ('torch', 'hydra', 'mlflow', 'sky', 'omegaconf') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
 
@@ -158,6 +178,10 @@ def test_module_map_in_the_docs_matches_the_tree() -> None:
     assert len(listed) == len(set(listed)), "a module is listed twice"
     missing = [p for p in listed if not (ROOT / p).is_file()]
     assert missing == [], f"listed but not in the tree: {missing}"
-    tree = sorted(str(p.relative_to(ROOT)) for pkg in ("llmctl", "workloads") for p in (ROOT / pkg).rglob("*.py")
-                  if p.name not in ("__init__.py", "__main__.py"))
+    tree = sorted(
+        str(p.relative_to(ROOT))
+        for pkg in ("llmctl", "workloads")
+        for p in (ROOT / pkg).rglob("*.py")
+        if p.name not in ("__init__.py", "__main__.py")
+    )
     assert sorted(set(tree) - set(listed)) == [], "in the tree but not in docs/concepts.md's module map"

@@ -6,11 +6,12 @@ import random
 from pathlib import Path
 
 import pytest
-
 from helpers import run_cli
-from llmctl.sweep import trial_plans as planning, state
+
 from llmctl.config.compose import compose
 from llmctl.errors import ConfigError
+from llmctl.sweep import state
+from llmctl.sweep import trial_plans as planning
 from llmctl.sweep.expand import SweepConfigError, compose_trials, expand, iter_hydra_oracle
 
 SWEEPS = [
@@ -48,18 +49,32 @@ def test_glob_over_user_config_dir(tmp_path: Path) -> None:
     assert trial.cfg["model"]["dim"] == 64 and trial.choices["model"] == "mine"
 
 
-@pytest.mark.parametrize("bad,needle", [("train.lr=interval(0.1,1)", "interval"),
-                                        ("train.seed=range(3,3)", "no values"),
-                                        ("model=glob(nothing*)", "no values"),
-                                        ("train.lr=[1,", "Cannot parse")])
+@pytest.mark.parametrize(
+    "bad,needle",
+    [
+        ("train.lr=interval(0.1,1)", "interval"),
+        ("train.seed=range(3,3)", "no values"),
+        ("model=glob(nothing*)", "no values"),
+        ("train.lr=[1,", "Cannot parse"),
+    ],
+)
 def test_expansion_refuses(bad: str, needle: str) -> None:
     with pytest.raises(ConfigError, match=needle):
         expand([bad])
 
 
 def test_fast_composition_equals_full_compose() -> None:
-    trials = expand(["model=tiny,smoke", "experiment=smoke", "parallel=auto,fsdp2", "train.lr=1e-3,3e-4,1e-4",
-                     "train.seed=range(0,4)", "train.dtype=fp32,bf16", "parallel.ac=none,full"])
+    trials = expand(
+        [
+            "model=tiny,smoke",
+            "experiment=smoke",
+            "parallel=auto,fsdp2",
+            "train.lr=1e-3,3e-4,1e-4",
+            "train.seed=range(0,4)",
+            "train.dtype=fp32,bf16",
+            "parallel.ac=none,full",
+        ]
+    )
     composed = compose_trials(trials)
     assert len(composed) == 192
     for i in random.Random(7).sample(range(len(trials)), 8) + [0, len(trials) - 1]:
@@ -95,8 +110,20 @@ def test_cli_sweep_syntax_without_m_is_refused(cli_env: dict[str, str], tmp_path
 
 
 def test_cli_plan_m_shows_trials_and_total(cli_env: dict[str, str], tmp_path: Path) -> None:
-    out = run_cli(["plan", "-m", "--max-parallel", "3", "train.lr=1e-3,3e-4", "model=tiny,smoke",
-                   "train.seed=range(0,3)", "train.steps=10"], tmp_path, cli_env)
+    out = run_cli(
+        [
+            "plan",
+            "-m",
+            "--max-parallel",
+            "3",
+            "train.lr=1e-3,3e-4",
+            "model=tiny,smoke",
+            "train.seed=range(0,3)",
+            "train.steps=10",
+        ],
+        tmp_path,
+        cli_env,
+    )
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert "# sweep: 12 trial(s), up to 3 at once" in lines[0]
@@ -193,8 +220,13 @@ def _pid_facts(pid: int, pid_file) -> dict:
         except OSError as exc:
             return repr(exc)
 
-    return {"recorded": pid_file.read_text(), "alive": procs.pid_alive(pid), "start_time": procs.start_time(pid),
-            "stat": read("stat"), "cmdline": read("cmdline")}
+    return {
+        "recorded": pid_file.read_text(),
+        "alive": procs.pid_alive(pid),
+        "start_time": procs.start_time(pid),
+        "stat": read("stat"),
+        "cmdline": read("cmdline"),
+    }
 
 
 def test_a_supervisor_pid_taken_by_another_process_is_not_the_supervisor(tmp_path, monkeypatch) -> None:

@@ -10,15 +10,21 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from helpers import assert_outcome, controller_codes, run_cli
+
 from llmctl.run.lifecycle import Outcome
 
 pytestmark = pytest.mark.slow
 
 STEPS, LOG_EVERY, VAL_EVERY = 4, 1, 2
-TINY = ["experiment=smoke", f"train.steps={STEPS}", f"train.log_every={LOG_EVERY}", f"train.val_every={VAL_EVERY}",
-        "checkpoint.every=0", "train.val_batches=1"]
+TINY = [
+    "experiment=smoke",
+    f"train.steps={STEPS}",
+    f"train.log_every={LOG_EVERY}",
+    f"train.val_every={VAL_EVERY}",
+    "checkpoint.every=0",
+    "train.val_batches=1",
+]
 
 
 def _client(tmp: Path) -> Any:
@@ -31,8 +37,10 @@ def _sweep_runs(tmp: Path) -> tuple[Any, list[Any]]:
     mc = _client(tmp)
     runs = mc.search_runs([e.experiment_id for e in mc.search_experiments()])
     [parent] = [r for r in runs if r.data.tags.get("llmctl.kind") == "sweep"]
-    children = sorted((r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id),
-                      key=lambda r: int(r.data.tags["llmctl.trial"]))
+    children = sorted(
+        (r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id),
+        key=lambda r: int(r.data.tags["llmctl.trial"]),
+    )
     return parent, children
 
 
@@ -48,8 +56,9 @@ def _processes_mentioning(*needles: str) -> list[str]:
 def test_sweep_of_four_trials_two_at_a_time(cli_env: dict[str, str], tmp_path: Path) -> None:
     t0 = time.monotonic()
     env = {k: v for k, v in cli_env.items() if k != "OMP_NUM_THREADS"}  # the supervisor splits the cores
-    out = run_cli(["launch", "-m", "--max-parallel", "2", "--wait", *TINY, "train.lr=1e-3,3e-4", "train.seed=0,1"],
-                  tmp_path, env)
+    out = run_cli(
+        ["launch", "-m", "--max-parallel", "2", "--wait", *TINY, "train.lr=1e-3,3e-4", "train.seed=0,1"], tmp_path, env
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     sid = _sweep_id(out.stdout)
     parent, children = _sweep_runs(tmp_path)
@@ -57,8 +66,11 @@ def test_sweep_of_four_trials_two_at_a_time(cli_env: dict[str, str], tmp_path: P
     assert parent.data.tags["llmctl.sweep_id"] == sid and parent.data.params["sweep.max_parallel"] == "2"
     assert [c.info.status for c in children] == ["FINISHED"] * 4
     assert [c.data.tags["llmctl.trial.overrides"].split()[-2:] for c in children] == [
-        ["train.lr=0.001", "train.seed=0"], ["train.lr=0.001", "train.seed=1"],
-        ["train.lr=0.0003", "train.seed=0"], ["train.lr=0.0003", "train.seed=1"]]
+        ["train.lr=0.001", "train.seed=0"],
+        ["train.lr=0.001", "train.seed=1"],
+        ["train.lr=0.0003", "train.seed=0"],
+        ["train.lr=0.0003", "train.seed=1"],
+    ]
     assert {c.data.tags["llmctl.sweep_id"] for c in children} == {sid}
     assert [c.data.params["train.lr"] for c in children] == ["0.001", "0.001", "0.0003", "0.0003"]
 
@@ -105,8 +117,20 @@ def test_sweep_of_four_trials_two_at_a_time(cli_env: dict[str, str], tmp_path: P
 def test_failing_trial_does_not_stop_the_others(cli_env: dict[str, str], tmp_path: Path) -> None:
     # data.val_fraction=0.000001 passes the schema but leaves the workload no validation batch:
     # that one trial fails at start, at run time, like a real bad hyperparameter would
-    out = run_cli(["launch", "-m", "--max-parallel", "2", "--wait", *TINY, "train.steps=2",
-                   "data.val_fraction=0.05,0.04,0.000001,0.03"], tmp_path, cli_env)
+    out = run_cli(
+        [
+            "launch",
+            "-m",
+            "--max-parallel",
+            "2",
+            "--wait",
+            *TINY,
+            "train.steps=2",
+            "data.val_fraction=0.05,0.04,0.000001,0.03",
+        ],
+        tmp_path,
+        cli_env,
+    )
     assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
     parent, children = _sweep_runs(tmp_path)
     assert [c.info.status for c in children] == ["FINISHED", "FINISHED", "FAILED", "FINISHED"]
@@ -116,16 +140,20 @@ def test_failing_trial_does_not_stop_the_others(cli_env: dict[str, str], tmp_pat
 
 
 def test_down_cancels_running_and_pending_trials(cli_env: dict[str, str], tmp_path: Path) -> None:
-    out = run_cli(["launch", "-m", "--max-parallel", "2", *TINY, "train.steps=100000", "train.seed=0,1,2"],
-                  tmp_path, cli_env)
+    out = run_cli(
+        ["launch", "-m", "--max-parallel", "2", *TINY, "train.steps=100000", "train.seed=0,1,2"], tmp_path, cli_env
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     sid = _sweep_id(out.stdout)  # returned at once: the sweep runs in the background
     sdir = tmp_path / "llmctl-runs" / "sweeps" / sid
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:  # until both running trials are really training
         state = json.loads((sdir / "state.json").read_text()) if (sdir / "state.json").exists() else {"trials": {}}
-        logs = [tmp_path / "llmctl-runs" / t["run_id"] / "output.log" for t in state["trials"].values()
-                if t["state"] == "RUNNING"]
+        logs = [
+            tmp_path / "llmctl-runs" / t["run_id"] / "output.log"
+            for t in state["trials"].values()
+            if t["state"] == "RUNNING"
+        ]
         if len(logs) == 2 and all(p.exists() and "step" in p.read_text() for p in logs):
             break
         time.sleep(1)
@@ -144,7 +172,9 @@ def test_down_cancels_running_and_pending_trials(cli_env: dict[str, str], tmp_pa
     codes = controller_codes(tmp_path, sid)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     for child in children[:2]:
-        assert_outcome(uri, child.info.run_id, Outcome.PREEMPTED, codes[int(child.data.tags["llmctl.trial"])], attempt=1)
+        assert_outcome(
+            uri, child.info.run_id, Outcome.PREEMPTED, codes[int(child.data.tags["llmctl.trial"])], attempt=1
+        )
     # the pending one never ran: closed without an attempt
     assert children[2].data.tags["llmctl.status"] == "sweep cancelled before this trial started"
     assert "llmctl.attempt" not in children[2].data.tags

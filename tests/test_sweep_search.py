@@ -13,8 +13,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from helpers import pip_target, run_cli
+
 from llmctl.errors import ConfigError
 from llmctl.sweep import search
 from llmctl.sweep.expand import expand
@@ -75,32 +75,46 @@ def test_grammar_equals_hydra_optuna_sweeper(raw: str, oracle: object) -> None:
 def test_space_keeps_fixed_overrides_and_last_value() -> None:
     from optuna.distributions import CategoricalDistribution, FloatDistribution
 
-    space = search.parse_space(["experiment=smoke", "train.steps=6", "train.lr=1e-3",
-                                "train.lr=tag(log, interval(1e-4, 1e-2))", "train.warmup_steps=0,2",
-                                "train.steps=8"])
+    space = search.parse_space(
+        [
+            "experiment=smoke",
+            "train.steps=6",
+            "train.lr=1e-3",
+            "train.lr=tag(log, interval(1e-4, 1e-2))",
+            "train.warmup_steps=0,2",
+            "train.steps=8",
+        ]
+    )
     assert space.fixed == ["experiment=smoke", "train.steps=8"]
-    assert space.dists == {"train.lr": FloatDistribution(1e-4, 1e-2, log=True),
-                           "train.warmup_steps": CategoricalDistribution([0, 2])}
+    assert space.dists == {
+        "train.lr": FloatDistribution(1e-4, 1e-2, log=True),
+        "train.warmup_steps": CategoricalDistribution([0, 2]),
+    }
     assert search.probe_overrides(space) == [
         ["experiment=smoke", "train.steps=8", "train.lr=0.0001", "train.warmup_steps=0"],
         ["experiment=smoke", "train.steps=8", "train.lr=0.01", "train.warmup_steps=0"],
-        ["experiment=smoke", "train.steps=8", "train.lr=0.0001", "train.warmup_steps=2"]]
+        ["experiment=smoke", "train.steps=8", "train.lr=0.0001", "train.warmup_steps=2"],
+    ]
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["train.lr=interval(1e-4,1e-2)"], "Fix: --search tpe"),  # grid is the default
-    (["--search", "tpe", "train.lr=interval(1e-4,1e-2)"], "needs --trials N"),
-    (["--search", "grid", "--trials", "4", "train.lr=1e-3,3e-4"], "--trials is for --search random|tpe"),
-    (["--prune", "asha", "train.lr=1e-3,3e-4"], "Fix: --search tpe"),
-    (["--search", "bayes", "--trials", "4", "train.lr=1e-3,3e-4"], "--search bayes: use one of grid, random, tpe"),
-    (["--search", "tpe", "--trials", "4", "--prune", "hyperband", "train.lr=1e-3,3e-4"], "--prune hyperband"),
-    (["--search", "tpe", "--trials", "4", "train.lr=1e-3"], "needs at least one searched key"),
-    (["--search", "tpe", "--trials", "4", "train.lr=tag(log, interval(0, 1e-2))"], "low > 0"),
-    (["--search", "tpe", "--trials", "4", "train.lr=interval(1,1e-2)"], "low < high"),
-    (["--search", "tpe", "--trials", "4", "train.lr=interval(-1.0,1e-2)"], "train.lr"),  # schema: lr > 0
-])
-def test_launch_refuses_before_anything_exists(args: list[str], needle: str, cli_env: dict[str, str],
-                                               tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["train.lr=interval(1e-4,1e-2)"], "Fix: --search tpe"),  # grid is the default
+        (["--search", "tpe", "train.lr=interval(1e-4,1e-2)"], "needs --trials N"),
+        (["--search", "grid", "--trials", "4", "train.lr=1e-3,3e-4"], "--trials is for --search random|tpe"),
+        (["--prune", "asha", "train.lr=1e-3,3e-4"], "Fix: --search tpe"),
+        (["--search", "bayes", "--trials", "4", "train.lr=1e-3,3e-4"], "--search bayes: use one of grid, random, tpe"),
+        (["--search", "tpe", "--trials", "4", "--prune", "hyperband", "train.lr=1e-3,3e-4"], "--prune hyperband"),
+        (["--search", "tpe", "--trials", "4", "train.lr=1e-3"], "needs at least one searched key"),
+        (["--search", "tpe", "--trials", "4", "train.lr=tag(log, interval(0, 1e-2))"], "low > 0"),
+        (["--search", "tpe", "--trials", "4", "train.lr=interval(1,1e-2)"], "low < high"),
+        (["--search", "tpe", "--trials", "4", "train.lr=interval(-1.0,1e-2)"], "train.lr"),  # schema: lr > 0
+    ],
+)
+def test_launch_refuses_before_anything_exists(
+    args: list[str], needle: str, cli_env: dict[str, str], tmp_path: Path
+) -> None:
     out = run_cli(["launch", "-m", "experiment=smoke", *args], tmp_path, cli_env, timeout=120)
     assert out.returncode == 3, out.stdout + out.stderr
     assert needle in out.stderr, out.stderr
@@ -108,8 +122,17 @@ def test_launch_refuses_before_anything_exists(args: list[str], needle: str, cli
 
 
 def test_plan_shows_the_same_first_proposals_for_the_same_seed(cli_env: dict[str, str], tmp_path: Path) -> None:
-    args = ["plan", "-m", "experiment=smoke", "train.lr=tag(log, interval(1e-4, 1e-1))", "train.warmup_steps=0,2,5",
-            "--search", "tpe", "--trials", "12"]
+    args = [
+        "plan",
+        "-m",
+        "experiment=smoke",
+        "train.lr=tag(log, interval(1e-4, 1e-1))",
+        "train.warmup_steps=0,2,5",
+        "--search",
+        "tpe",
+        "--trials",
+        "12",
+    ]
     a, b, c = (run_cli([*args, "--seed", seed], tmp_path, cli_env, timeout=120) for seed in ("7", "7", "8"))
     assert a.returncode == b.returncode == c.returncode == 0, a.stderr + c.stderr
     first = [line for line in a.stdout.splitlines() if line.startswith("  trial ")]
@@ -119,8 +142,12 @@ def test_plan_shows_the_same_first_proposals_for_the_same_seed(cli_env: dict[str
     assert "tpe search, 12 trial(s) (seed 7, prune none)" in a.stdout
     # the probe trials (each key at its ends or choices): 2 ends of lr + 2 more warmup choices
     probes = a.stdout.split("checked before launch")[1].split("first proposals")[0].strip().splitlines()[2:]
-    assert [row.split()[:3] for row in probes] == [["0", "0.0001", "0"], ["1", "0.1", "0"], ["2", "0.0001", "2"],
-                                                   ["3", "0.0001", "5"]]
+    assert [row.split()[:3] for row in probes] == [
+        ["0", "0.0001", "0"],
+        ["1", "0.1", "0"],
+        ["2", "0.0001", "2"],
+        ["3", "0.0001", "5"],
+    ]
     assert not (tmp_path / "mlflow.db").exists()
 
 
@@ -133,9 +160,17 @@ def test_max_cost_caps_the_whole_search() -> None:
     """The estimate is the costliest checked trial times --trials; each trial's guard is an equal share."""
     from llmctl.sweep import trial_plans as planning
 
-    sp = planning.make_sweep_plan(["experiment=smoke", "infra.price_per_gpu_hour=100",
-                                   "train.lr=tag(log, interval(1e-4,1e-1))", "model=choice(tiny,smoke)"],
-                                  search="tpe", n_trials=10, seed=1)
+    sp = planning.make_sweep_plan(
+        [
+            "experiment=smoke",
+            "infra.price_per_gpu_hour=100",
+            "train.lr=tag(log, interval(1e-4,1e-1))",
+            "model=choice(tiny,smoke)",
+        ],
+        search="tpe",
+        n_trials=10,
+        seed=1,
+    )
     costs = [t.cost for t in sp.trials]
     assert len(costs) == 3 and costs[2] > costs[0]  # model=smoke (the third probe) is the costlier shape
     assert sp.total_cost == pytest.approx(10 * costs[2])
@@ -155,9 +190,13 @@ def test_pruners_wait_for_a_quarter_of_the_steps(kind: str) -> None:
 
     from llmctl.sweep import trial_plans as planning
 
-    sp = planning.make_sweep_plan(["experiment=smoke", "train.val_every=2", "train.steps=12,40",
-                                   "train.lr=tag(log, interval(1e-4,1e-1))"], search="tpe", n_trials=4, seed=1,
-                                  prune=kind)
+    sp = planning.make_sweep_plan(
+        ["experiment=smoke", "train.val_every=2", "train.steps=12,40", "train.lr=tag(log, interval(1e-4,1e-1))"],
+        search="tpe",
+        n_trials=4,
+        seed=1,
+        prune=kind,
+    )
     assert sp.search["grace_steps"] == 3 == search.grace_steps({"train": {"val_every": 2, "steps": 12}})
     assert "prune " + kind + " from step 3" in sp.describe()
     assert search.grace_steps({"train": {"val_every": 0, "steps": 12}}) == 12  # val only at the end
@@ -262,8 +301,9 @@ def test_a_trial_pruned_just_before_its_supervisor_died_ends_pruned(tmp_path: Pa
     mc, eid, study = _store_and_study(tmp_path)
     first = _bare_supervisor(mc, study, eid, tmp_path)
     study.ask()
-    run_id = mc.create_run(eid, tags={state.TAG_SWEEP_ID: "sweep-test", state.TAG_KIND: "trial",
-                                      state.TAG_TRIAL: "0"}).info.run_id
+    run_id = mc.create_run(
+        eid, tags={state.TAG_SWEEP_ID: "sweep-test", state.TAG_KIND: "trial", state.TAG_TRIAL: "0"}
+    ).info.run_id
     for step in (2, 4):
         mc.log_metric(run_id, "val/loss", 9.0 - step / 10, step=step)
     first.spec["trials"].append({"index": 0, "cfg": {"train": {"steps": 12}}})

@@ -16,14 +16,19 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from helpers import run_cli
 
 pytestmark = pytest.mark.slow
 
 STEPS = 12
-TINY = ["experiment=smoke", f"train.steps={STEPS}", "train.log_every=2", "train.val_every=2", "train.val_batches=1",
-        "checkpoint.every=0"]
+TINY = [
+    "experiment=smoke",
+    f"train.steps={STEPS}",
+    "train.log_every=2",
+    "train.val_every=2",
+    "train.val_batches=1",
+    "checkpoint.every=0",
+]
 SEARCH = ["train.lr=tag(log, interval(1e-3, 1.0))", "train.warmup_steps=choice(0,2,5)"]
 SEED = "7"
 
@@ -41,8 +46,10 @@ class Store:
         mc = self.client()
         runs = mc.search_runs([e.experiment_id for e in mc.search_experiments()], f"tags.`llmctl.sweep_id` = '{sid}'")
         [parent] = [r for r in runs if r.data.tags.get("llmctl.kind") == "sweep"]
-        children = sorted((r for r in runs if r.data.tags.get("llmctl.kind") == "trial"),
-                          key=lambda r: int(r.data.tags["llmctl.trial"]))
+        children = sorted(
+            (r for r in runs if r.data.tags.get("llmctl.kind") == "trial"),
+            key=lambda r: int(r.data.tags["llmctl.trial"]),
+        )
         return parent, children
 
     def study(self, sid: str) -> Any:
@@ -62,8 +69,15 @@ def _sweep_id(stdout: str) -> str:
 def store(cache_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Store:
     root = tmp_path_factory.mktemp("search-store")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "LLMCTL_"))}
-    env.update({"LLMCTL_CACHE_DIR": str(cache_dir), "PYTHONUNBUFFERED": "1", "HOME": str(root / "home"),
-                "SKYPILOT_DISABLE_USAGE_COLLECTION": "1", "DO_NOT_TRACK": "1"})
+    env.update(
+        {
+            "LLMCTL_CACHE_DIR": str(cache_dir),
+            "PYTHONUNBUFFERED": "1",
+            "HOME": str(root / "home"),
+            "SKYPILOT_DISABLE_USAGE_COLLECTION": "1",
+            "DO_NOT_TRACK": "1",
+        }
+    )
     (root / "home").mkdir()
     return Store(root, env)
 
@@ -71,8 +85,28 @@ def store(cache_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Store:
 @pytest.fixture(scope="module")
 def tpe_sweep(store: Store) -> dict[str, Any]:
     t0 = time.monotonic()
-    tpe = run_cli(["launch", "-m", "--wait", "--max-parallel", "2", "--search", "tpe", "--trials", "12",
-                   "--prune", "asha", "--seed", SEED, *TINY, *SEARCH], store.root, store.env, timeout=900)
+    tpe = run_cli(
+        [
+            "launch",
+            "-m",
+            "--wait",
+            "--max-parallel",
+            "2",
+            "--search",
+            "tpe",
+            "--trials",
+            "12",
+            "--prune",
+            "asha",
+            "--seed",
+            SEED,
+            *TINY,
+            *SEARCH,
+        ],
+        store.root,
+        store.env,
+        timeout=900,
+    )
     assert tpe.returncode == 0, tpe.stdout[-3000:] + tpe.stderr[-3000:]
     print(f"tpe sweep {time.monotonic() - t0:.0f} s")
     return {"tpe": _sweep_id(tpe.stdout), "tpe_out": tpe.stdout}
@@ -122,11 +156,12 @@ def test_same_seed_proposes_the_same_first_trials(store: Store, tpe_sweep: dict[
     """The sweep's first trials (TPE's random startup: a quarter of 12) are what a fresh plan with the
     seed proposes, whatever the trials' results and timing were."""
     _, children = store.sweep(tpe_sweep["tpe"])
-    plan = run_cli(["plan", "-m", "--search", "tpe", "--trials", "12", "--seed", SEED, *TINY, *SEARCH],
-                   store.root, store.env)
+    plan = run_cli(
+        ["plan", "-m", "--search", "tpe", "--trials", "12", "--seed", SEED, *TINY, *SEARCH], store.root, store.env
+    )
     assert plan.returncode == 0, plan.stderr
     proposed = [line.split(": ", 1)[1].split() for line in plan.stdout.splitlines() if line.startswith("  trial ")]
-    ran = [c.data.tags["llmctl.trial.overrides"].split()[-2:] for c in children[:len(proposed)]]
+    ran = [c.data.tags["llmctl.trial.overrides"].split()[-2:] for c in children[: len(proposed)]]
     assert len(proposed) == 3 and ran == proposed
 
 
@@ -144,8 +179,11 @@ def test_killed_supervisor_resumes_every_trial_once(store: Store) -> None:
     trials train; ``llmctl resume`` follows the live one, resumes the dead one from its checkpoint in
     the same run, and runs the rest."""
     slow = [*TINY, "train.steps=24", "checkpoint.every=6"]  # long enough to be killed mid-trial
-    out = run_cli(["launch", "-m", "--max-parallel", "2", "--search", "random", "--trials", "4", "--seed", "1",
-                   *slow, *SEARCH], store.root, store.env)
+    out = run_cli(
+        ["launch", "-m", "--max-parallel", "2", "--search", "random", "--trials", "4", "--seed", "1", *slow, *SEARCH],
+        store.root,
+        store.env,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     sid = _sweep_id(out.stdout)
     sdir = store.sweep_dir(sid)

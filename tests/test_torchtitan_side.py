@@ -27,17 +27,24 @@ import torch
 
 if sys.version_info < (3, 11):  # torchtitan 0.3.0 requires it (and tomllib is 3.11+)
     pytest.skip("torchtitan needs Python >= 3.11", allow_module_level=True)
-import tomllib  # noqa: E402
-
+import tomllib
 from helpers import ROOT, pip_target
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
-import titan_sides as ts  # noqa: E402
+import titan_sides as ts
 
 SEQ, BATCH = 64, 2
 # Our conf spelling of torchtitan's "debugmodel" (dim 256, 16 heads, FFN 768, vocab 2048, untied).
-TINY = {"dim": 256, "n_heads": 16, "n_kv_heads": 16, "vocab_size": 2048, "multiple_of": 256,
-        "ffn_dim_multiplier": None, "tie_embeddings": False, "rope_theta": 500000.0}
+TINY = {
+    "dim": 256,
+    "n_heads": 16,
+    "n_kv_heads": 16,
+    "vocab_size": 2048,
+    "multiple_of": 256,
+    "ffn_dim_multiplier": None,
+    "tie_embeddings": False,
+    "rope_theta": 500000.0,
+}
 
 
 @pytest.fixture(scope="module")
@@ -98,8 +105,9 @@ def test_torchtitan_side_trains_one_step(titan: str, process_group: None, tied: 
 
         cfg.enable_weight_tying = True
         cfg.tok_embeddings.param_init = {"weight": skip_param_init}
-    side = ts.titan_side(cfg, SEQ, BATCH, torch.device("cpu"), precision="fsdp",
-                         compile_model=False, compile_loss=False)
+    side = ts.titan_side(
+        cfg, SEQ, BATCH, torch.device("cpu"), precision="fsdp", compile_model=False, compile_loss=False
+    )
     assert side.model._skip_lm_head  # its chunked loss applies the LM head
     assert (side.model.lm_head.weight is side.model.tok_embeddings.weight) == tied
     loss, changed, total = _one_step(side, cfg.vocab_size)
@@ -151,8 +159,13 @@ def test_benchmark_knobs_are_checked_up_front(monkeypatch: pytest.MonkeyPatch) -
     import gpu_vs_torchtitan as bench
 
     assert bench.settings()["precision"] == "fsdp" and bench.settings()["tt_attn"] == "flex"
-    for key, bad in (("GPU_BENCH_TT_ATTN", "flash"), ("GPU_BENCH_PRECISION", "fp16"), ("GPU_BENCH_SHAPES", "1b,70b"),
-                     ("GPU_BENCH_BATCH", "0"), ("GPU_BENCH_8B_LAYERS", "ten")):
+    for key, bad in (
+        ("GPU_BENCH_TT_ATTN", "flash"),
+        ("GPU_BENCH_PRECISION", "fp16"),
+        ("GPU_BENCH_SHAPES", "1b,70b"),
+        ("GPU_BENCH_BATCH", "0"),
+        ("GPU_BENCH_8B_LAYERS", "ten"),
+    ):
         with monkeypatch.context() as m:
             m.setenv(key, bad)
             with pytest.raises(ValueError, match=key):

@@ -19,16 +19,16 @@ import time
 from pathlib import Path
 from typing import Any, Optional, TextIO
 
-from llmctl.run import progress
 from llmctl.backends.base import ENDED, JobStatus
 from llmctl.config.compose import Composed, to_yaml
+from llmctl.config.launcher_checks import resolve_layout
 from llmctl.errors import LaunchError
 from llmctl.plan.devices import local_gpu_count, this_machine
 from llmctl.plan.job_plan import Plan
+from llmctl.run import progress
 from llmctl.run.procs import Interrupted, note_stop_request, same_process, signal_tree, start_time
-from llmctl.tracking.mlflow_run import RunHandle
-from llmctl.config.launcher_checks import resolve_layout
 from llmctl.run.workdir import run_dir
+from llmctl.tracking.mlflow_run import RunHandle
 from workloads.pretrain.contract.hardware import cpu_threads
 
 CONFIG_PLACEHOLDER = "<run-dir>/config.yaml"
@@ -52,8 +52,15 @@ def job_command(nproc: int, config_path: str) -> list[str]:
     workload = ["-m", "workloads.pretrain", "--config", config_path]
     if nproc == 1:
         return [sys.executable, "-u", *workload]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
-            f"--nproc_per_node={nproc}", *workload]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nnodes=1",
+        f"--nproc_per_node={nproc}",
+        *workload,
+    ]
 
 
 def _worker_env(plan: Plan, handle: RunHandle, rdir: Path) -> dict[str, str]:
@@ -141,10 +148,20 @@ class LocalBackend:
         notes = []
         if gpus and nproc > gpus:
             notes.append(f"{nproc} processes share {gpus} GPU(s)")
-        return Plan(cfg=resolved, choices=composed.choices, backend=self.name, where="local (this machine)",
-                    nodes=1, nproc_per_node=nproc, layout=layout, device=device,
-                    command=job_command(nproc, CONFIG_PLACEHOLDER), tracking_uri="", hardware=hardware,
-                    notes=notes)
+        return Plan(
+            cfg=resolved,
+            choices=composed.choices,
+            backend=self.name,
+            where="local (this machine)",
+            nodes=1,
+            nproc_per_node=nproc,
+            layout=layout,
+            device=device,
+            command=job_command(nproc, CONFIG_PLACEHOLDER),
+            tracking_uri="",
+            hardware=hardware,
+            notes=notes,
+        )
 
     def preflight(self, plan: Plan) -> None:
         """Nothing to check: this machine is here."""
@@ -166,10 +183,17 @@ class LocalBackend:
         cmd = job_command(plan.nproc_per_node, str(config_path))
         out = echo or sys.stdout
         bar = progress.StepProgress(out) if progress.wanted(out) else None
-        with open(rdir / "output.log", "a") as log, (bar or contextlib.nullcontext()):  # a resume appends
+        with open(rdir / "output.log", "a") as log, bar or contextlib.nullcontext():  # a resume appends
             # own process group: Ctrl-C reaches the controller, which stops the group in order
-            proc = subprocess.Popen(cmd, env=_worker_env(plan, handle, rdir), stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True)
+            proc = subprocess.Popen(
+                cmd,
+                env=_worker_env(plan, handle, rdir),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                bufsize=1,
+                start_new_session=True,
+            )
             pids = {"controller": os.getpid(), "workers": proc.pid}
             pids.update({f"{k}_start": t for k, t in ((k, start_time(p)) for k, p in pids.items()) if t is not None})
             (rdir / PIDS_FILE).write_text(json.dumps(pids))
@@ -198,10 +222,18 @@ class LocalBackend:
         """Whether the run's processes are alive (runs are looked up in ``./llmctl-runs``)."""
         pids = _pids(run.info.run_id)
         if not pids:
-            return JobStatus([f"process:     unknown (no {run_dir(run.info.run_id) / PIDS_FILE};"
-                              " run llmctl from where you launched)"])
-        return JobStatus([f"process:     {'alive' if _alive(pids) else 'exited'} (controller pid"
-                          f" {pids.get('controller')}, workers pgid {pids.get('workers')})"])
+            return JobStatus(
+                [
+                    f"process:     unknown (no {run_dir(run.info.run_id) / PIDS_FILE};"
+                    " run llmctl from where you launched)"
+                ]
+            )
+        return JobStatus(
+            [
+                f"process:     {'alive' if _alive(pids) else 'exited'} (controller pid"
+                f" {pids.get('controller')}, workers pgid {pids.get('workers')})"
+            ]
+        )
 
     def alive(self, run: Any, uri: str) -> bool:
         return _alive(_pids(run.info.run_id))

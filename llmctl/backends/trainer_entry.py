@@ -24,6 +24,7 @@ def run_trainer_entry(entry: str, cfg: dict[str, Any], *args: str, capture: bool
         proc = subprocess.run(cmd, text=True, capture_output=capture)
     if proc.returncode:
         last = (proc.stderr or "").strip().splitlines()[-1:] if capture else []
-        raise LaunchError(f"workloads.pretrain.{entry} exited with code {proc.returncode}"
-                          + (f": {last[0]}" if last else ""))
+        raise LaunchError(
+            f"workloads.pretrain.{entry} exited with code {proc.returncode}" + (f": {last[0]}" if last else "")
+        )
     return proc.stdout or ""

@@ -83,16 +83,17 @@ def _field_type_name(dotted: str) -> str:
     return {"int": "integer", "float": "number", "bool": "true|false", "str": "string"}.get(base, "value")
 
 
-def _check_override(raw: str, key: str, is_add: bool, is_delete: bool, value: Any,
-                    extra_dir: Optional[str]) -> None:
+def _check_override(raw: str, key: str, is_add: bool, is_delete: bool, value: Any, extra_dir: Optional[str]) -> None:
     """Refuse overrides the schema does not know, before Hydra gets a chance to accept them."""
     if not key:
         raise ConfigError(f"'{raw}' has no key: write key=value (e.g. train.steps=50)")
     top = key.split(".")[0].split("@")[0]
     if key in GROUPS:
         if is_delete and key != "experiment":
-            raise ConfigError(f"'{raw}': the config group '{key}' cannot be removed; pick an option: "
-                              + ", ".join(group_options(key, extra_dir)))
+            raise ConfigError(
+                f"'{raw}': the config group '{key}' cannot be removed; pick an option: "
+                + ", ".join(group_options(key, extra_dir))
+            )
         options = group_options(key, extra_dir)
         if key == "experiment" and is_delete:  # ~experiment: no preset
             return
@@ -101,8 +102,10 @@ def _check_override(raw: str, key: str, is_add: bool, is_delete: bool, value: An
         if not isinstance(value, str):
             raise ConfigError(f"'{raw}': {key} is a config group; pick one of: {', '.join(options)}")
         if value not in options:
-            raise ConfigError(f"Unknown {key} '{value}' in '{raw}'."
-                              f"{_did_you_mean(value, options)} Options for {key}: {', '.join(options)}")
+            raise ConfigError(
+                f"Unknown {key} '{value}' in '{raw}'."
+                f"{_did_you_mean(value, options)} Options for {key}: {', '.join(options)}"
+            )
         return
     if top == "hydra":
         raise ConfigError(f"'{raw}': hydra.* settings are managed by llmctl and cannot be overridden")
@@ -110,10 +113,11 @@ def _check_override(raw: str, key: str, is_add: bool, is_delete: bool, value: An
     if key not in known:
         hint = _did_you_mean(key, known)
         if is_add:
-            raise ConfigError(f"'{raw}' adds the key '{key}', which llmctl's schema does not have."
-                              f"{hint} Extra keys are refused so typos cannot pass silently.")
-        raise ConfigError(f"Unknown key '{key}' in '{raw}'.{hint}"
-                          f" Run 'llmctl config show' to see every key.")
+            raise ConfigError(
+                f"'{raw}' adds the key '{key}', which llmctl's schema does not have."
+                f"{hint} Extra keys are refused so typos cannot pass silently."
+            )
+        raise ConfigError(f"Unknown key '{key}' in '{raw}'.{hint} Run 'llmctl config show' to see every key.")
     if is_add:
         raise ConfigError(f"'{raw}': '{key}' already exists; set it without '+': {key}=...")
     if is_delete:
@@ -136,8 +140,9 @@ def parse_overrides(overrides: list[str], parser: Any = None) -> list[Any]:
             parsed.extend(parser.parse_overrides([raw]))
         except OverrideParseException as exc:
             detail = str(exc).splitlines()[-1] if str(exc) else "syntax error"
-            raise ConfigError(f"Cannot parse override '{raw}': {detail}."
-                              " Quote values with special characters, e.g. key='a b'") from None
+            raise ConfigError(
+                f"Cannot parse override '{raw}': {detail}. Quote values with special characters, e.g. key='a b'"
+            ) from None
     return parsed
 
 

@@ -18,10 +18,26 @@ from urllib.parse import urlsplit
 from llmctl.errors import ConfigError
 
 # key -> whether it is read (must exist when local) or written
-FSSPEC_KEYS = {"data.source": True, "data.tokenizer": True, "model.init_from": True, "eval.source": True,
-               "checkpoint.dir": False, "data.cache_dir": False}
-MLFLOW_SCHEMES = {"http", "https", "sqlite", "file", "postgresql", "mysql", "mssql", "databricks", "databricks-uc",
-                  "uc"}
+FSSPEC_KEYS = {
+    "data.source": True,
+    "data.tokenizer": True,
+    "model.init_from": True,
+    "eval.source": True,
+    "checkpoint.dir": False,
+    "data.cache_dir": False,
+}
+MLFLOW_SCHEMES = {
+    "http",
+    "https",
+    "sqlite",
+    "file",
+    "postgresql",
+    "mysql",
+    "mssql",
+    "databricks",
+    "databricks-uc",
+    "uc",
+}
 BUILTIN = "builtin:"
 URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 ALMOST_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+)(:/(?!/)|//|:(?!/))")  # s3:/b, s3//b, s3:b (not C:\ or ./x)
@@ -56,16 +72,22 @@ def check_fsspec(key: str, value: str, read: bool, local: bool) -> None:
         if m:
             scheme = m.group(1).lower()
             if scheme not in known_implementations:
-                near = [s for s in ("s3", "gs", "gcs", "az", "abfs", "hf", "http", "https", "file") if s[0] == scheme[0]]
-                raise _bad(key, value, f"has a scheme fsspec does not know ({scheme}://)."
-                                       f" Fix: {' or '.join(f'{s}://' for s in near) or 's3://, gs://, hf://, a local path'}")
+                near = [
+                    s for s in ("s3", "gs", "gcs", "az", "abfs", "hf", "http", "https", "file") if s[0] == scheme[0]
+                ]
+                raise _bad(
+                    key,
+                    value,
+                    f"has a scheme fsspec does not know ({scheme}://)."
+                    f" Fix: {' or '.join(f'{s}://' for s in near) or 's3://, gs://, hf://, a local path'}",
+                )
             if scheme not in ("file", "local", "memory") and not urlsplit(part).netloc:
                 raise _bad(key, value, f"names no bucket or host after {scheme}://")
             continue
         almost = ALMOST_URL.match(part)
         if almost and almost.group(1).lower() in known_implementations:
             scheme = almost.group(1)
-            rest = part[almost.end():].lstrip("/")
+            rest = part[almost.end() :].lstrip("/")
             raise _bad(key, value, f"is not a well-formed URL. Fix: {scheme}://{rest}")
     if read and local and "://" not in value and "::" not in value:
         path = Path(value).expanduser()
@@ -87,14 +109,18 @@ def check_tracking_uri(value: Optional[str]) -> None:
         return
     scheme = m.group(1).lower().split("+")[0]
     if scheme not in MLFLOW_SCHEMES:
-        raise _bad(key, value, f"has a scheme MLflow's tracking stores do not know ({scheme}:)."
-                               " Fix: http://HOST:PORT, https://..., sqlite:///PATH, postgresql://... or a path")
+        raise _bad(
+            key,
+            value,
+            f"has a scheme MLflow's tracking stores do not know ({scheme}:)."
+            " Fix: http://HOST:PORT, https://..., sqlite:///PATH, postgresql://... or a path",
+        )
     if scheme == "sqlite" and not value.startswith("sqlite:///"):
         raise _bad(key, value, "is not a sqlite URL. Fix: sqlite:///relative/path.db or sqlite:////absolute/path.db")
     if scheme in ("http", "https"):
         parts = urlsplit(value)
         try:
-            parts.port
+            _ = parts.port  # parsing it is the check
         except ValueError:
             raise _bad(key, value, "has a port that is not a number in 1-65535") from None
         if not parts.hostname:

@@ -12,8 +12,22 @@ from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from typing import Dict, Optional
 
 from workloads.pretrain.contract.schema import (  # noqa: F401 - the enums are looked up by name (config._field_type_name)
-    LAUNCHER_SECTIONS, ActivationCheckpointing, Arch, CheckpointCfg, DataCfg, DType, EvalCfg, Fp8, GradSync, Kernels,
-    ModelCfg, ParallelCfg, RopeLayout, Schedule, TrainCfg, TrainerCfg,
+    LAUNCHER_SECTIONS,
+    ActivationCheckpointing,
+    Arch,
+    CheckpointCfg,
+    DataCfg,
+    DType,
+    EvalCfg,
+    Fp8,
+    GradSync,
+    Kernels,
+    ModelCfg,
+    ParallelCfg,
+    RopeLayout,
+    Schedule,
+    TrainCfg,
+    TrainerCfg,
 )
 
 

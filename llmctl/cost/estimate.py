@@ -52,10 +52,13 @@ def shape_key(cfg: Mapping[str, Any]) -> str:
     m, t, p = cfg["model"], cfg["train"], cfg["parallel"]
     hidden = hidden_dim(m)
     fp8 = _plain(t.get("fp8") or "none")
-    return (f"d{m['dim']}-L{m['n_layers']}-H{m['n_heads']}-KV{m.get('n_kv_heads') or m['n_heads']}"
-            f"-V{m['vocab_size']}-F{hidden}-tie{int(bool(m['tie_embeddings']))}-T{t['seq_len']}"
-            f"-{_plain(t['dtype'])}{'' if fp8 == 'none' else '+fp8' + fp8}-{_plain(m['kernels'])}{'-compiled' if m.get('compile') else ''}"
-            f"-tp{p.get('tp', 1)}-ac{_plain(p.get('ac', 'none'))}")
+    return (
+        f"d{m['dim']}-L{m['n_layers']}-H{m['n_heads']}-KV{m.get('n_kv_heads') or m['n_heads']}"
+        f"-V{m['vocab_size']}-F{hidden}-tie{int(bool(m['tie_embeddings']))}-T{t['seq_len']}"
+        f"-{_plain(t['dtype'])}{'' if fp8 == 'none' else '+fp8' + fp8}"
+        f"-{_plain(m['kernels'])}{'-compiled' if m.get('compile') else ''}"
+        f"-tp{p.get('tp', 1)}-ac{_plain(p.get('ac', 'none'))}"
+    )
 
 
 def _plain(value: Any) -> str:
@@ -103,15 +106,19 @@ def measured_throughput(m: Measured, cfg: Mapping[str, Any], hw: Hardware, accel
         fpt = flops_per_token(cfg["model"], int(t["seq_len"]))
         flops_ratio, kind = m.flops_per_token / fpt, "transferred"
         what = f"shape {m.shape}"
-        scaled += (f"; its {m.tokens_per_s * m.flops_per_token / 1e9:,.1f} GFLOP/s at"
-                   f" {fpt / 1e6:,.2f} MFLOP/token instead of {m.flops_per_token / 1e6:,.2f}")
+        scaled += (
+            f"; its {m.tokens_per_s * m.flops_per_token / 1e9:,.1f} GFLOP/s at"
+            f" {fpt / 1e6:,.2f} MFLOP/token instead of {m.flops_per_token / 1e6:,.2f}"
+        )
     return Throughput(
         tokens_per_s=m.tokens_per_s * nodes_ratio * flops_ratio,
         val_pass_s=m.val_pass_s * val_ratio / nodes_ratio / flops_ratio,
         overhead_s=m.overhead_s,
         kind=kind,
-        source=(f"{kind}: run {m.run_id[:12]} ({m.steps} steps of {what} on {accelerator}):"
-                f" {m.tokens_per_s:,.0f} tok/s{scaled}, overhead {m.overhead_s:.1f} s, val pass {m.val_pass_s:.2f} s"),
+        source=(
+            f"{kind}: run {m.run_id[:12]} ({m.steps} steps of {what} on {accelerator}):"
+            f" {m.tokens_per_s:,.0f} tok/s{scaled}, overhead {m.overhead_s:.1f} s, val pass {m.val_pass_s:.2f} s"
+        ),
         run_id=m.run_id,
     )
 
@@ -123,19 +130,28 @@ def prior_throughput(cfg: Mapping[str, Any], hw: Hardware, backend: str) -> Thro
     dtype = _plain(t["dtype"])
     if hw.gpu:
         peak = peak_for(hw.gpu, dtype)
-        peak_note = f"{dtype} peak {peak:g} TFLOP/s" if peak else f"unknown peak, assumed {UNKNOWN_GPU_TFLOPS:g} TFLOP/s"
+        peak_note = (
+            f"{dtype} peak {peak:g} TFLOP/s" if peak else f"unknown peak, assumed {UNKNOWN_GPU_TFLOPS:g} TFLOP/s"
+        )
         flops_s = MFU_PRIOR * (peak or UNKNOWN_GPU_TFLOPS) * 1e12 * hw.devices
         source = f"prior: {MFU_PRIOR:.0%} MFU of {hw.gpu} {peak_note} x {hw.devices} GPU(s)"
         overhead = OVERHEAD_PRIOR_S["sky" if backend == "sky" else "local-gpu"]
     else:
         flops_s = CPU_GFLOPS_PER_CORE * 1e9 * hw.cores_per_node * hw.nodes
-        source = (f"prior (rough): CPU at {CPU_GFLOPS_PER_CORE:g} GFLOP/s per core x {hw.cores_per_node} core(s)"
-                  f" x {hw.nodes} node(s)")
+        source = (
+            f"prior (rough): CPU at {CPU_GFLOPS_PER_CORE:g} GFLOP/s per core x {hw.cores_per_node} core(s)"
+            f" x {hw.nodes} node(s)"
+        )
         overhead = OVERHEAD_PRIOR_S["sky" if backend == "sky" else "local-cpu"]
     val_tokens = int(t["val_batches"]) * int(t["batch_size"]) * int(t["seq_len"])
-    return Throughput(tokens_per_s=flops_s / fpt, val_pass_s=val_tokens * fpt / 3 / flops_s, overhead_s=overhead,
-                      kind="prior", source=f"{source}; no FINISHED run of this shape on {hw.accelerator} in MLflow"
-                      f" (fixed overhead prior {overhead:g} s)")
+    return Throughput(
+        tokens_per_s=flops_s / fpt,
+        val_pass_s=val_tokens * fpt / 3 / flops_s,
+        overhead_s=overhead,
+        kind="prior",
+        source=f"{source}; no FINISHED run of this shape on {hw.accelerator} in MLflow"
+        f" (fixed overhead prior {overhead:g} s)",
+    )
 
 
 # ----------------------------------------------------------------------------- prices
@@ -159,9 +175,14 @@ def catalog_prices(offers_by_mode: Mapping[bool, list[Any]]) -> list[Price]:
     out = []
     for spot, found in offers_by_mode.items():
         for o in found:
-            out.append(Price(label=f"{o.provider} {o.instance_type} {o.region} {'spot' if spot else 'on-demand'}",
-                             usd_per_hour=o.total_hour, spot=spot,
-                             source=f"SkyPilot catalog: ${o.per_node_hour:.2f}/h per node x {o.nodes} node(s)"))
+            out.append(
+                Price(
+                    label=f"{o.provider} {o.instance_type} {o.region} {'spot' if spot else 'on-demand'}",
+                    usd_per_hour=o.total_hour,
+                    spot=spot,
+                    source=f"SkyPilot catalog: ${o.per_node_hour:.2f}/h per node x {o.nodes} node(s)",
+                )
+            )
     return sorted(out, key=lambda p: (p.spot, p.usd_per_hour))
 
 
@@ -177,13 +198,26 @@ def configured_price(infra: Mapping[str, Any], hw: Hardware) -> Price:
     spot = bool(infra.get("use_spot"))
     if infra.get("price_per_gpu_hour") is None:
         if infra.get("kind") == "local" and not hw.gpus_per_node:
-            return Price(label=f"{infra['name']} (this machine's CPU)", usd_per_hour=0.0, spot=spot,
-                         source="your own CPU: $0 (infra.price_per_gpu_hour=<$ per hour> to charge for it)")
-        return Price(label=str(infra["name"]), usd_per_hour=0.0, spot=spot, priced=False,
-                     source=f"no catalog price; {UNPRICED_FIX}")
+            return Price(
+                label=f"{infra['name']} (this machine's CPU)",
+                usd_per_hour=0.0,
+                spot=spot,
+                source="your own CPU: $0 (infra.price_per_gpu_hour=<$ per hour> to charge for it)",
+            )
+        return Price(
+            label=str(infra["name"]),
+            usd_per_hour=0.0,
+            spot=spot,
+            priced=False,
+            source=f"no catalog price; {UNPRICED_FIX}",
+        )
     rate = float(infra["price_per_gpu_hour"])
-    return Price(label=f"{infra['name']} at ${rate:g}/{unit}-h", usd_per_hour=rate * hw.devices, spot=spot,
-                 source=f"infra.price_per_gpu_hour ${rate:g} x {hw.devices} {unit}(s)")
+    return Price(
+        label=f"{infra['name']} at ${rate:g}/{unit}-h",
+        usd_per_hour=rate * hw.devices,
+        spot=spot,
+        source=f"infra.price_per_gpu_hour ${rate:g} x {hw.devices} {unit}(s)",
+    )
 
 
 def choose_price(infra: Mapping[str, Any], hw: Hardware, catalog: list[Price]) -> Price:
@@ -253,9 +287,11 @@ class Estimate:
         to stop at, and a $0 price would turn the in-run guard off without a word."""
         if self.max_cost is None or self.priced:
             return None
-        return (f"--max-cost ${self.max_cost:,.2f} cannot be enforced: infra '{self.price.label}' is unpriced (no"
-                " catalog price, no infra.price_per_gpu_hour), so its spend cannot be tracked."
-                " Fix: infra.price_per_gpu_hour=<$ per GPU-hour>")
+        return (
+            f"--max-cost ${self.max_cost:,.2f} cannot be enforced: infra '{self.price.label}' is unpriced (no"
+            " catalog price, no infra.price_per_gpu_hour), so its spend cannot be tracked."
+            " Fix: infra.price_per_gpu_hour=<$ per GPU-hour>"
+        )
 
     def describe(self) -> str:
         lines = [
@@ -263,21 +299,28 @@ class Estimate:
             f"model:       N = {self.n_params:,} params (no input embedding);"
             f" {self.flops_per_token / 1e6:,.2f} MFLOP/token (6N + 12*L*H*Q*T)",
             f"compute:     {self.tokens:,} tokens x FLOPs/token = {self.flops:.3e} FLOPs",
-            f"throughput:  {self.throughput.tokens_per_s:,.0f} tok/s on {self.hw.nodes} node(s) of {self.hw.accelerator}",
+            f"throughput:  {self.throughput.tokens_per_s:,.0f} tok/s"
+            f" on {self.hw.nodes} node(s) of {self.hw.accelerator}",
             f"  source:    {self.throughput.source}",
-            f"wall time:   {_dur(self.wall_s)} = overhead {self.throughput.overhead_s:.0f} s + train {_dur(self.train_s)}"
+            f"wall time:   {_dur(self.wall_s)} = overhead {self.throughput.overhead_s:.0f} s"
+            f" + train {_dur(self.train_s)}"
             f" + {self.val_passes} val pass(es) x {self.throughput.val_pass_s:.2f} s;"
             f" {self.device_hours:,.3f} device-hours",
-            (f"price:       ${self.price.usd_per_hour:,.2f}/h ({self.price.label}; {self.price.source})" if self.priced
-             else f"price:       unpriced ({self.price.label}: {self.price.source})"),
+            (
+                f"price:       ${self.price.usd_per_hour:,.2f}/h ({self.price.label}; {self.price.source})"
+                if self.priced
+                else f"price:       unpriced ({self.price.label}: {self.price.source})"
+            ),
             f"total:       {self.total_text} estimated",
         ]
         if self.budget_refusal():
             lines.append(f"max cost:    ${self.max_cost:,.2f} (REFUSED: launch will refuse: {self.budget_refusal()})")
         elif self.max_cost is not None:
             verdict = "OVER: launch will refuse" if self.over_budget else "within"
-            lines.append(f"max cost:    ${self.max_cost:,.2f} ({verdict}); a running job stops after a checkpoint"
-                         " when its spend would pass it")
+            lines.append(
+                f"max cost:    ${self.max_cost:,.2f} ({verdict}); a running job stops after a checkpoint"
+                " when its spend would pass it"
+            )
         if self.offers:
             lines.append(f"{'offer':<52} {'$/h':>9} {'total $':>10}")
             for p in self.offers:
@@ -286,11 +329,18 @@ class Estimate:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "n_params": self.n_params, "flops_per_token": self.flops_per_token, "steps": self.steps,
-            "tokens": self.tokens, "flops": self.flops, "val_passes": self.val_passes,
+            "n_params": self.n_params,
+            "flops_per_token": self.flops_per_token,
+            "steps": self.steps,
+            "tokens": self.tokens,
+            "flops": self.flops,
+            "val_passes": self.val_passes,
             "hardware": {**asdict(self.hw), "devices": self.hw.devices},
-            "throughput": asdict(self.throughput), "train_s": self.train_s, "wall_s": self.wall_s,
-            "device_hours": self.device_hours, "price": asdict(self.price),
+            "throughput": asdict(self.throughput),
+            "train_s": self.train_s,
+            "wall_s": self.wall_s,
+            "device_hours": self.device_hours,
+            "price": asdict(self.price),
             "total_usd": self.total_usd if self.priced else None,
             "offers": [{**asdict(p), "total_usd": self.cost_at(p)} for p in self.offers],
             "max_cost": self.max_cost,
@@ -305,15 +355,31 @@ def _dur(seconds: float) -> str:
     return f"{seconds / 3600:.2f} h"
 
 
-def estimate(cfg: Mapping[str, Any], hw: Hardware, backend: str, *, measured: Optional[Measured] = None,
-             catalog: Optional[list[Price]] = None, max_cost: Optional[float] = None) -> Estimate:
+def estimate(
+    cfg: Mapping[str, Any],
+    hw: Hardware,
+    backend: str,
+    *,
+    measured: Optional[Measured] = None,
+    catalog: Optional[list[Price]] = None,
+    max_cost: Optional[float] = None,
+) -> Estimate:
     """The estimate for a resolved config, from explicit evidence (pure: tests hand-compute it)."""
     t = cfg["train"]
     steps, batch, seq = int(t["steps"]), int(t["batch_size"]), int(t["seq_len"])
-    throughput = (measured_throughput(measured, cfg, hw, hw.accelerator) if measured
-                  else prior_throughput(cfg, hw, backend))
+    throughput = (
+        measured_throughput(measured, cfg, hw, hw.accelerator) if measured else prior_throughput(cfg, hw, backend)
+    )
     catalog = catalog or []
-    return Estimate(n_params=num_params(cfg["model"]), flops_per_token=flops_per_token(cfg["model"], seq),
-                    steps=steps, tokens=steps * batch * seq, val_passes=val_passes(steps, int(t["val_every"])),
-                    hw=hw, throughput=throughput, price=choose_price(cfg["infra"], hw, catalog),
-                    offers=catalog, max_cost=max_cost)
+    return Estimate(
+        n_params=num_params(cfg["model"]),
+        flops_per_token=flops_per_token(cfg["model"], seq),
+        steps=steps,
+        tokens=steps * batch * seq,
+        val_passes=val_passes(steps, int(t["val_every"])),
+        hw=hw,
+        throughput=throughput,
+        price=choose_price(cfg["infra"], hw, catalog),
+        offers=catalog,
+        max_cost=max_cost,
+    )

@@ -69,7 +69,7 @@ def find(uri: str, shape: str, accelerator: str, cfg: Mapping[str, Any]) -> Opti
         if same:
             return _measured(max(same, key=_rank_same(cfg)), cfg)
         other = [r for r in _usable(candidates(uri, None, accelerator)) if _flops(r)]
-    except Exception:  # noqa: BLE001 - history is evidence, not a requirement: fall back to the prior
+    except Exception:
         return None
     if not other:
         return None
@@ -96,6 +96,7 @@ def _rank_same(cfg: Mapping[str, Any]) -> Any:
     def rank(r: Candidate) -> tuple[int, int]:
         same = (r.params.get("infra.nodes") == want[0]) + (r.params.get("train.batch_size") == want[1])
         return same, r.start_time or 0
+
     return rank
 
 
@@ -110,18 +111,28 @@ def _rank_other(cfg: Mapping[str, Any], shape: str) -> Any:
 
     def rank(r: Candidate) -> tuple[bool, float, bool, int]:
         theirs = str(r.tags.get(TAG_SHAPE, "")).split("-", 8)[-1]
-        return (theirs == regime, -abs(math.log(_flops(r) / fpt)), r.params.get("infra.nodes") == nodes,
-                r.start_time or 0)
+        return (
+            theirs == regime,
+            -abs(math.log(_flops(r) / fpt)),
+            r.params.get("infra.nodes") == nodes,
+            r.start_time or 0,
+        )
+
     return rank
 
 
 def _measured(best: Candidate, cfg: Mapping[str, Any]) -> Measured:
     p, m = best.params, best.figures
-    return Measured(run_id=best.run_id, tokens_per_s=m[STEADY], overhead_s=max(0.0, m[OVERHEAD]),
-                    val_pass_s=m.get(VAL_PASS, 0.0), nodes=int(p.get("infra.nodes", 1)),
-                    batch_size=int(p.get("train.batch_size", cfg["train"]["batch_size"])),
-                    val_batches=int(p.get("train.val_batches", cfg["train"]["val_batches"])),
-                    steps=int(m.get("train/steps_done", p.get("train.steps", 0))))
+    return Measured(
+        run_id=best.run_id,
+        tokens_per_s=m[STEADY],
+        overhead_s=max(0.0, m[OVERHEAD]),
+        val_pass_s=m.get(VAL_PASS, 0.0),
+        nodes=int(p.get("infra.nodes", 1)),
+        batch_size=int(p.get("train.batch_size", cfg["train"]["batch_size"])),
+        val_batches=int(p.get("train.val_batches", cfg["train"]["val_batches"])),
+        steps=int(m.get("train/steps_done", p.get("train.steps", 0))),
+    )
 
 
 # ----------------------------------------------------------------------------- reading the history
@@ -178,10 +189,23 @@ def _client_candidates(uri: str, shape: Optional[str], accelerator: str) -> list
         exps = mc.search_experiments()
         if not exps:
             return []
-        runs = mc.search_runs([e.experiment_id for e in exps], _filter(shape, accelerator),
-                              max_results=MAX_CANDIDATES, order_by=["attributes.start_time DESC"])
-    return [Candidate(r.info.run_id, r.info.start_time, r.info.status, dict(r.data.params), dict(r.data.metrics),
-                      {k: v for k, v in r.data.tags.items() if k in _TAGS_READ}) for r in runs]
+        runs = mc.search_runs(
+            [e.experiment_id for e in exps],
+            _filter(shape, accelerator),
+            max_results=MAX_CANDIDATES,
+            order_by=["attributes.start_time DESC"],
+        )
+    return [
+        Candidate(
+            r.info.run_id,
+            r.info.start_time,
+            r.info.status,
+            dict(r.data.params),
+            dict(r.data.metrics),
+            {k: v for k, v in r.data.tags.items() if k in _TAGS_READ},
+        )
+        for r in runs
+    ]
 
 
 _CALIBRATION = (STEADY, OVERHEAD, VAL_PASS, WALL, "train/steps_done")
@@ -207,19 +231,25 @@ def _sqlite_candidates(path: str, shape: Optional[str], accelerator: str) -> lis
 
     con = sqlite3.connect(f"file:{quote(path)}?mode=ro", uri=True, timeout=5)
     try:
-        rows = con.execute(_SQL_RUNS, (TAG_ACCELERATOR, accelerator, TAG_SHAPE, shape, shape, MAX_CANDIDATES)).fetchall()
+        rows = con.execute(
+            _SQL_RUNS, (TAG_ACCELERATOR, accelerator, TAG_SHAPE, shape, shape, MAX_CANDIDATES)
+        ).fetchall()
         runs = {rid: Candidate(rid, start, status, {}, {}) for rid, start, status in rows}
         if runs:
             marks = ",".join("?" * len(runs))
-            for rid, key, value in con.execute(f"SELECT run_uuid, key, value FROM params WHERE run_uuid IN ({marks})",
-                                               list(runs)):
+            for rid, key, value in con.execute(
+                f"SELECT run_uuid, key, value FROM params WHERE run_uuid IN ({marks})", list(runs)
+            ):
                 runs[rid].params[key] = value
             for rid, key, value, is_nan in con.execute(
-                    f"SELECT run_uuid, key, value, is_nan FROM latest_metrics WHERE run_uuid IN ({marks})", list(runs)):
+                f"SELECT run_uuid, key, value, is_nan FROM latest_metrics WHERE run_uuid IN ({marks})", list(runs)
+            ):
                 runs[rid].metrics[key] = float("nan") if is_nan else float(value)
-            for rid, key, value in con.execute(f"SELECT run_uuid, key, value FROM tags WHERE run_uuid IN ({marks})"
-                                               f" AND key IN ({','.join('?' * len(_TAGS_READ))})",
-                                               [*runs, *_TAGS_READ]):
+            for rid, key, value in con.execute(
+                f"SELECT run_uuid, key, value FROM tags WHERE run_uuid IN ({marks})"
+                f" AND key IN ({','.join('?' * len(_TAGS_READ))})",
+                [*runs, *_TAGS_READ],
+            ):
                 runs[rid].tags[key] = value
     finally:
         con.close()
@@ -227,8 +257,12 @@ def _sqlite_candidates(path: str, shape: Optional[str], accelerator: str) -> lis
 
 
 # what only MlflowClient knows how to do (plugins, signing, client certificates, workspaces)
-_REST_UNSUPPORTED = ("MLFLOW_TRACKING_AUTH", "MLFLOW_TRACKING_AWS_SIGV4", "MLFLOW_TRACKING_CLIENT_CERT_PATH",
-                     "MLFLOW_WORKSPACE")
+_REST_UNSUPPORTED = (
+    "MLFLOW_TRACKING_AUTH",
+    "MLFLOW_TRACKING_AWS_SIGV4",
+    "MLFLOW_TRACKING_CLIENT_CERT_PATH",
+    "MLFLOW_WORKSPACE",
+)
 
 
 def _rest_candidates(uri: str, shape: Optional[str], accelerator: str) -> list[Candidate]:
@@ -236,17 +270,31 @@ def _rest_candidates(uri: str, shape: Optional[str], accelerator: str) -> list[C
     ids = [e["experiment_id"] for e in exps.get("experiments", [])]
     if not ids:
         return []
-    found = _post(uri, "/api/2.0/mlflow/runs/search", {
-        "experiment_ids": ids, "filter": _filter(shape, accelerator), "run_view_type": "ACTIVE_ONLY",
-        "max_results": MAX_CANDIDATES, "order_by": ["attributes.start_time DESC"]})
+    found = _post(
+        uri,
+        "/api/2.0/mlflow/runs/search",
+        {
+            "experiment_ids": ids,
+            "filter": _filter(shape, accelerator),
+            "run_view_type": "ACTIVE_ONLY",
+            "max_results": MAX_CANDIDATES,
+            "order_by": ["attributes.start_time DESC"],
+        },
+    )
     out = []
     for r in found.get("runs", []):
         info, data = r["info"], r.get("data", {})
         start = info.get("start_time")
-        out.append(Candidate(info["run_id"], int(start) if start is not None else None, info.get("status", ""),
-                             {p["key"]: p.get("value", "") for p in data.get("params", [])},
-                             {m["key"]: float(m["value"]) for m in data.get("metrics", [])},
-                             {t["key"]: t.get("value", "") for t in data.get("tags", []) if t["key"] in _TAGS_READ}))
+        out.append(
+            Candidate(
+                info["run_id"],
+                int(start) if start is not None else None,
+                info.get("status", ""),
+                {p["key"]: p.get("value", "") for p in data.get("params", [])},
+                {m["key"]: float(m["value"]) for m in data.get("metrics", [])},
+                {t["key"]: t.get("value", "") for t in data.get("tags", []) if t["key"] in _TAGS_READ},
+            )
+        )
     return out
 
 
@@ -256,9 +304,11 @@ def _credentials() -> tuple[Optional[str], Optional[str]]:
 
     saved = configparser.ConfigParser()
     saved.read(os.path.expanduser("~/.mlflow/credentials"))
-    section = saved["mlflow"] if "mlflow" in saved else {}
-    return (os.environ.get("MLFLOW_TRACKING_USERNAME") or section.get("mlflow_tracking_username"),
-            os.environ.get("MLFLOW_TRACKING_PASSWORD") or section.get("mlflow_tracking_password"))
+    section = saved["mlflow"] if saved.has_section("mlflow") else {}
+    return (
+        os.environ.get("MLFLOW_TRACKING_USERNAME") or section.get("mlflow_tracking_username"),
+        os.environ.get("MLFLOW_TRACKING_PASSWORD") or section.get("mlflow_tracking_password"),
+    )
 
 
 def _post(uri: str, endpoint: str, body: dict[str, Any]) -> dict[str, Any]:

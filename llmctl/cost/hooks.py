@@ -29,25 +29,34 @@ def check_budget(est: Any, max_cost: Optional[float], spent: float = 0.0, run_id
     if max_cost is None:
         return
     if spent >= max_cost:
-        raise ConfigError(f"run {run_id} has already spent ${spent:,.2f} of --max-cost ${max_cost:,.2f};"
-                          f" nothing was launched. Fix: a larger budget (llmctl resume {run_id} --max-cost <more>)")
+        raise ConfigError(
+            f"run {run_id} has already spent ${spent:,.2f} of --max-cost ${max_cost:,.2f};"
+            f" nothing was launched. Fix: a larger budget (llmctl resume {run_id} --max-cost <more>)"
+        )
     if est is None:
-        raise ConfigError(f"--max-cost ${max_cost:,.2f} cannot be checked: no cost estimate for this plan"
-                          " (see the notes of `llmctl plan`)")
+        raise ConfigError(
+            f"--max-cost ${max_cost:,.2f} cannot be checked: no cost estimate for this plan"
+            " (see the notes of `llmctl plan`)"
+        )
     est.max_cost = max_cost - spent
     refusal = est.budget_refusal()
     if refusal:
         raise ConfigError(f"{refusal}; nothing was launched")
     if est.over_budget:
         so_far = f" + ${spent:,.2f} already spent" if spent else ""
-        raise ConfigError(f"estimated cost ${est.total_usd:,.2f}{so_far} ({est.price.label}, wall {est.wall_h:.2f} h,"
-                          f" throughput {est.throughput.kind}) exceeds --max-cost ${max_cost:,.2f}; nothing was"
-                          " launched. Fix: fewer train.steps, a cheaper infra or offer, or a higher --max-cost")
+        raise ConfigError(
+            f"estimated cost ${est.total_usd:,.2f}{so_far} ({est.price.label}, wall {est.wall_h:.2f} h,"
+            f" throughput {est.throughput.kind}) exceeds --max-cost ${max_cost:,.2f}; nothing was"
+            " launched. Fix: fewer train.steps, a cheaper infra or offer, or a higher --max-cost"
+        )
 
 
 def _warn(what: str, exc: BaseException) -> None:
-    print(f"llmctl: warning: {what} failed ({type(exc).__name__}: {exc}); the run itself is unaffected",
-          file=sys.stderr, flush=True)
+    print(
+        f"llmctl: warning: {what} failed ({type(exc).__name__}: {exc}); the run itself is unaffected",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def record_estimate(mc: Any, run_id: str, plan: Any, max_cost: Optional[float], at: float) -> None:
@@ -64,10 +73,14 @@ def record_estimate(mc: Any, run_id: str, plan: Any, max_cost: Optional[float], 
         tags = {TAG_ACCELERATOR: plan.hardware.accelerator, TAG_SHAPE: shape_key(plan.cfg)}
         metrics = {}
         if est:
-            tags.update({TAG_FLOPS: str(est.flops_per_token),
-                         TAG_PRICE: f"{est.price.usd_per_hour:.4f}" if est.priced else UNPRICED,
-                         "llmctl.price.source": f"{est.price.label}; {est.price.source}",
-                         "llmctl.estimate.source": est.throughput.source})
+            tags.update(
+                {
+                    TAG_FLOPS: str(est.flops_per_token),
+                    TAG_PRICE: f"{est.price.usd_per_hour:.4f}" if est.priced else UNPRICED,
+                    "llmctl.price.source": f"{est.price.label}; {est.price.source}",
+                    "llmctl.estimate.source": est.throughput.source,
+                }
+            )
             metrics = {"time/estimate_h": est.wall_h, "cost/estimate_device_hours": est.device_hours}
             if est.priced:  # unpriced: no $0 that reads like a price
                 metrics["cost/estimate_usd"] = est.total_usd
@@ -75,7 +88,7 @@ def record_estimate(mc: Any, run_id: str, plan: Any, max_cost: Optional[float], 
         if max_cost is not None:
             tags[TAG_MAX_COST] = f"{max_cost:.2f}"
         mc.log_batch(run_id, tags=[RunTag(k, v[:5000]) for k, v in tags.items()] + ledger.figure_tags(metrics))
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         _warn("recording the cost estimate", exc)
 
 
@@ -97,7 +110,7 @@ def close(mc: Any, run_id: str, cfg: Optional[dict[str, Any]], est: Any, status:
             cal = history.calibration(mc, run_id, cfg, end - done[0].start)
         mc.log_batch(run_id, tags=ledger.figure_tags(cal))  # one-value figures: tags, not single-point charts
         led = ledger.update(mc, run_id, end)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         _warn("recording the run's cost", exc)
         return ""
     return "llmctl: " + led.describe().split(":", 1)[1].strip() + (f" (estimated {est.total_text})" if est else "")
@@ -107,8 +120,10 @@ def budget_reason(stop: str) -> str:
     """The run's final ``llmctl.status`` from the workload's ``llmctl.budget_stop`` tag."""
     try:
         info = json.loads(stop)
-        return (f"stopped: budget ${float(info['max_cost_usd']):,.2f} reached at step {info['step']}"
-                f" (spent ${float(info['spent_usd']):,.2f}; checkpoint {'saved' if info.get('checkpoint') else 'none'})")
+        return (
+            f"stopped: budget ${float(info['max_cost_usd']):,.2f} reached at step {info['step']}"
+            f" (spent ${float(info['spent_usd']):,.2f}; checkpoint {'saved' if info.get('checkpoint') else 'none'})"
+        )
     except (ValueError, KeyError, TypeError):
         return f"stopped: budget reached ({stop[:200]})"
 
@@ -123,15 +138,17 @@ def status_lines(uri: str, run: Any) -> list[str]:
     est = figures.get("cost/estimate_usd")
     text = UNPRICED if run.data.tags.get(TAG_PRICE) == UNPRICED else (None if est is None else f"${est:,.2f}")
     if text is not None:
-        lines.append(f"estimate:    {text}, {figures.get('time/estimate_h', 0) * 3600:,.0f} s"
-                     f" ({run.data.tags.get('llmctl.estimate.source', '?')[:120]})")
+        lines.append(
+            f"estimate:    {text}, {figures.get('time/estimate_h', 0) * 3600:,.0f} s"
+            f" ({run.data.tags.get('llmctl.estimate.source', '?')[:120]})"
+        )
     if not ledger.attempts(run.data.tags):
         return lines
     try:
         mc = client(uri)
         ledger.reconcile(mc, run.info.run_id)
         led = ledger.update(mc, run.info.run_id)
-    except Exception as exc:  # noqa: BLE001 - a read-only store still gets the numbers
+    except Exception as exc:
         led = ledger.compute(run.data.tags)
         lines.append(f"note:        ledger not saved ({type(exc).__name__})")
     return lines + [led.describe()]

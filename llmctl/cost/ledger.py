@@ -42,10 +42,23 @@ TAG_CURRENT = "llmctl.attempt"  # the newest attempt's number
 _TAG = re.compile(r"^llmctl\.attempt\.(\d+)\.(start|end|usd_per_hour|nodes|devices)$")
 
 
-FIGURES = ("cost/actual_usd", "cost/device_hours", "cost/billed_hours", "cost/attempts", "cost/tokens",
-           "cost/usd_per_1m_tokens", "cost/estimate_usd", "cost/estimate_device_hours", "time/estimate_h",
-           # what the run measured for the next estimate (``history.calibration``)
-           "perf/tokens_per_s_steady", "time/val_pass_s", "time/wall_s", "time/overhead_s", "train/steps_done")
+FIGURES = (
+    "cost/actual_usd",
+    "cost/device_hours",
+    "cost/billed_hours",
+    "cost/attempts",
+    "cost/tokens",
+    "cost/usd_per_1m_tokens",
+    "cost/estimate_usd",
+    "cost/estimate_device_hours",
+    "time/estimate_h",
+    # what the run measured for the next estimate (``history.calibration``)
+    "perf/tokens_per_s_steady",
+    "time/val_pass_s",
+    "time/wall_s",
+    "time/overhead_s",
+    "train/steps_done",
+)
 
 
 def figure_tags(values: Mapping[str, float]) -> list[Any]:
@@ -116,8 +129,11 @@ class Ledger:
         return self.actual_usd / (self.tokens / 1e6) if self.tokens and self.priced else None
 
     def metrics(self) -> dict[str, float]:
-        out = {"cost/device_hours": self.device_hours,
-               "cost/billed_hours": self.billed_hours, "cost/attempts": float(len(self.attempts))}
+        out = {
+            "cost/device_hours": self.device_hours,
+            "cost/billed_hours": self.billed_hours,
+            "cost/attempts": float(len(self.attempts)),
+        }
         if self.priced:
             out["cost/actual_usd"] = self.actual_usd
         if self.tokens:
@@ -132,8 +148,10 @@ class Ledger:
         money = f"${self.actual_usd:,.2f}" if self.priced else UNPRICED
         if self.priced and self.unpriced:
             money += f" (+ {self.unpriced} unpriced attempt(s), not counted)"
-        return (f"cost:        {money} over {len(self.attempts)} attempt(s){state};"
-                f" {self.device_hours:,.3f} device-hours{per}")
+        return (
+            f"cost:        {money} over {len(self.attempts)} attempt(s){state};"
+            f" {self.device_hours:,.3f} device-hours{per}"
+        )
 
 
 def attempts(tags: Mapping[str, str]) -> list[Attempt]:
@@ -148,10 +166,16 @@ def attempts(tags: Mapping[str, str]) -> list[Attempt]:
         a = found[n]
         try:
             price = a.get("usd_per_hour", 0) or 0
-            out.append(Attempt(n=n, start=seconds(a["start"]), end=seconds(a["end"]) if a.get("end") else None,
-                               usd_per_hour=None if price == UNPRICED else float(price),
-                               nodes=int(a.get("nodes", 1) or 1),
-                               devices=int(a.get("devices", 1) or 1)))
+            out.append(
+                Attempt(
+                    n=n,
+                    start=seconds(a["start"]),
+                    end=seconds(a["end"]) if a.get("end") else None,
+                    usd_per_hour=None if price == UNPRICED else float(price),
+                    nodes=int(a.get("nodes", 1) or 1),
+                    devices=int(a.get("devices", 1) or 1),
+                )
+            )
         except (KeyError, ValueError):
             continue
     return out
@@ -160,11 +184,14 @@ def attempts(tags: Mapping[str, str]) -> list[Attempt]:
 def compute(tags: Mapping[str, str], now: Optional[float] = None, tokens: Optional[int] = None) -> Ledger:
     now = time.time() if now is None else now
     found = attempts(tags)
-    return Ledger(attempts=found,
-                  actual_usd=sum(a.hours(now) * a.usd_per_hour for a in found if a.usd_per_hour is not None),
-                  device_hours=sum(a.hours(now) * a.devices for a in found),
-                  billed_hours=sum(a.hours(now) for a in found),
-                  open=any(a.end is None for a in found), tokens=tokens)
+    return Ledger(
+        attempts=found,
+        actual_usd=sum(a.hours(now) * a.usd_per_hour for a in found if a.usd_per_hour is not None),
+        device_hours=sum(a.hours(now) * a.devices for a in found),
+        billed_hours=sum(a.hours(now) for a in found),
+        open=any(a.end is None for a in found),
+        tokens=tokens,
+    )
 
 
 def next_number(tags: Mapping[str, str]) -> int:
@@ -176,16 +203,30 @@ def _price(usd_per_hour: Optional[float]) -> str:
     return UNPRICED if usd_per_hour is None else f"{usd_per_hour:.6f}"
 
 
-def open_attempt(mc: Any, run_id: str, *, usd_per_hour: Optional[float], nodes: int, devices: int,
-                 start: Optional[float] = None, extra: Optional[Mapping[str, Any]] = None) -> int:
+def open_attempt(
+    mc: Any,
+    run_id: str,
+    *,
+    usd_per_hour: Optional[float],
+    nodes: int,
+    devices: int,
+    start: Optional[float] = None,
+    extra: Optional[Mapping[str, Any]] = None,
+) -> int:
     """Append the next attempt (``extra``: infra, world_size, from_step, ...) and return its number."""
     from mlflow.entities import RunTag
 
     n = next_number(mc.get_run(run_id).data.tags)
-    fields = {"start": stamp(time.time() if start is None else start), "usd_per_hour": _price(usd_per_hour),
-              "nodes": str(nodes), "devices": str(devices), **{k: str(v) for k, v in (extra or {}).items()}}
-    mc.log_batch(run_id, tags=[RunTag(f"{PREFIX}{n}.{k}", v[:5000]) for k, v in fields.items()]
-                 + [RunTag(TAG_CURRENT, str(n))])
+    fields = {
+        "start": stamp(time.time() if start is None else start),
+        "usd_per_hour": _price(usd_per_hour),
+        "nodes": str(nodes),
+        "devices": str(devices),
+        **{k: str(v) for k, v in (extra or {}).items()},
+    }
+    mc.log_batch(
+        run_id, tags=[RunTag(f"{PREFIX}{n}.{k}", v[:5000]) for k, v in fields.items()] + [RunTag(TAG_CURRENT, str(n))]
+    )
     return n
 
 
@@ -212,9 +253,9 @@ def workload_starts(tags: Mapping[str, str]) -> list[tuple[int, dict[str, Any]]]
     """(k, start) for every ``llmctl.workload_start.<k>`` the workload recorded, in order."""
     found = []
     for key, value in tags.items():
-        if key.startswith(TAG_START_PREFIX) and key[len(TAG_START_PREFIX):].isdigit():
+        if key.startswith(TAG_START_PREFIX) and key[len(TAG_START_PREFIX) :].isdigit():
             try:
-                found.append((int(key[len(TAG_START_PREFIX):]), json.loads(value)))
+                found.append((int(key[len(TAG_START_PREFIX) :]), json.loads(value)))
             except ValueError:
                 continue
     return sorted(found)
@@ -242,11 +283,19 @@ def reconcile(mc: Any, run_id: str) -> Optional[int]:
             if prev is None:
                 continue  # no billed attempt to continue (a run llmctl did not launch)
             t, n = float(start["time"]), next_number(tags)
-            new = {f"{PREFIX}{n}.{key}": value for key, value in {
-                "start": stamp(t), "usd_per_hour": _price(prev.usd_per_hour), "nodes": str(prev.nodes),
-                "devices": str(prev.devices), "infra": tags.get(f"{PREFIX}{prev.n}.infra") or tags.get("llmctl.infra", "?"),
-                "world_size": str(start.get("world_size", "")), "from_step": str(start.get("from_step", 0)),
-                "start_seq": str(k)}.items()}
+            new = {
+                f"{PREFIX}{n}.{key}": value
+                for key, value in {
+                    "start": stamp(t),
+                    "usd_per_hour": _price(prev.usd_per_hour),
+                    "nodes": str(prev.nodes),
+                    "devices": str(prev.devices),
+                    "infra": tags.get(f"{PREFIX}{prev.n}.infra") or tags.get("llmctl.infra", "?"),
+                    "world_size": str(start.get("world_size", "")),
+                    "from_step": str(start.get("from_step", 0)),
+                    "start_seq": str(k),
+                }.items()
+            }
             if prev.end is None or prev.end > t:
                 new[f"{PREFIX}{prev.n}.end"] = stamp(t)
             new[f"{PREFIX}{prev.n}.status"] = "preempted (recovered by its supervisor)"

@@ -35,8 +35,9 @@ def since_epoch(since: Optional[str], now: Optional[float] = None) -> Optional[f
     return (dt if dt.tzinfo else dt.replace(tzinfo=timezone.utc)).timestamp()
 
 
-def fetch(uri: str, since: Optional[float] = None, experiment: Optional[str] = None,
-          limit: int = 1000) -> list[tuple[Any, str]]:
+def fetch(
+    uri: str, since: Optional[float] = None, experiment: Optional[str] = None, limit: int = 1000
+) -> list[tuple[Any, str]]:
     """(run, experiment name) newest first, across experiments (or one), started since ``since``."""
     from llmctl.cost.history import store_exists
     from llmctl.tracking.mlflow_run import client
@@ -53,8 +54,13 @@ def fetch(uri: str, since: Optional[float] = None, experiment: Optional[str] = N
     found: list[Any] = []
     token = None
     while len(found) < limit:  # pages of 1000: the store caps one request
-        page = mc.search_runs(list(exps), query, max_results=min(1000, limit - len(found)),
-                              order_by=["attributes.start_time DESC"], page_token=token)
+        page = mc.search_runs(
+            list(exps),
+            query,
+            max_results=min(1000, limit - len(found)),
+            order_by=["attributes.start_time DESC"],
+            page_token=token,
+        )
         found.extend(page)
         token = page.token
         if not token:
@@ -68,22 +74,31 @@ def run_row(run: Any, experiment: str, now: Optional[float] = None) -> dict[str,
     led = ledger.compute(tags, now, int(fig["cost/tokens"]) if fig.get("cost/tokens") else None)
     steps = fig.get("train/steps_done")
     return {
-        "run_id": run.info.run_id, "name": run.info.run_name, "experiment": experiment,
-        "status": run.info.status, "detail": tags.get("llmctl.status", ""),
+        "run_id": run.info.run_id,
+        "name": run.info.run_name,
+        "experiment": experiment,
+        "status": run.info.status,
+        "detail": tags.get("llmctl.status", ""),
         "pruned": "llmctl.pruned" in tags,  # a sweep's pruner stopped it (its status is KILLED)
         "infra": tags.get("llmctl.infra", params.get("infra.name", "?")),
         "accelerator": tags.get("llmctl.accelerator", "?"),
         "nodes": int(params.get("infra.nodes", 1) or 1),
         "start": (run.info.start_time or 0) / 1000.0,
-        "steps": int(steps) if steps is not None else None, "steps_target": _steps_target(tags, params),
-        "train_loss": m.get("train/loss"), "val_loss": m.get("val/loss"),
-        "tokens_per_s": fig.get("perf/tokens_per_s_steady", m.get("perf/tokens_per_s")), "mfu": m.get("perf/mfu"),
-        "estimate_usd": fig.get("cost/estimate_usd"), "estimate_h": fig.get("time/estimate_h"),
+        "steps": int(steps) if steps is not None else None,
+        "steps_target": _steps_target(tags, params),
+        "train_loss": m.get("train/loss"),
+        "val_loss": m.get("val/loss"),
+        "tokens_per_s": fig.get("perf/tokens_per_s_steady", m.get("perf/tokens_per_s")),
+        "mfu": m.get("perf/mfu"),
+        "estimate_usd": fig.get("cost/estimate_usd"),
+        "estimate_h": fig.get("time/estimate_h"),
         "actual_usd": led.actual_usd if led.attempts and led.priced else None,
         "unpriced": bool(led.attempts and not led.priced) or tags.get("llmctl.price.usd_per_hour") == ledger.UNPRICED,
         "wall_h": led.billed_hours if led.attempts else None,
         "device_hours": led.device_hours if led.attempts else None,
-        "usd_per_1m_tokens": led.usd_per_1m_tokens, "tokens": led.tokens, "attempts": len(led.attempts),
+        "usd_per_1m_tokens": led.usd_per_1m_tokens,
+        "tokens": led.tokens,
+        "attempts": len(led.attempts),
     }
 
 
@@ -101,8 +116,9 @@ def _int(v: Any) -> Optional[int]:
         return None
 
 
-def runs_rows(uri: str, since: Optional[str] = None, experiment: Optional[str] = None,
-              limit: int = 50) -> list[dict[str, Any]]:
+def runs_rows(
+    uri: str, since: Optional[str] = None, experiment: Optional[str] = None, limit: int = 50
+) -> list[dict[str, Any]]:
     now = time.time()
     return [run_row(r, e, now) for r, e in fetch(uri, since_epoch(since, now), experiment, limit)]
 
@@ -112,11 +128,28 @@ def cost_rows(uri: str, since: Optional[str] = None, by: str = "experiment") -> 
     if by not in GROUPS:
         raise ConfigError(f"--by '{by}': one of {', '.join(GROUPS)}")
     groups: dict[str, dict[str, Any]] = {}
-    total = {by: "TOTAL", "runs": 0, "unpriced_runs": 0, "actual_usd": 0.0, "estimate_usd": 0.0, "device_hours": 0.0,
-             "tokens": 0}
+    total = {
+        by: "TOTAL",
+        "runs": 0,
+        "unpriced_runs": 0,
+        "actual_usd": 0.0,
+        "estimate_usd": 0.0,
+        "device_hours": 0.0,
+        "tokens": 0,
+    }
     for row in runs_rows(uri, since, limit=100000):
-        g = groups.setdefault(str(row[by]), {by: str(row[by]), "runs": 0, "unpriced_runs": 0, "actual_usd": 0.0,
-                                             "estimate_usd": 0.0, "device_hours": 0.0, "tokens": 0})
+        g = groups.setdefault(
+            str(row[by]),
+            {
+                by: str(row[by]),
+                "runs": 0,
+                "unpriced_runs": 0,
+                "actual_usd": 0.0,
+                "estimate_usd": 0.0,
+                "device_hours": 0.0,
+                "tokens": 0,
+            },
+        )
         for acc in (g, total):
             acc["runs"] += 1
             acc["unpriced_runs"] += bool(row["unpriced"])  # counted apart: an unpriced run is not a $0 run
@@ -159,25 +192,62 @@ def render(title: str, header: list[str], rows: list[list[str]], right: set[int]
 
 
 def runs_table(rows: list[dict[str, Any]]) -> str:
-    header = ["run", "name", "status", "infra", "accelerator", "steps", "loss", "val loss", "tok/s", "MFU",
-              "est $", "actual $", "est h", "actual h"]
+    header = [
+        "run",
+        "name",
+        "status",
+        "infra",
+        "accelerator",
+        "steps",
+        "loss",
+        "val loss",
+        "tok/s",
+        "MFU",
+        "est $",
+        "actual $",
+        "est h",
+        "actual h",
+    ]
     body = []
     for r in rows:
         status = r["status"] + (" (budget stop)" if r["detail"].startswith("stopped: budget") else "")
         status = "PRUNED" if r.get("pruned") else status
         steps = f"{r['steps'] if r['steps'] is not None else '-'}/{r['steps_target'] if r['steps_target'] else '?'}"
-        body.append([r["run_id"][:12], (r["name"] or "")[:24], status, r["infra"], r["accelerator"], steps,
-                     _num(r["train_loss"]), _num(r["val_loss"]), _num(r["tokens_per_s"], "{:,.0f}"),
-                     _num(None if r["mfu"] is None else 100 * r["mfu"], "{:.1f}%"),
-                     _money(r["estimate_usd"], r["unpriced"]), _money(r["actual_usd"], r["unpriced"]),
-                     _num(r["estimate_h"], "{:.3f}"), _num(r["wall_h"], "{:.3f}")])
+        body.append(
+            [
+                r["run_id"][:12],
+                (r["name"] or "")[:24],
+                status,
+                r["infra"],
+                r["accelerator"],
+                steps,
+                _num(r["train_loss"]),
+                _num(r["val_loss"]),
+                _num(r["tokens_per_s"], "{:,.0f}"),
+                _num(None if r["mfu"] is None else 100 * r["mfu"], "{:.1f}%"),
+                _money(r["estimate_usd"], r["unpriced"]),
+                _money(r["actual_usd"], r["unpriced"]),
+                _num(r["estimate_h"], "{:.3f}"),
+                _num(r["wall_h"], "{:.3f}"),
+            ]
+        )
     return render(f"{len(rows)} run(s)", header, body, right=set(range(5, 14)))
 
 
 def cost_table(rows: list[dict[str, Any]], by: str, since: Optional[str]) -> str:
     header = [by, "runs", "actual $", "estimated $", "device-hours", "tokens", "$ per 1M tokens"]
-    body = [[str(g[by]), str(g["runs"]) + (f" ({g['unpriced_runs']} unpriced)" if g["unpriced_runs"] else ""),
-             _money(g["actual_usd"]), _money(g["estimate_usd"]),
-             f"{g['device_hours']:,.3f}", f"{g['tokens']:,}", _money(g["usd_per_1m_tokens"])] for g in rows]
-    return render(f"spend by {by}" + (f" since {since}" if since else " (all time)"), header, body,
-                  right=set(range(1, 7)))
+    body = [
+        [
+            str(g[by]),
+            str(g["runs"]) + (f" ({g['unpriced_runs']} unpriced)" if g["unpriced_runs"] else ""),
+            _money(g["actual_usd"]),
+            _money(g["estimate_usd"]),
+            f"{g['device_hours']:,.3f}",
+            f"{g['tokens']:,}",
+            _money(g["usd_per_1m_tokens"]),
+        ]
+        for g in rows
+    ]
+    return render(
+        f"spend by {by}" + (f" since {since}" if since else " (all time)"), header, body, right=set(range(1, 7))
+    )

@@ -42,7 +42,7 @@ class Plan:
 
     def describe(self) -> str:
         """Human summary (no secrets): the resolved config and how it would run."""
-        lay = self.layout
+        lay, train = self.layout, self.cfg["train"]
         checkpoint = self.cfg["checkpoint"]["dir"] or "llmctl-runs/<run-id>/checkpoints"
         lines = [
             "# resolved config",
@@ -52,8 +52,8 @@ class Plan:
             f"where:       {self.where}",
             f"processes:   {self.nodes} node(s) x {self.nproc_per_node} = {self.world_size} on {self.device}",
             f"mesh:        dp_replicate={lay['dp_replicate']} dp_shard={lay['dp_shard']} tp={lay['tp']}",
-            f"tokens:      {self.cfg['train']['steps'] * self.cfg['train']['batch_size'] * self.cfg['train']['seq_len']:,}"
-            f" ({self.cfg['train']['steps']} steps x {self.cfg['train']['batch_size']} x {self.cfg['train']['seq_len']})",
+            f"tokens:      {train['steps'] * train['batch_size'] * train['seq_len']:,}"
+            f" ({train['steps']} steps x {train['batch_size']} x {train['seq_len']})",
             f"command:     {redact(shlex.join(self.command))}",
             f"tracking:    {redact(self.tracking_uri)} (experiment '{self.cfg['tracking']['experiment']}')",
             f"checkpoints: {redact(checkpoint)}",

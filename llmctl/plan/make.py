@@ -18,7 +18,6 @@ def make_plan(composed: Composed) -> Plan:
     config) plus its memory plan per device (``memory``) and its cost
     estimate (earlier runs in MLflow, read-only)."""
     from llmctl.backends import backend_for
-
     from llmctl.config.launcher_checks import check_hardware
 
     plan = backend_for(composed.cfg["infra"]["kind"]).plan(composed)
@@ -28,17 +27,18 @@ def make_plan(composed: Composed) -> Plan:
         from llmctl.plan import memory_fit as memory
 
         plan.memory = memory.check(plan)
-    except Exception as exc:  # noqa: BLE001 - the plan stands without it; launch then cannot refuse on memory
+    except Exception as exc:
         plan.notes.append(f"no memory plan: {type(exc).__name__}: {exc}")
     try:
         plan.estimate = estimate_for(plan)
-    except Exception as exc:  # noqa: BLE001 - the plan stands without it; --max-cost then refuses
+    except Exception as exc:
         plan.notes.append(f"no cost estimate: {type(exc).__name__}: {exc}")
     return plan
 
 
-def estimate_for(plan: Plan, max_cost: Optional[float] = None, lookup: bool = True,
-                 cfg: Optional[dict[str, Any]] = None) -> Any:
+def estimate_for(
+    plan: Plan, max_cost: Optional[float] = None, lookup: bool = True, cfg: Optional[dict[str, Any]] = None
+) -> Any:
     """The estimate of ``plan`` (or of ``cfg`` on the plan's hardware, e.g. the steps a resume has
     left); ``lookup`` asks MLflow for a measured run of the same shape on the same accelerator."""
     from llmctl.cost import estimate, history
@@ -47,5 +47,11 @@ def estimate_for(plan: Plan, max_cost: Optional[float] = None, lookup: bool = Tr
     measured = None
     if lookup:
         measured = history.find(plan.tracking_uri, estimate.shape_key(cfg), plan.hardware.accelerator, cfg)
-    return estimate.estimate(cfg, plan.hardware, plan.backend, measured=measured,
-                             catalog=estimate.catalog_prices(plan.offers), max_cost=max_cost)
+    return estimate.estimate(
+        cfg,
+        plan.hardware,
+        plan.backend,
+        measured=measured,
+        catalog=estimate.catalog_prices(plan.offers),
+        max_cost=max_cost,
+    )

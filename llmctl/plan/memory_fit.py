@@ -57,13 +57,17 @@ class MemoryFit:
         if self.fits is None:
             return f"fit unknown: no memory size for {self.device_label}"
         share = self.plan.total / self.device_bytes
-        head = (f"{'fits' if self.fits else 'DOES NOT FIT'}: {self.plan.total / GIB:.1f} GiB of "
-                f"{self.device_bytes / GIB:.0f} GiB per {self.device_label} ({share:.0%}; usable "
-                f"{self.usable / GIB:.1f} GiB after {RESERVE_FRACTION:.0%} + {RESERVE_BYTES / GIB:.0f} GiB reserve)")
+        head = (
+            f"{'fits' if self.fits else 'DOES NOT FIT'}: {self.plan.total / GIB:.1f} GiB of "
+            f"{self.device_bytes / GIB:.0f} GiB per {self.device_label} ({share:.0%}; usable "
+            f"{self.usable / GIB:.1f} GiB after {RESERVE_FRACTION:.0%} + {RESERVE_BYTES / GIB:.0f} GiB reserve)"
+        )
         if self.fits:
             return head
         if not self.fix:
-            return head + "; no change of micro-batch, checkpointing, sharding or TP fits: more devices or a smaller model"
+            return (
+                head + "; no change of micro-batch, checkpointing, sharding or TP fits: more devices or a smaller model"
+            )
         return head + f"; cheapest fix: {' '.join(self.fix)} ({self.fixed_plan.total / GIB:.1f} GiB)"
 
     def describe(self) -> str:
@@ -102,8 +106,12 @@ def _local_gpu_gib(plan: Any) -> Optional[float]:
     if not smi:
         return None
     try:
-        out = subprocess.run([smi, "--query-gpu=memory.total", "--format=csv,noheader,nounits"], capture_output=True,
-                             text=True, timeout=10).stdout.split()
+        out = subprocess.run(
+            [smi, "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.split()
         return float(out[0]) / 1024 if out else None
     except (OSError, subprocess.SubprocessError, ValueError):
         return None
@@ -160,8 +168,11 @@ def _candidates(cfg: dict[str, Any], world: int, gpus_per_node: int):
     train, par, model = cfg["train"], cfg["parallel"], cfg["model"]
     ac_now = str(par["ac"])
     acs = [a for a in ("none", "selective", "full") if _AC_COST[a] >= _AC_COST.get(ac_now, 0)]
-    tps = [t for t in (1, 2, 4, 8) if t >= par["tp"] and t <= gpus_per_node and model["n_heads"] % t == 0
-           and model["n_kv_heads"] % t == 0]
+    tps = [
+        t
+        for t in (1, 2, 4, 8)
+        if t >= par["tp"] and t <= gpus_per_node and model["n_heads"] % t == 0 and model["n_kv_heads"] % t == 0
+    ]
     replicate = [False, True] if par["dp_replicate"] > 1 else [False]
     sync_now = str(par.get("grad_sync", "auto"))
     syncs = [sync_now, "micro_batch"] if sync_now != "micro_batch" else [sync_now]
@@ -200,8 +211,9 @@ def _candidates(cfg: dict[str, Any], world: int, gpus_per_node: int):
             micro, halvings = micro // 2, halvings + 1
 
 
-def cheapest_fix(cfg: dict[str, Any], world: int, device: str, usable: int,
-                 gpus_per_node: int) -> Optional[tuple[list[str], Any]]:
+def cheapest_fix(
+    cfg: dict[str, Any], world: int, device: str, usable: int, gpus_per_node: int
+) -> Optional[tuple[list[str], Any]]:
     """(overrides, plan) of the cheapest change that brings the plan under ``usable`` bytes."""
     from workloads.pretrain.contract.memory_plan import plan_memory
 
@@ -223,11 +235,13 @@ def dry_run(plan: Any) -> str:
 
     r = json.loads(run_trainer_entry("dry_run", plan.cfg, "--world-size", str(plan.world_size)).splitlines()[-1])
     lay = r["layout"]
-    lines = [f"# dry run: the model built on meta, parallelised for world {r['world_size']} (dp_replicate "
-             f"{lay['dp_replicate']} x dp_shard {lay['dp_shard']} x tp {lay['tp']}, fake process group) in "
-             f"{r['seconds']:.1f} s",
-             f"parameters:  {r['params_total']:,} in all, {r['params_per_rank']:,} on rank 0 = "
-             f"{r['param_bytes_per_rank'] / GIB:.2f} GiB fp32"]
+    lines = [
+        f"# dry run: the model built on meta, parallelised for world {r['world_size']} (dp_replicate "
+        f"{lay['dp_replicate']} x dp_shard {lay['dp_shard']} x tp {lay['tp']}, fake process group) in "
+        f"{r['seconds']:.1f} s",
+        f"parameters:  {r['params_total']:,} in all, {r['params_per_rank']:,} on rank 0 = "
+        f"{r['param_bytes_per_rank'] / GIB:.2f} GiB fp32",
+    ]
     if r["wq_placements"]:
         lines.append(f"layers.0.attention.wq placements: {', '.join(r['wq_placements'])}")
     if plan.memory is not None:

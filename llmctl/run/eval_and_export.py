@@ -29,11 +29,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from llmctl.errors import ConfigError, LaunchError
 from llmctl.tracking.logged_models import URI_PREFIX
 from llmctl.tracking.logged_models import resolve as resolve_model
-from llmctl.errors import ConfigError, LaunchError
-from workloads.pretrain.contract.protocol import EXPORT_INFO
 from workloads.pretrain.contract.hardware import cpu_threads
+from workloads.pretrain.contract.protocol import EXPORT_INFO
 
 LM_EVAL_HINT = "lm-eval is not installed: `pip install lm-eval` (lm-evaluation-harness), then run again"
 # ``data.*`` overrides of an existing run would change how its tokenizer was built; for eval they
@@ -76,11 +76,15 @@ def _apply_overrides(cfg: dict[str, Any], overrides: list[str]) -> dict[str, Any
             raise ConfigError(f"'{raw}' is not an override: write key=value (e.g. eval.max_new_tokens=64)")
         key = key.lstrip("+")
         if key in GROUPS:
-            raise ConfigError(f"'{raw}': a run's model and data are fixed by its checkpoint; "
-                              "set keys instead (e.g. eval.val_batches=8, data.source=...)")
+            raise ConfigError(
+                f"'{raw}': a run's model and data are fixed by its checkpoint; "
+                "set keys instead (e.g. eval.val_batches=8, data.source=...)"
+            )
         if key not in schema.schema_keys():
-            raise ConfigError(f"Unknown key '{key}' in '{raw}'.{_did_you_mean(key, schema.schema_keys())}"
-                              " Run 'llmctl config show' to see every key.")
+            raise ConfigError(
+                f"Unknown key '{key}' in '{raw}'.{_did_you_mean(key, schema.schema_keys())}"
+                " Run 'llmctl config show' to see every key."
+            )
         dotlist.append(f"{DATA_TO_EVAL.get(key, key)}={value}")
     try:
         typed = OmegaConf.merge(to_typed(schema.drop_retired(cfg)), OmegaConf.from_dotlist(dotlist))
@@ -100,12 +104,13 @@ def _beside(url: str) -> Optional[Path]:
     return None
 
 
-def resolve_target(target: str, overrides: list[str], tracking_uri: Optional[str],
-                   config_dir: Optional[str] = None) -> Target:
+def resolve_target(
+    target: str, overrides: list[str], tracking_uri: Optional[str], config_dir: Optional[str] = None
+) -> Target:
     from omegaconf import OmegaConf
 
-    from llmctl.tracking import runs
     from llmctl.run.workdir import RUNS_DIR, run_dir
+    from llmctl.tracking import runs
 
     uri = runs.tracking_uri(tracking_uri)
     stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -123,9 +128,10 @@ def resolve_target(target: str, overrides: list[str], tracking_uri: Optional[str
         tmp.mkdir(parents=True, exist_ok=True)
         try:
             local = client(uri).download_artifacts(rid, "config.yaml", str(tmp))
-        except Exception as exc:  # noqa: BLE001 - MlflowException / OSError: say what is missing
-            raise ConfigError(f"run {rid} has no config.yaml artifact ({type(exc).__name__}); "
-                              "was it started by llmctl launch?") from None
+        except Exception as exc:
+            raise ConfigError(
+                f"run {rid} has no config.yaml artifact ({type(exc).__name__}); was it started by llmctl launch?"
+            ) from None
         cfg = OmegaConf.to_container(OmegaConf.load(local), resolve=True)
         return Target(_apply_overrides(cfg, overrides), run.info.run_id, uri, None, tmp)
     beside = _beside(target)
@@ -166,7 +172,7 @@ def check_checkpoint(t: Target) -> int:
     want = named if named is not None else (t.cfg.get("eval") or {}).get("step")
     try:
         found = list_checkpoints(root)
-    except Exception as exc:  # noqa: BLE001 - unreachable bucket, bad credentials ...
+    except Exception as exc:
         raise ConfigError(f"cannot list checkpoints in {redact(root)}: {type(exc).__name__}: {exc}") from None
     complete = sorted(s for s, ok in found.items() if ok)
     if not complete:
@@ -184,8 +190,10 @@ def check_checkpoint(t: Target) -> int:
     else:
         why = f"it was never saved (checkpoint.every={every}, and the last step)"
     listed = ", ".join(map(str, complete))
-    raise ConfigError(f"no checkpoint at step {want} under {redact(root)}: {why}. Complete: {listed}."
-                      f" Fix: eval.step=<one of {listed}> (export: --step), or leave it out for the newest")
+    raise ConfigError(
+        f"no checkpoint at step {want} under {redact(root)}: {why}. Complete: {listed}."
+        f" Fix: eval.step=<one of {listed}> (export: --step), or leave it out for the newest"
+    )
 
 
 def run_workload(t: Target, nproc: int, extra: list[str], echo: Callable[[str], None]) -> dict[str, Any]:
@@ -197,15 +205,33 @@ def run_workload(t: Target, nproc: int, extra: list[str], echo: Callable[[str], 
 
     config_path, out_path = t.workdir / "config.yaml", t.workdir / "result.json"
     config_path.write_text(to_yaml(t.cfg))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
-           f"--nproc_per_node={nproc}", "-m", "workloads.pretrain.evaluate",
-           "--config", str(config_path), "--out", str(out_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nnodes=1",
+        f"--nproc_per_node={nproc}",
+        "-m",
+        "workloads.pretrain.evaluate",
+        "--config",
+        str(config_path),
+        "--out",
+        str(out_path),
+    ]
     if t.checkpoint:
         cmd += ["--checkpoint", t.checkpoint]
     cmd += extra
     with open(t.workdir / "output.log", "w") as log:
-        proc = subprocess.Popen(cmd, env=_env(nproc), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, bufsize=1, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd,
+            env=_env(nproc),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            bufsize=1,
+            start_new_session=True,
+        )
         try:
             assert proc.stdout is not None
             for line in proc.stdout:
@@ -245,8 +271,11 @@ def log_result(t: Target, result: dict[str, Any], prefix: str) -> None:
     metrics = [Metric(f"{prefix}{k}", float(m[k]), ts, step) for k in ("val_loss", "perplexity", "bits_per_byte")]
     mc.log_batch(t.run_id, metrics=metrics)
     name = "samples.json" if prefix == "eval/" else f"{prefix.strip('/').replace('/', '-')}.json"
-    mc.log_dict(t.run_id, {**result, "config": {"eval": t.cfg["eval"], "train.val_batches": t.cfg["train"]["val_batches"]}},
-                f"eval/step-{step}/{name}")
+    mc.log_dict(
+        t.run_id,
+        {**result, "config": {"eval": t.cfg["eval"], "train.val_batches": t.cfg["train"]["val_batches"]}},
+        f"eval/step-{step}/{name}",
+    )
     mc.set_tag(t.run_id, "llmctl.eval.last_step", str(step))
 
 
@@ -284,24 +313,25 @@ def require_transformers() -> None:
     try:
         import transformers  # noqa: F401
     except ImportError:
-        raise ConfigError("scoring a Hugging Face export needs transformers: pip install 'llmctl[hf]'"
-                          " (llmctl export itself does not)") from None
+        raise ConfigError(
+            "scoring a Hugging Face export needs transformers: pip install 'llmctl[hf]' (llmctl export itself does not)"
+        ) from None
 
 
 def require_lm_eval() -> Any:
     try:
-        import lm_eval  # noqa: F401
+        import lm_eval
     except ImportError:
         raise ConfigError(LM_EVAL_HINT) from None
     return lm_eval
 
 
-def run_lm_eval(t: Target, hf_dir: Path, step: int, tasks: list[str], limit: Optional[float],
-                echo: Callable[[str], None]) -> dict[str, float]:
+def run_lm_eval(
+    t: Target, hf_dir: Path, step: int, tasks: list[str], limit: Optional[float], echo: Callable[[str], None]
+) -> dict[str, float]:
     """lm-evaluation-harness on the export (its ``hf`` model: transformers + accelerate)."""
     lm_eval = require_lm_eval()
-    out = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={hf_dir},dtype=float32",
-                                  tasks=tasks, limit=limit)
+    out = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={hf_dir},dtype=float32", tasks=tasks, limit=limit)
     scores: dict[str, float] = {}
     for task, metrics in (out or {}).get("results", {}).items():
         for key, value in metrics.items():

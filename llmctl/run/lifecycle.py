@@ -26,7 +26,6 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, TextIO
 
-from llmctl.tracking import mlflow_run as tracking
 from llmctl.backends import backend_for
 from llmctl.backends.base import Backend
 from llmctl.config.compose import to_yaml
@@ -34,10 +33,17 @@ from llmctl.cost import hooks, ledger
 from llmctl.errors import ConfigError, LaunchError
 from llmctl.plan.job_plan import Plan
 from llmctl.run.procs import Interrupted, clear_stop_requests, raise_interrupted, stop_requested
-from llmctl.tracking.mlflow_run import RunHandle
 from llmctl.run.workdir import run_dir
+from llmctl.tracking import mlflow_run as tracking
+from llmctl.tracking.mlflow_run import RunHandle
 from workloads.pretrain.contract.protocol import (
-    ENV_ATTEMPT, ENV_BILLING_START, ENV_MAX_COST, ENV_PRICE, ENV_SPENT, TAG_BUDGET_STOP, TAG_PREEMPTED,
+    ENV_ATTEMPT,
+    ENV_BILLING_START,
+    ENV_MAX_COST,
+    ENV_PRICE,
+    ENV_SPENT,
+    TAG_BUDGET_STOP,
+    TAG_PREEMPTED,
 )
 
 TAG_BACKEND = "llmctl.backend"  # backend of the latest attempt (params keep the first attempt's infra.kind)
@@ -63,13 +69,25 @@ class Rule:
 
 RULES: dict[Outcome, Rule] = {
     Outcome.FINISHED: Rule("FINISHED", 0, "the workload exited 0"),
-    Outcome.BUDGET_STOP: Rule("FINISHED", 4, "the workload's budget guard stopped it after a checkpoint (tag"
-                              " llmctl.budget_stop); continue with `llmctl resume RUN --max-cost <more>`"),
-    Outcome.PREEMPTED: Rule("KILLED", 75, "the workload was told to stop (SIGTERM/SIGUSR1: a spot reclaim, scancel,"
-                            " llmctl down) and saved its state (tag llmctl.preempted); `llmctl resume RUN`"),
+    Outcome.BUDGET_STOP: Rule(
+        "FINISHED",
+        4,
+        "the workload's budget guard stopped it after a checkpoint (tag"
+        " llmctl.budget_stop); continue with `llmctl resume RUN --max-cost <more>`",
+    ),
+    Outcome.PREEMPTED: Rule(
+        "KILLED",
+        75,
+        "the workload was told to stop (SIGTERM/SIGUSR1: a spot reclaim, scancel,"
+        " llmctl down) and saved its state (tag llmctl.preempted); `llmctl resume RUN`",
+    ),
     Outcome.INTERRUPTED: Rule("KILLED", 130, "Ctrl-C (SIGINT) to llmctl: the workers were stopped"),
-    Outcome.KILLED: Rule("KILLED", 143, "SIGTERM to llmctl that did not end in the workers' checkpoint"
-                         " (before they started, a second SIGTERM, or workers that did not stop in time)"),
+    Outcome.KILLED: Rule(
+        "KILLED",
+        143,
+        "SIGTERM to llmctl that did not end in the workers' checkpoint"
+        " (before they started, a second SIGTERM, or workers that did not stop in time)",
+    ),
     Outcome.FAILED: Rule("FAILED", 1, "the workload exited non-zero without a preemption tag, or could not start"),
 }
 
@@ -90,8 +108,9 @@ def check_memory(plan: Plan) -> None:
     fit = plan.memory
     if fit is not None and fit.fits is False:
         fix = f" Fix: add {' '.join(fit.fix)} to the command." if fit.fix else ""
-        raise ConfigError(f"the job would run out of memory: {fit.verdict()}.{fix} (`llmctl plan` shows the "
-                          f"memory by part)")
+        raise ConfigError(
+            f"the job would run out of memory: {fit.verdict()}.{fix} (`llmctl plan` shows the memory by part)"
+        )
 
 
 def launch(plan: Plan, *, max_cost: Optional[float], say: Say) -> int:
@@ -102,22 +121,47 @@ def launch(plan: Plan, *, max_cost: Optional[float], say: Say) -> int:
     backend.preflight(plan)
     handle = tracking.create_run(plan.cfg, plan.choices)
     attempt = _open_attempt(handle, plan, max_cost, spent=0.0, from_step=0, first=True)
-    return _run(plan, backend, handle, attempt, new_run=True, say=say,
-                banner=f"llmctl: run {handle.run_id} on {plan.where}, {plan.world_size} process(es) on {plan.device}")
+    return _run(
+        plan,
+        backend,
+        handle,
+        attempt,
+        new_run=True,
+        say=say,
+        banner=f"llmctl: run {handle.run_id} on {plan.where}, {plan.world_size} process(es) on {plan.device}",
+    )
 
 
-def trial(plan: Plan, handle: RunHandle, *, max_cost: Optional[float], say: Say,
-          workload_out: Optional[TextIO] = None) -> int:
+def trial(
+    plan: Plan, handle: RunHandle, *, max_cost: Optional[float], say: Say, workload_out: Optional[TextIO] = None
+) -> int:
     """One sweep trial, in the run its supervisor created (preflight ran when the sweep started)."""
     backend = backend_for(plan.backend)
     tracking.client(handle.uri).update_run(handle.run_id, status="RUNNING")
     attempt = _open_attempt(handle, plan, max_cost, spent=0.0, from_step=0, first=True)
-    return _run(plan, backend, handle, attempt, new_run=True, say=say, workload_out=workload_out,
-                banner=f"run {handle.run_id} on {plan.where}, {plan.world_size} process(es) on {plan.device}")
+    return _run(
+        plan,
+        backend,
+        handle,
+        attempt,
+        new_run=True,
+        say=say,
+        workload_out=workload_out,
+        banner=f"run {handle.run_id} on {plan.where}, {plan.world_size} process(es) on {plan.device}",
+    )
 
 
-def resume(plan: Plan, uri: str, run: Any, *, from_step: Optional[int], remaining: Any,
-           max_cost: Optional[float], say: Say, where: str) -> int:
+def resume(
+    plan: Plan,
+    uri: str,
+    run: Any,
+    *,
+    from_step: Optional[int],
+    remaining: Any,
+    max_cost: Optional[float],
+    say: Say,
+    where: str,
+) -> int:
     """``llmctl resume``: attempt n+1 of ``run`` (found in the store ``uri``). ``remaining`` is the
     estimate of the steps left; ``max_cost`` (else the run's stored budget) covers the whole run,
     earlier attempts included."""
@@ -145,9 +189,16 @@ def resume(plan: Plan, uri: str, run: Any, *, from_step: Optional[int], remainin
     mc.update_run(rid, status="RUNNING")
     handle = RunHandle(uri=uri, run_id=rid, experiment_id=run.info.experiment_id)
     attempt = _open_attempt(handle, plan, budget, spent=spent, from_step=from_step or 0, first=False)
-    return _run(plan, backend, handle, attempt, new_run=False, say=say,
-                banner=f"llmctl: resuming run {rid} (attempt {attempt.n}) {where} on {plan.where},"
-                       f" {plan.world_size} process(es) on {plan.device}")
+    return _run(
+        plan,
+        backend,
+        handle,
+        attempt,
+        new_run=False,
+        say=say,
+        banner=f"llmctl: resuming run {rid} (attempt {attempt.n}) {where} on {plan.where},"
+        f" {plan.world_size} process(es) on {plan.device}",
+    )
 
 
 def close_run(uri: str, run_id: str, outcome: Outcome, reason: str) -> None:
@@ -163,8 +214,9 @@ def close_run(uri: str, run_id: str, outcome: Outcome, reason: str) -> None:
 # ----------------------------------------------------------------------------- one attempt
 
 
-def _open_attempt(handle: RunHandle, plan: Plan, max_cost: Optional[float], spent: float, from_step: int,
-                  first: bool) -> Attempt:
+def _open_attempt(
+    handle: RunHandle, plan: Plan, max_cost: Optional[float], spent: float, from_step: int, first: bool
+) -> Attempt:
     """Ledger attempt n (price snapshot, size, where) and the workload's environment for it; the
     first attempt also records the estimate."""
     mc = tracking.client(handle.uri)
@@ -174,14 +226,37 @@ def _open_attempt(handle: RunHandle, plan: Plan, max_cost: Optional[float], spen
         hooks.record_estimate(mc, handle.run_id, plan, max_cost, start)
     price = (est.price.usd_per_hour if est.priced else None) if est else 0.0  # None: unpriced, not $0
     hw = plan.hardware
-    n = ledger.open_attempt(mc, handle.run_id, usd_per_hour=price, nodes=hw.nodes, devices=hw.devices, start=start,
-                            extra={"infra": plan.cfg["infra"]["name"], "world_size": plan.world_size,
-                                   "from_step": from_step, "train_steps": plan.cfg["train"]["steps"]})
-    mc.log_batch(handle.run_id, tags=[_tag(k, v) for k, v in {
-        "llmctl.infra": plan.cfg["infra"]["name"], TAG_BACKEND: plan.backend,
-        "llmctl.status": f"running: attempt {n}" + (f" from step {from_step}" if from_step else "")}.items()])
-    handle.attempt_env = {ENV_ATTEMPT: str(n), ENV_BILLING_START: f"{start:.3f}", ENV_PRICE: f"{price or 0.0:.6f}",
-                          ENV_SPENT: f"{spent:.6f}"}
+    n = ledger.open_attempt(
+        mc,
+        handle.run_id,
+        usd_per_hour=price,
+        nodes=hw.nodes,
+        devices=hw.devices,
+        start=start,
+        extra={
+            "infra": plan.cfg["infra"]["name"],
+            "world_size": plan.world_size,
+            "from_step": from_step,
+            "train_steps": plan.cfg["train"]["steps"],
+        },
+    )
+    mc.log_batch(
+        handle.run_id,
+        tags=[
+            _tag(k, v)
+            for k, v in {
+                "llmctl.infra": plan.cfg["infra"]["name"],
+                TAG_BACKEND: plan.backend,
+                "llmctl.status": f"running: attempt {n}" + (f" from step {from_step}" if from_step else ""),
+            }.items()
+        ],
+    )
+    handle.attempt_env = {
+        ENV_ATTEMPT: str(n),
+        ENV_BILLING_START: f"{start:.3f}",
+        ENV_PRICE: f"{price or 0.0:.6f}",
+        ENV_SPENT: f"{spent:.6f}",
+    }
     if max_cost is not None:
         handle.attempt_env[ENV_MAX_COST] = f"{max_cost:.6f}"
     return Attempt(n, start, max_cost, spent)
@@ -193,8 +268,17 @@ def _tag(key: str, value: str) -> Any:
     return RunTag(key, tracking.redact(value)[:5000])
 
 
-def _run(plan: Plan, backend: Backend, handle: RunHandle, attempt: Attempt, *, new_run: bool, say: Say,
-         banner: str, workload_out: Optional[TextIO] = None) -> int:
+def _run(
+    plan: Plan,
+    backend: Backend,
+    handle: RunHandle,
+    attempt: Attempt,
+    *,
+    new_run: bool,
+    say: Say,
+    banner: str,
+    workload_out: Optional[TextIO] = None,
+) -> int:
     mc = tracking.client(handle.uri)
     clear_stop_requests()
     previous = {sig: signal.signal(sig, raise_interrupted) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -221,8 +305,7 @@ def _run(plan: Plan, backend: Backend, handle: RunHandle, attempt: Attempt, *, n
         for sig in previous:
             signal.signal(sig, _note_late_stop)
     try:
-        outcome, reason = classify(code, error, mc.get_run(handle.run_id).data.tags, handle.run_id,
-                                   stop_requested())
+        outcome, reason = classify(code, error, mc.get_run(handle.run_id).data.tags, handle.run_id, stop_requested())
         cost_line = hooks.close(mc, handle.run_id, plan.cfg, plan.estimate, reason)
         _upload_log(mc, handle.run_id, attempt.n)
         _log_models(mc, handle, cfg)
@@ -247,7 +330,7 @@ def _upload_log(mc: Any, run_id: str, n: int) -> None:
         text = f.read().decode("utf-8", "replace")
     try:
         mc.log_text(run_id, text, f"attempts/{n}/output.log")
-    except Exception as exc:  # noqa: BLE001 - the log stays on disk; closing the run matters more
+    except Exception as exc:
         print(f"warning: output.log not uploaded ({type(exc).__name__}: {exc})", file=sys.stderr)
 
 
@@ -259,7 +342,7 @@ def _log_models(mc: Any, handle: RunHandle, cfg: Optional[dict[str, Any]]) -> No
         return
     try:
         log_checkpoints(mc, handle.experiment_id, handle.run_id, (cfg.get("checkpoint") or {}).get("dir"))
-    except Exception as exc:  # noqa: BLE001 - the checkpoints are still there for resume/eval by run id
+    except Exception as exc:
         print(f"warning: checkpoints not logged as MLflow models ({type(exc).__name__}: {exc})", file=sys.stderr)
 
 
@@ -267,12 +350,16 @@ def _note_late_stop(signum: int, frame: Any) -> None:
     """SIGINT/SIGTERM while the attempt is being closed: the job has already ended; finish closing."""
 
 
-def classify(code: Optional[int], error: Optional[BaseException], tags: dict[str, str], run_id: str,
-             stop: Optional[int] = None) -> tuple[Outcome, str]:
+def classify(
+    code: Optional[int], error: Optional[BaseException], tags: dict[str, str], run_id: str, stop: Optional[int] = None
+) -> tuple[Outcome, str]:
     """The outcome of an attempt and its ``llmctl.status``, from what the controller saw (exit code,
     an error starting, ``stop``: a stop request it received) and what the workload recorded (its tags)."""
-    killed = (Outcome.KILLED, f"killed: SIGTERM to llmctl stopped the job without its checkpoint"
-                              f" — resume from the last one with: llmctl resume {run_id}")
+    killed = (
+        Outcome.KILLED,
+        f"killed: SIGTERM to llmctl stopped the job without its checkpoint"
+        f" — resume from the last one with: llmctl resume {run_id}",
+    )
     if isinstance(error, Interrupted):
         return killed if error.signum == signal.SIGTERM else (Outcome.INTERRUPTED, "interrupted (Ctrl-C)")
     if error is not None:

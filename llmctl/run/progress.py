@@ -28,13 +28,27 @@ class StepProgress:
 
     def __init__(self, out: TextIO, *, force_terminal: Optional[bool] = None, width: Optional[int] = None) -> None:
         from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
-            TimeRemainingColumn
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
 
         self.console = Console(file=out, force_terminal=force_terminal, width=width, highlight=False)
-        self.progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-                                 TextColumn("{task.fields[stats]}"), TimeElapsedColumn(), TextColumn("eta"),
-                                 TimeRemainingColumn(), console=self.console, transient=True)
+        self.progress = Progress(
+            TextColumn("[bold]train"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[stats]}"),
+            TimeElapsedColumn(),
+            TextColumn("eta"),
+            TimeRemainingColumn(),
+            console=self.console,
+            transient=True,
+        )
         self.task: Optional[Any] = None
         self.loss = self.val = self.tok_s = ""
 

@@ -38,8 +38,9 @@ def _hydra_value(v: Any) -> str:
     return "'" + str(v).replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
-def compose_resume(stored: dict[str, Any], choices: dict[str, str], overrides: list[str],
-                   config_dir: Optional[str] = None) -> Any:
+def compose_resume(
+    stored: dict[str, Any], choices: dict[str, str], overrides: list[str], config_dir: Optional[str] = None
+) -> Any:
     """The stored config + overrides, through ``config.compose`` (same checks, same messages).
 
     Compose input: the run's group choices, then every stored value as ``key=value``, then the
@@ -48,7 +49,7 @@ def compose_resume(stored: dict[str, Any], choices: dict[str, str], overrides: l
     the old machine's layout). ``model=`` and ``experiment=`` are refused: a checkpoint only loads
     into the model that wrote it.
     """
-    from llmctl.config.compose import GROUPS, parse_overrides, compose
+    from llmctl.config.compose import GROUPS, compose, parse_overrides
     from llmctl.config.root_schema import drop_retired
 
     user = list(overrides)
@@ -56,16 +57,25 @@ def compose_resume(stored: dict[str, Any], choices: dict[str, str], overrides: l
     for raw, ov in zip(user, parse_overrides(user)):
         group = ov.key_or_group
         if group in ("model", "experiment"):
-            raise ConfigError(f"'{raw}': a resumed run keeps its {group} (its checkpoint only loads into the"
-                              f" same model); set individual keys instead, or launch a new run")
+            raise ConfigError(
+                f"'{raw}': a resumed run keeps its {group} (its checkpoint only loads into the"
+                f" same model); set individual keys instead, or launch a new run"
+            )
         if group in GROUPS:
             dropped.update(RESECTION.get(group, (group,)))
-    base = [f"{g}={c}" for g, c in choices.items()
-            if g in GROUPS and g not in ("experiment",) and g not in dropped and c not in (None, "None", "null")]
+    base = [
+        f"{g}={c}"
+        for g, c in choices.items()
+        if g in GROUPS and g not in ("experiment",) and g not in dropped and c not in (None, "None", "null")
+    ]
     # section.key = value, two levels as the schema has them: a map value (infra.accelerator_aliases)
     # stays one override, not one per entry
-    base += [f"{section}.{key}={_hydra_value(v)}" for section, values in drop_retired(stored).items()
-             if section not in dropped for key, v in values.items()]
+    base += [
+        f"{section}.{key}={_hydra_value(v)}"
+        for section, values in drop_retired(stored).items()
+        if section not in dropped
+        for key, v in values.items()
+    ]
     return compose(base + user, config_dir)
 
 
@@ -75,9 +85,11 @@ def _stored_config(mc: Any, run: Any) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         try:
             path = mc.download_artifacts(run.info.run_id, "config.yaml", tmp)
-        except Exception as exc:  # noqa: BLE001 - MlflowException or OSError: same message
-            raise ConfigError(f"run {run.info.run_id} has no config.yaml artifact ({type(exc).__name__}); it was"
-                              " not launched by llmctl, or its artifact store is unreachable") from None
+        except Exception as exc:
+            raise ConfigError(
+                f"run {run.info.run_id} has no config.yaml artifact ({type(exc).__name__}); it was"
+                " not launched by llmctl, or its artifact store is unreachable"
+            ) from None
         return OmegaConf.to_container(OmegaConf.load(path))  # type: ignore[return-value]
 
 
@@ -91,32 +103,43 @@ def _check_not_running(run: Any, uri: str) -> None:
     if run.info.status != "RUNNING" or not backend_of(run).alive(run, uri):
         return  # finished, or its controller died without closing it: safe to take over
     rid = run.info.run_id
-    raise ConfigError(f"run {rid} is still running on {run.data.tags.get('llmctl.infra', '?')}; stop it first"
-                      f" (llmctl down {rid}) so two jobs never write one checkpoint directory")
+    raise ConfigError(
+        f"run {rid} is still running on {run.data.tags.get('llmctl.infra', '?')}; stop it first"
+        f" (llmctl down {rid}) so two jobs never write one checkpoint directory"
+    )
 
 
-def resume(run_id: str, overrides: list[str], config_dir: Optional[str], tracking_uri: Optional[str],
-           max_cost: Optional[float], echo: Callable[..., None]) -> int:
+def resume(
+    run_id: str,
+    overrides: list[str],
+    config_dir: Optional[str],
+    tracking_uri: Optional[str],
+    max_cost: Optional[float],
+    echo: Callable[..., None],
+) -> int:
     """The whole command; returns the exit code. ConfigError (→ 3) before anything is changed."""
-    from llmctl.run import lifecycle
-    from llmctl.tracking import runs, mlflow_run as tracking
     from llmctl.config.compose import Composed
     from llmctl.plan.make import estimate_for, make_plan
+    from llmctl.run import lifecycle
+    from llmctl.tracking import mlflow_run as tracking
+    from llmctl.tracking import runs
 
     uri = runs.tracking_uri(tracking_uri)
     run = runs.get_run(run_id, uri)
     run_id = run.info.run_id  # the full id, when a prefix was given
     _check_not_running(run, uri)
     stored = _stored_config(tracking.client(uri), run)
-    choices = {k[len("llmctl.choice."):]: v for k, v in run.data.tags.items() if k.startswith("llmctl.choice.")}
+    choices = {k[len("llmctl.choice.") :]: v for k, v in run.data.tags.items() if k.startswith("llmctl.choice.")}
     composed = compose_resume(stored, choices, overrides, config_dir)
     root = composed.cfg["checkpoint"]["dir"]
     if not root:
         raise ConfigError(f"run {run_id} has no checkpoint.dir: there is nothing to resume from; launch it again")
     try:
         step = latest_complete(str(root))
-    except Exception as exc:  # noqa: BLE001 - unreachable bucket, bad credentials ...
-        raise ConfigError(f"cannot list checkpoints in {tracking.redact(str(root))}: {type(exc).__name__}: {exc}") from None
+    except Exception as exc:
+        raise ConfigError(
+            f"cannot list checkpoints in {tracking.redact(str(root))}: {type(exc).__name__}: {exc}"
+        ) from None
     pin, said = schedule.extension(stored.get("train", {}), composed.cfg["train"], step or 0)
     if pin is not None:
         composed.cfg["train"]["schedule_steps"] = pin
@@ -124,18 +147,26 @@ def resume(run_id: str, overrides: list[str], config_dir: Optional[str], trackin
     total = int(plan.cfg["train"]["steps"])
     if step is not None and step >= total and run.info.status != "FINISHED":
         # the work is done (e.g. killed after its last checkpoint): close the run, nothing to rerun
-        lifecycle.close_run(uri, run_id, lifecycle.Outcome.FINISHED,
-                            f"finished: complete checkpoint at step {step} of {total}")
+        lifecycle.close_run(
+            uri, run_id, lifecycle.Outcome.FINISHED, f"finished: complete checkpoint at step {step} of {total}"
+        )
         echo(f"llmctl: run {run_id} already has its final checkpoint (step {step} of {total}); marked FINISHED")
         return 0
     if step is not None and step >= total:
-        raise ConfigError(f"run {run_id} already has a complete checkpoint at step {step} of train.steps={total}:"
-                          f" nothing to resume. To train further, raise it: llmctl resume {run_id} train.steps=<N>")
+        raise ConfigError(
+            f"run {run_id} already has a complete checkpoint at step {step} of train.steps={total}:"
+            f" nothing to resume. To train further, raise it: llmctl resume {run_id} train.steps=<N>"
+        )
     left = {**plan.cfg, "train": {**plan.cfg["train"], "steps": total - (step or 0)}}
     remaining = estimate_for(plan, cfg=left) if plan.estimate is not None else None
     if said:
         echo(f"llmctl: {said}")
-    where = (f"from step {step} ({tracking.redact(str(root))})" if step is not None else
-             f"from step 0: no complete checkpoint in {tracking.redact(str(root))}, so the run restarts"
-             " within the same MLflow run")
-    return lifecycle.resume(plan, uri, run, from_step=step, remaining=remaining, max_cost=max_cost, say=echo, where=where)
+    where = (
+        f"from step {step} ({tracking.redact(str(root))})"
+        if step is not None
+        else f"from step 0: no complete checkpoint in {tracking.redact(str(root))}, so the run restarts"
+        " within the same MLflow run"
+    )
+    return lifecycle.resume(
+        plan, uri, run, from_step=step, remaining=remaining, max_cost=max_cost, say=echo, where=where
+    )

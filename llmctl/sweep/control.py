@@ -18,20 +18,36 @@ from typing import Any, Callable, Optional
 
 from llmctl.errors import ConfigError
 from llmctl.run.procs import pid_alive
-from llmctl.sweep.trial_plans import SweepPlan, check_budget, gpu_slots, make_sweep_plan
 from llmctl.sweep.state import (
-    DOWN_GRACE_S, LOG_FILE, SPEC_FILE, TAG_KIND, TAG_SWEEP_ID, TERMINAL, SweepStatus, exit_code,
-    get_status, load_spec, new_sweep_id, read_json, supervisor_pid, sweep_dir, write_json, write_pid,
+    DOWN_GRACE_S,
+    LOG_FILE,
+    SPEC_FILE,
+    TAG_KIND,
+    TAG_SWEEP_ID,
+    TERMINAL,
+    SweepStatus,
+    exit_code,
+    get_status,
+    load_spec,
+    new_sweep_id,
+    read_json,
+    supervisor_pid,
+    sweep_dir,
+    write_json,
+    write_pid,
 )
+from llmctl.sweep.trial_plans import SweepPlan, check_budget, gpu_slots, make_sweep_plan
 from llmctl.tracking.mlflow_run import redact
 
 
-def start(sp: SweepPlan, metric: str = "val/loss", mode: str = "min", max_cost: Optional[float] = None) -> dict[str, Any]:
+def start(
+    sp: SweepPlan, metric: str = "val/loss", mode: str = "min", max_cost: Optional[float] = None
+) -> dict[str, Any]:
     """Create the parent run and the sweep directory, start the supervisor; return the spec."""
     from mlflow.entities import Param
 
-    from llmctl.tracking import mlflow_run as tracking
     from llmctl.backends import backend_for
+    from llmctl.tracking import mlflow_run as tracking
 
     if mode not in ("min", "max"):
         raise ConfigError(f"--mode {mode}: use min or max")
@@ -39,27 +55,61 @@ def start(sp: SweepPlan, metric: str = "val/loss", mode: str = "min", max_cost: 
         backend_for(infra.plan.backend).preflight(infra.plan)
     sweep_id = new_sweep_id()
     first = sp.trials[0].plan
-    cfg = {**first.cfg, "tracking": {**first.cfg["tracking"], "run_name": first.cfg["tracking"]["run_name"] or sweep_id}}
-    handle = tracking.create_run(cfg, {}, extra_tags={
-        TAG_SWEEP_ID: sweep_id, TAG_KIND: "sweep", "llmctl.status": "running",
-        "llmctl.sweep.overrides": redact(" ".join(sp.overrides))[:5000],
-        "llmctl.sweep.trials": str(sp.n_trials)})
+    cfg = {
+        **first.cfg,
+        "tracking": {**first.cfg["tracking"], "run_name": first.cfg["tracking"]["run_name"] or sweep_id},
+    }
+    handle = tracking.create_run(
+        cfg,
+        {},
+        extra_tags={
+            TAG_SWEEP_ID: sweep_id,
+            TAG_KIND: "sweep",
+            "llmctl.status": "running",
+            "llmctl.sweep.overrides": redact(" ".join(sp.overrides))[:5000],
+            "llmctl.sweep.trials": str(sp.n_trials),
+        },
+    )
     search = sp.search or {}
-    tracking.client(handle.uri).log_batch(handle.run_id, params=[
-        Param("sweep.overrides", redact(" ".join(sp.overrides))[:6000]), Param("sweep.trials", str(sp.n_trials)),
-        Param("sweep.max_parallel", str(sp.max_parallel)), Param("sweep.metric", metric), Param("sweep.mode", mode),
-        Param("sweep.search", search.get("sampler", "grid")), Param("sweep.prune", search.get("prune", "none")),
-        *([Param("sweep.seed", str(search["seed"]))] if search else [])])
+    tracking.client(handle.uri).log_batch(
+        handle.run_id,
+        params=[
+            Param("sweep.overrides", redact(" ".join(sp.overrides))[:6000]),
+            Param("sweep.trials", str(sp.n_trials)),
+            Param("sweep.max_parallel", str(sp.max_parallel)),
+            Param("sweep.metric", metric),
+            Param("sweep.mode", mode),
+            Param("sweep.search", search.get("sampler", "grid")),
+            Param("sweep.prune", search.get("prune", "none")),
+            *([Param("sweep.seed", str(search["seed"]))] if search else []),
+        ],
+    )
     d = sweep_dir(sweep_id)
     d.mkdir(parents=True, exist_ok=False)
     budgets = sp.trial_budgets(max_cost)
     spec = {
-        "sweep_id": sweep_id, "parent_run_id": handle.run_id, "uri": handle.uri,
-        "experiment_id": handle.experiment_id, "overrides": sp.overrides, "config_dir": sp.config_dir,
-        "max_parallel": sp.max_parallel, "metric": metric, "mode": mode, "cwd": str(Path.cwd()),
-        "gpu_slots": gpu_slots(sp.max_parallel), "max_cost": max_cost,
-        "trials": [{"index": t.index, "overrides": t.overrides, "cfg": t.composed, "choices": t.plan.choices,
-                    "max_cost": budget} for t, budget in zip(sp.trials, budgets)],
+        "sweep_id": sweep_id,
+        "parent_run_id": handle.run_id,
+        "uri": handle.uri,
+        "experiment_id": handle.experiment_id,
+        "overrides": sp.overrides,
+        "config_dir": sp.config_dir,
+        "max_parallel": sp.max_parallel,
+        "metric": metric,
+        "mode": mode,
+        "cwd": str(Path.cwd()),
+        "gpu_slots": gpu_slots(sp.max_parallel),
+        "max_cost": max_cost,
+        "trials": [
+            {
+                "index": t.index,
+                "overrides": t.overrides,
+                "cfg": t.composed,
+                "choices": t.plan.choices,
+                "max_cost": budget,
+            }
+            for t, budget in zip(sp.trials, budgets)
+        ],
     }
     if sp.search:  # its trials are asked from the study while it runs; every one gets an equal share
         spec["search"] = {k: sp.search[k] for k in ("sampler", "seed", "n_trials", "prune", "space", "grace_steps")}
@@ -78,9 +128,15 @@ def _spawn_supervisor(d: Path, extra: list[str]) -> None:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     env["PYTHONUNBUFFERED"] = "1"
     with open(d / LOG_FILE, "ab") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "llmctl.sweep.supervisor", *extra, str(d)],
-                                cwd=str(Path.cwd()), env=env, stdin=subprocess.DEVNULL, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "llmctl.sweep.supervisor", *extra, str(d)],
+            cwd=str(Path.cwd()),
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     write_pid(d, proc.pid)
 
 
@@ -97,15 +153,18 @@ def resume(sweep_id: str) -> str:
     if spec is None:
         raise ConfigError(f"no sweep directory {d}: resume a sweep from the directory it was launched in")
     if supervisor_pid(sweep_id) is not None:
-        raise ConfigError(f"sweep {sweep_id} is running (its supervisor is alive): nothing to resume."
-                          f" Watch it: llmctl status {sweep_id}")
+        raise ConfigError(
+            f"sweep {sweep_id} is running (its supervisor is alive): nothing to resume."
+            f" Watch it: llmctl status {sweep_id}"
+        )
     parent = tracking.client(spec["uri"]).get_run(spec["parent_run_id"])
     if parent.info.status != "RUNNING":
-        raise ConfigError(f"sweep {sweep_id} has ended ({parent.info.status}: "
-                          f"{parent.data.tags.get('llmctl.status', '')}); nothing to resume")
+        raise ConfigError(
+            f"sweep {sweep_id} has ended ({parent.info.status}: "
+            f"{parent.data.tags.get('llmctl.status', '')}); nothing to resume"
+        )
     _spawn_supervisor(d, ["--resume"])
-    return (f"sweep {sweep_id}: supervisor restarted; status: llmctl status {sweep_id}"
-            f" | supervisor log: {d / LOG_FILE}")
+    return f"sweep {sweep_id}: supervisor restarted; status: llmctl status {sweep_id} | supervisor log: {d / LOG_FILE}"
 
 
 def down(sweep_id: str, uri: Optional[str] = None) -> str:
@@ -130,9 +189,9 @@ def down(sweep_id: str, uri: Optional[str] = None) -> str:
 
 def _close_leftovers(spec: dict[str, Any], st: SweepStatus) -> int:
     """Stop and close trials still open after the supervisor exited (or if it died)."""
+    from llmctl.backends import backend_of
     from llmctl.run import lifecycle
     from llmctl.tracking import mlflow_run as tracking
-    from llmctl.backends import backend_of
 
     mc = tracking.client(spec["uri"])
     closed = 0
@@ -143,7 +202,7 @@ def _close_leftovers(spec: dict[str, Any], st: SweepStatus) -> int:
         if run.info.status == "RUNNING":
             try:
                 backend_of(run).down(run, spec["uri"])  # its controller, if alive, closes the run
-            except Exception as exc:  # noqa: BLE001 - still close the run below
+            except Exception as exc:
                 print(f"warning: stopping trial {t.index}: {exc}")
         lifecycle.close_run(spec["uri"], t.run_id, lifecycle.Outcome.KILLED, "llmctl down (sweep)")
         closed += 1
@@ -182,9 +241,17 @@ def wait(sweep_id: str, poll_s: float = 2.0) -> SweepStatus:
     return st
 
 
-def launch_cli(overrides: list[str], config_dir: Optional[str], max_parallel: Optional[int], wait_: bool,
-               max_cost: Optional[float], metric: str, mode: str, echo: Callable[[str], None],
-               **search: Any) -> int:
+def launch_cli(
+    overrides: list[str],
+    config_dir: Optional[str],
+    max_parallel: Optional[int],
+    wait_: bool,
+    max_cost: Optional[float],
+    metric: str,
+    mode: str,
+    echo: Callable[[str], None],
+    **search: Any,
+) -> int:
     """``llmctl launch -m``: validate all, start the supervisor, return at once (or ``--wait``).
 
     Raises ConfigError (exit 3) before anything is created when any trial is invalid.
@@ -197,13 +264,17 @@ def launch_cli(overrides: list[str], config_dir: Optional[str], max_parallel: Op
     spec = start(sp, metric, mode, max_cost)
     sid = spec["sweep_id"]
     how = f"{sp.search['sampler']} search (seed {sp.search['seed']}, prune {sp.search['prune']}), " if sp.search else ""
-    echo(f"llmctl: sweep {sid}: {how}{sp.n_trials} trial(s), up to {sp.max_parallel} at once on"
-         f" {sp.trials[0].plan.where}; parent run {spec['parent_run_id']}")
+    echo(
+        f"llmctl: sweep {sid}: {how}{sp.n_trials} trial(s), up to {sp.max_parallel} at once on"
+        f" {sp.trials[0].plan.where}; parent run {spec['parent_run_id']}"
+    )
     if budget:
         echo(f"llmctl: {budget}")
-    echo(f"llmctl: status: llmctl status {sid} | cancel: llmctl down {sid}"
-         f" | restart a dead supervisor: llmctl resume {sid}"
-         f" | supervisor log: {sweep_dir(sid) / LOG_FILE}")
+    echo(
+        f"llmctl: status: llmctl status {sid} | cancel: llmctl down {sid}"
+        f" | restart a dead supervisor: llmctl resume {sid}"
+        f" | supervisor log: {sweep_dir(sid) / LOG_FILE}"
+    )
     if not wait_:
         return 0
     try:

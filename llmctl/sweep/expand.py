@@ -77,9 +77,11 @@ def expand(overrides: list[str], config_dir: Optional[str] = None) -> list[list[
             per_key[key] = [f"{key}={ov.get_value_element_as_str()}"]
             continue
         if not ov.is_discrete_sweep():
-            raise ConfigError(f"'{raw}': {ov.value_type.name.lower()} sweeps have no list of values;"
-                              " a grid (--search grid, the default) runs choice lists (a,b), range(start,stop[,step])"
-                              " and glob(...). Fix: --search tpe --trials N (or --search random) samples it")
+            raise ConfigError(
+                f"'{raw}': {ov.value_type.name.lower()} sweeps have no list of values;"
+                " a grid (--search grid, the default) runs choice lists (a,b), range(start,stop[,step])"
+                " and glob(...). Fix: --search tpe --trials N (or --search random) samples it"
+            )
         try:
             values = list(ov.sweep_string_iterator())
         except HydraException as exc:

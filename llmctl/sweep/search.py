@@ -71,8 +71,10 @@ def parse_space(overrides: list[str], config_dir: Optional[str] = None) -> Space
         else:
             fixed[key] = f"{key}={ov.get_value_element_as_str()}"
     if not dists:
-        raise ConfigError("--search random|tpe needs at least one searched key, e.g."
-                          " 'train.lr=tag(log, interval(1e-4, 1e-2))' or train.warmup_steps=choice(0,10)")
+        raise ConfigError(
+            "--search random|tpe needs at least one searched key, e.g."
+            " 'train.lr=tag(log, interval(1e-4, 1e-2))' or train.warmup_steps=choice(0,10)"
+        )
     return Space(list(fixed.values()), dists)
 
 
@@ -183,8 +185,12 @@ def study(spec: dict[str, Any], d: Path, create: bool = False) -> Any:
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     s = spec["search"]
     storage = optuna.storages.RDBStorage(storage_url(d), engine_kwargs={"connect_args": {"timeout": 60}})
-    kwargs = dict(study_name=spec["sweep_id"], storage=storage, pruner=pruner(s["prune"], s.get("grace_steps")),
-                  sampler=sampler(s["sampler"], int(s["seed"]), int(s["n_trials"])))
+    kwargs = dict(
+        study_name=spec["sweep_id"],
+        storage=storage,
+        pruner=pruner(s["prune"], s.get("grace_steps")),
+        sampler=sampler(s["sampler"], int(s["seed"]), int(s["n_trials"])),
+    )
     if create:
         return optuna.create_study(direction="minimize" if spec["mode"] == "min" else "maximize", **kwargs)
     st = optuna.load_study(**kwargs)
@@ -206,8 +212,9 @@ def first_proposals(search: str, seed: int, space: Space, n_trials: int, mode: s
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    st = optuna.create_study(sampler=sampler(search, seed, n_trials),
-                             direction="minimize" if mode == "min" else "maximize")
+    st = optuna.create_study(
+        sampler=sampler(search, seed, n_trials), direction="minimize" if mode == "min" else "maximize"
+    )
     n = min(4, startup_trials(search, n_trials))
     return [st.ask(fixed_distributions=dict(space.dists)).params for _ in range(n)]
 

@@ -19,9 +19,9 @@ from typing import Any, Optional
 from llmctl.cost import ledger
 from llmctl.errors import ConfigError
 from llmctl.run.procs import same_process, start_time
+from llmctl.run.workdir import sweeps_root
 from llmctl.sweep import table
 from llmctl.tracking.mlflow_run import redact
-from llmctl.run.workdir import sweeps_root
 
 PREFIX = "sweep-"
 SPEC_FILE = "sweep.json"
@@ -110,9 +110,18 @@ class SweepStatus:
         rows = []
         for t in self.trials:
             m = t.metrics
-            rows.append([str(t.index), (t.run_id or "-")[:12], t.status, *table.values(t.overrides, keys),
-                         table.num(m.get("train/loss")), table.num(m.get("val/loss")),
-                         table.num(m.get("perf/tokens_per_s"), "{:,.0f}"), table.fmt_cost(t.cost, t.unpriced)])
+            rows.append(
+                [
+                    str(t.index),
+                    (t.run_id or "-")[:12],
+                    t.status,
+                    *table.values(t.overrides, keys),
+                    table.num(m.get("train/loss")),
+                    table.num(m.get("val/loss")),
+                    table.num(m.get("perf/tokens_per_s"), "{:,.0f}"),
+                    table.fmt_cost(t.cost, t.unpriced),
+                ]
+            )
         return header, rows
 
     def describe(self) -> str:
@@ -120,22 +129,28 @@ class SweepStatus:
         counts = ", ".join(f"{n} {s}" for s, n in sorted(self.counts().items()))
         header, rows = self.rows()
         total = table.fmt_cost(table.total_cost([t.cost for t in self.trials]), any(t.unpriced for t in self.trials))
-        lines = [f"sweep:       {spec['sweep_id']} (parent run {spec['parent_run_id']})",
-                 f"state:       {self.parent_status}; supervisor {'running' if self.supervisor_alive else 'exited'};"
-                 f" {len(self.trials)} trials: {counts}",
-                 f"overrides:   {' '.join(spec['overrides'])}",
-                 *([self.search_line()] if spec.get("search") else []),
-                 "", table.render(header, rows), "",
-                 f"total cost:  {total}",
-                 f"best:        {self.best_line()}"]
+        lines = [
+            f"sweep:       {spec['sweep_id']} (parent run {spec['parent_run_id']})",
+            f"state:       {self.parent_status}; supervisor {'running' if self.supervisor_alive else 'exited'};"
+            f" {len(self.trials)} trials: {counts}",
+            f"overrides:   {' '.join(spec['overrides'])}",
+            *([self.search_line()] if spec.get("search") else []),
+            "",
+            table.render(header, rows),
+            "",
+            f"total cost:  {total}",
+            f"best:        {self.best_line()}",
+        ]
         return "\n".join(lines)
 
     def search_line(self) -> str:
         s = self.spec["search"]
         ended = sum(1 for t in self.trials if t.status in TERMINAL)
         pruned = sum(1 for t in self.trials if t.status == "PRUNED")
-        return (f"search:      {s['sampler']} (seed {s['seed']}, prune {s['prune']}): {ended} of {s['n_trials']}"
-                f" trials ended, {len(self.trials)} started, {pruned} pruned")
+        return (
+            f"search:      {s['sampler']} (seed {s['seed']}, prune {s['prune']}): {ended} of {s['n_trials']}"
+            f" trials ended, {len(self.trials)} started, {pruned} pruned"
+        )
 
     def best_line(self) -> str:
         metric, mode = self.spec["metric"], self.spec["mode"]
@@ -144,8 +159,9 @@ class SweepStatus:
             return f"none yet (no FINISHED trial with {metric})"
         keys = table.varying([t.overrides for t in self.trials])
         shown = " ".join(f"{k}={v}" for k, v in zip(keys, table.values(b.overrides, keys)))
-        return (f"trial {b.index}{f' ({shown})' if shown else ''} {metric}={b.metrics[metric]:.4f} ({mode}),"
-                f" run {b.run_id}")
+        return (
+            f"trial {b.index}{f' ({shown})' if shown else ''} {metric}={b.metrics[metric]:.4f} ({mode}), run {b.run_id}"
+        )
 
 
 def load_spec(sweep_id: str, uri: Optional[str] = None) -> dict[str, Any]:
@@ -158,23 +174,39 @@ def load_spec(sweep_id: str, uri: Optional[str] = None) -> dict[str, Any]:
     store = tracking.resolve_uri(uri)
     mc = tracking.client(store)
     exps = [e.experiment_id for e in mc.search_experiments()]
-    parents = mc.search_runs(exps, f"tags.`{TAG_SWEEP_ID}` = '{sweep_id}' and tags.`{TAG_KIND}` = 'sweep'") if exps else []
+    parents = (
+        mc.search_runs(exps, f"tags.`{TAG_SWEEP_ID}` = '{sweep_id}' and tags.`{TAG_KIND}` = 'sweep'") if exps else []
+    )
     if not parents:
-        raise ConfigError(f"no sweep '{sweep_id}' in ./llmctl-runs/sweeps or in {redact(store)}."
-                          " Fix: run llmctl from where you launched, or pass --tracking-uri")
+        raise ConfigError(
+            f"no sweep '{sweep_id}' in ./llmctl-runs/sweeps or in {redact(store)}."
+            " Fix: run llmctl from where you launched, or pass --tracking-uri"
+        )
     p = parents[0]
     children = _children(mc, p.info.experiment_id, sweep_id)
-    return {"sweep_id": sweep_id, "parent_run_id": p.info.run_id, "uri": store,
-            "experiment_id": p.info.experiment_id, "overrides": p.data.params.get("sweep.overrides", "").split(),
-            "metric": p.data.params.get("sweep.metric", "val/loss"), "mode": p.data.params.get("sweep.mode", "min"),
-            "trials": [{"index": int(c.data.tags.get(TAG_TRIAL, -1)),
-                        "overrides": c.data.tags.get(TAG_TRIAL_OVERRIDES, "").split()} for c in children],
-            "remote": True}
+    return {
+        "sweep_id": sweep_id,
+        "parent_run_id": p.info.run_id,
+        "uri": store,
+        "experiment_id": p.info.experiment_id,
+        "overrides": p.data.params.get("sweep.overrides", "").split(),
+        "metric": p.data.params.get("sweep.metric", "val/loss"),
+        "mode": p.data.params.get("sweep.mode", "min"),
+        "trials": [
+            {
+                "index": int(c.data.tags.get(TAG_TRIAL, -1)),
+                "overrides": c.data.tags.get(TAG_TRIAL_OVERRIDES, "").split(),
+            }
+            for c in children
+        ],
+        "remote": True,
+    }
 
 
 def _children(mc: Any, experiment_id: str, sweep_id: str) -> list[Any]:
-    runs = mc.search_runs( [experiment_id], f"tags.`{TAG_SWEEP_ID}` = '{sweep_id}' and tags.`{TAG_KIND}` = 'trial'",
-                 max_results=50000)
+    runs = mc.search_runs(
+        [experiment_id], f"tags.`{TAG_SWEEP_ID}` = '{sweep_id}' and tags.`{TAG_KIND}` = 'trial'", max_results=50000
+    )
     return sorted(runs, key=lambda r: int(r.data.tags.get(TAG_TRIAL, 0)))
 
 
@@ -208,12 +240,24 @@ def get_status(sweep_id: str, uri: Optional[str] = None) -> SweepStatus:
         status = "PENDING" if run.info.status == "SCHEDULED" else run.info.status
         if status == "KILLED" and run.data.tags.get(TAG_PRUNED):
             status = "PRUNED"
-        trials.append(TrialStatus(t["index"], t["overrides"], run.info.run_id, status,
-                                  {k: v for k, v in run.data.metrics.items() if k in KEY_METRICS},
-                                  run.data.tags.get("llmctl.status", ""), ledger.figures(run).get("cost/actual_usd"),
-                                  run.data.tags.get("llmctl.price.usd_per_hour") == "unpriced"))
-    return SweepStatus(spec=spec, parent_status=parent.info.status,
-                       supervisor_alive=supervisor_pid(sweep_id) is not None, trials=trials)
+        trials.append(
+            TrialStatus(
+                t["index"],
+                t["overrides"],
+                run.info.run_id,
+                status,
+                {k: v for k, v in run.data.metrics.items() if k in KEY_METRICS},
+                run.data.tags.get("llmctl.status", ""),
+                ledger.figures(run).get("cost/actual_usd"),
+                run.data.tags.get("llmctl.price.usd_per_hour") == "unpriced",
+            )
+        )
+    return SweepStatus(
+        spec=spec,
+        parent_status=parent.info.status,
+        supervisor_alive=supervisor_pid(sweep_id) is not None,
+        trials=trials,
+    )
 
 
 def status_text(sweep_id: str, uri: Optional[str] = None) -> str:

@@ -59,9 +59,9 @@ def trial_entry(spec: dict[str, Any], index: int) -> Optional[dict[str, Any]]:
 
 def run_trial(d: Path, index: int, run_id: str) -> int:
     """Run trial ``index`` into its (already created) child run; the lifecycle's exit code."""
-    from llmctl.run import lifecycle
     from llmctl.config.compose import Composed
     from llmctl.plan.make import make_plan
+    from llmctl.run import lifecycle
     from llmctl.tracking.mlflow_run import RunHandle
 
     signal.signal(signal.SIGTERM, raise_interrupted)  # the supervisor may cancel before the workers start
@@ -172,10 +172,18 @@ class Supervisor:
             return
         parent, sid = self.spec["parent_run_id"], self.id
         cfg = {**t["cfg"], "tracking": {**t["cfg"]["tracking"], "run_name": self.trial_name(t)}}
-        handle = tracking.create_run(cfg, t["choices"], extra_tags={
-            state.TAG_PARENT: parent, state.TAG_SWEEP_ID: sid, state.TAG_KIND: "trial",
-            state.TAG_TRIAL: str(t["index"]), "llmctl.status": "pending",
-            state.TAG_TRIAL_OVERRIDES: tracking.redact(" ".join(t["overrides"]))[:5000]})
+        handle = tracking.create_run(
+            cfg,
+            t["choices"],
+            extra_tags={
+                state.TAG_PARENT: parent,
+                state.TAG_SWEEP_ID: sid,
+                state.TAG_KIND: "trial",
+                state.TAG_TRIAL: str(t["index"]),
+                "llmctl.status": "pending",
+                state.TAG_TRIAL_OVERRIDES: tracking.redact(" ".join(t["overrides"]))[:5000],
+            },
+        )
         self.mc.update_run(handle.run_id, status="SCHEDULED")
         self.run_ids[t["index"]] = handle.run_id
         self.pending.append(t["index"])
@@ -185,7 +193,7 @@ class Supervisor:
         from llmctl.sweep import naming
 
         if self.search:
-            return naming.searched_name(t["overrides"][len(self.space.fixed):])
+            return naming.searched_name(t["overrides"][len(self.space.fixed) :])
         prefix = self.spec["trials"][0]["cfg"]["tracking"]["run_name"] or self.id
         return naming.names(self.spec["trials"], prefix)[t["index"]]
 
@@ -197,8 +205,11 @@ class Supervisor:
     # ------------------------------------------------------------------ search: ask and tell
 
     def more_to_ask(self) -> bool:
-        return (bool(self.search) and not self.cancelled
-                and len(self.study.get_trials(deepcopy=False)) < int(self.search["n_trials"]))
+        return (
+            bool(self.search)
+            and not self.cancelled
+            and len(self.study.get_trials(deepcopy=False)) < int(self.search["n_trials"])
+        )
 
     def ask(self) -> None:
         """A new trial from the study: composed, written to the spec, its run created (pending)."""
@@ -213,12 +224,17 @@ class Supervisor:
         if entry is None:
             overrides = self.space.fixed + [search.as_override(k, params[k]) for k in self.space.dists]
             [composed] = compose_trials([overrides], self.spec.get("config_dir"))  # its ends were checked at launch
-            entry = {"index": number, "overrides": overrides, "cfg": composed.cfg, "choices": composed.choices,
-                     "max_cost": self.spec.get("trial_budget")}
+            entry = {
+                "index": number,
+                "overrides": overrides,
+                "cfg": composed.cfg,
+                "choices": composed.choices,
+                "max_cost": self.spec.get("trial_budget"),
+            }
             self.spec["trials"].append(entry)
             state.write_json(self.dir / state.SPEC_FILE, self.spec)  # before its run: a restart finds it
         self.create_run(entry)
-        _say(f"trial {number} asked: {' '.join(entry['overrides'][len(self.space.fixed):])}")
+        _say(f"trial {number} asked: {' '.join(entry['overrides'][len(self.space.fixed) :])}")
 
     def trial_id(self, index: int) -> int:
         return self.study._storage.get_trial_id_from_study_id_trial_number(self.study._study_id, index)
@@ -282,9 +298,12 @@ class Supervisor:
         step, value = self.pruned[index]
         lifecycle.close_run(self.spec["uri"], self.run_ids[index], lifecycle.Outcome.PREEMPTED, "pruned")
         self.mc.set_tag(self.run_ids[index], state.TAG_PRUNED, str(step))
-        self.mc.set_tag(self.run_ids[index], "llmctl.status",
-                        f"pruned at step {step} ({self.spec['metric']} {value:.4f}) by the"
-                        f" {self.search['prune'] if self.search else ''} pruner")
+        self.mc.set_tag(
+            self.run_ids[index],
+            "llmctl.status",
+            f"pruned at step {step} ({self.spec['metric']} {value:.4f}) by the"
+            f" {self.search['prune'] if self.search else ''} pruner",
+        )
 
     # ------------------------------------------------------------------ a restarted supervisor
 
@@ -292,8 +311,9 @@ class Supervisor:
         """After a supervisor died: every trial's run found once; running ones followed (controller
         alive) or resumed from their checkpoints (controller gone); pending ones queued."""
         previous = (state.read_json(self.dir / state.STATE_FILE) or {}).get("trials", {})
-        runs = {int(r.data.tags[state.TAG_TRIAL]): r
-                for r in state._children(self.mc, self.spec["experiment_id"], self.id)}
+        runs = {
+            int(r.data.tags[state.TAG_TRIAL]): r for r in state._children(self.mc, self.spec["experiment_id"], self.id)
+        }
         self.run_ids = {i: r.info.run_id for i, r in runs.items()}
         if self.search:  # asked before the last supervisor died, its run perhaps never created
             from optuna.trial import TrialState
@@ -342,11 +362,22 @@ class Supervisor:
         trials = {}
         for i, rid in self.run_ids.items():
             proc = self.running[i][0] if i in self.running else None
-            trials[i] = {"run_id": rid, "state": self.outcome.get(i) or ("RUNNING" if proc else "PENDING"),
-                         "pid": proc.pid if proc else None,
-                         "started": (getattr(proc, "started", None) or start_time(proc.pid)) if proc else None}
-        state.write_json(self.dir / state.STATE_FILE, {"supervisor": os.getpid(), "updated": time.time(),
-                                                         "cancelled": self.cancelled, "done": done, "trials": trials})
+            trials[i] = {
+                "run_id": rid,
+                "state": self.outcome.get(i) or ("RUNNING" if proc else "PENDING"),
+                "pid": proc.pid if proc else None,
+                "started": (getattr(proc, "started", None) or start_time(proc.pid)) if proc else None,
+            }
+        state.write_json(
+            self.dir / state.STATE_FILE,
+            {
+                "supervisor": os.getpid(),
+                "updated": time.time(),
+                "cancelled": self.cancelled,
+                "done": done,
+                "trials": trials,
+            },
+        )
 
     def start_trial(self, index: int) -> None:
         slot = self.slots.pop(0)
@@ -359,15 +390,25 @@ class Supervisor:
             env.setdefault("OMP_NUM_THREADS", str(cpu_threads(int(self.spec["max_parallel"]))))
             cmd = [sys.executable, "-m", "llmctl", "resume", self.run_ids[index], "--tracking-uri", self.spec["uri"]]
         else:
-            cmd = [sys.executable, "-m", "llmctl.sweep.supervisor", "--trial", str(self.dir), str(index),
-                   self.run_ids[index]]
-        log = open(self.dir / f"trial-{index}.log", "ab")
-        proc = subprocess.Popen(cmd, env=env, cwd=self.spec["cwd"], stdin=subprocess.DEVNULL,
-                                stdout=log, stderr=subprocess.STDOUT)
+            cmd = [
+                sys.executable,
+                "-m",
+                "llmctl.sweep.supervisor",
+                "--trial",
+                str(self.dir),
+                str(index),
+                self.run_ids[index],
+            ]
+        log = open(self.dir / f"trial-{index}.log", "ab")  # noqa: SIM115 - the trial's stdout, for its lifetime
+        proc = subprocess.Popen(
+            cmd, env=env, cwd=self.spec["cwd"], stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT
+        )
         log.close()
         self.running[index] = (proc, slot)
-        _say(f"trial {index} {'resumed' if cmd[3] == 'resume' else 'started'} (pid {proc.pid},"
-             f" run {self.run_ids[index]})")
+        _say(
+            f"trial {index} {'resumed' if cmd[3] == 'resume' else 'started'} (pid {proc.pid},"
+            f" run {self.run_ids[index]})"
+        )
 
     def reap(self) -> None:
         from llmctl.run import lifecycle
@@ -382,13 +423,16 @@ class Supervisor:
                 self.mark_pruned(index)
             # a controller that died before closing its run leaves it open: close it here
             outcome = lifecycle.Outcome.KILLED if self.cancelled else lifecycle.Outcome.FAILED
-            lifecycle.close_run(self.spec["uri"], self.run_ids[index], outcome,
-                                f"trial controller exited with code {code}")
+            lifecycle.close_run(
+                self.spec["uri"], self.run_ids[index], outcome, f"trial controller exited with code {code}"
+            )
             status = self.mc.get_run(self.run_ids[index]).info.status
             self.outcome[index] = status
             self.tell(index)
-            _say(f"trial {index} {'PRUNED' if index in self.pruned and status != 'FINISHED' else status}"
-                 f" (controller exit {code})")
+            _say(
+                f"trial {index} {'PRUNED' if index in self.pruned and status != 'FINISHED' else status}"
+                f" (controller exit {code})"
+            )
 
     def stop_running(self) -> None:
         """SIGTERM each trial controller (it stops its workers and marks its run KILLED); then force."""
@@ -415,8 +459,12 @@ class Supervisor:
 
         while self.pending:
             index = self.pending.popleft()
-            lifecycle.close_run(self.spec["uri"], self.run_ids[index], lifecycle.Outcome.KILLED,
-                                "sweep cancelled before this trial started")
+            lifecycle.close_run(
+                self.spec["uri"],
+                self.run_ids[index],
+                lifecycle.Outcome.KILLED,
+                "sweep cancelled before this trial started",
+            )
             self.outcome[index] = "KILLED"
             self.tell(index)
 
@@ -473,11 +521,21 @@ class Supervisor:
         params = [Param(f"best.{k}", str(v)) for k, v in best.params.items()]
         params += [Param(f"importance.{k}", f"{v:.4f}") for k, v in importance.items()]
         self.mc.log_batch(self.spec["parent_run_id"], params=params)
-        self.mc.log_dict(self.spec["parent_run_id"], {
-            "best_trial": best.number, "best_value": best.value, "best_params": best.params,
-            "importance": importance, "n_trials": len(self.study.trials),
-            "states": {s: sum(1 for t in self.study.trials if t.state.name == s) for s in
-                       ("COMPLETE", "PRUNED", "FAIL", "RUNNING")}}, "search.json")
+        self.mc.log_dict(
+            self.spec["parent_run_id"],
+            {
+                "best_trial": best.number,
+                "best_value": best.value,
+                "best_params": best.params,
+                "importance": importance,
+                "n_trials": len(self.study.trials),
+                "states": {
+                    s: sum(1 for t in self.study.trials if t.state.name == s)
+                    for s in ("COMPLETE", "PRUNED", "FAIL", "RUNNING")
+                },
+            },
+            "search.json",
+        )
         self.mc.log_figure(self.spec["parent_run_id"], search.history_figure(self.study), "history.png")
 
 
@@ -495,7 +553,7 @@ def supervise(d: Path, resumed: bool = False) -> int:
         else:
             sup.create_children()
         sup.loop()
-    except BaseException as exc:  # noqa: BLE001 - never leave trials running or runs open
+    except BaseException as exc:
         import traceback
 
         traceback.print_exc()

@@ -31,7 +31,7 @@ def gpu_slots(max_parallel: int) -> list[Optional[str]]:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     ids = [d.strip() for d in visible.split(",")] if visible else [str(i) for i in range(gpus)]
     per = gpus // max_parallel
-    return [",".join(ids[i * per:(i + 1) * per]) for i in range(max_parallel)]
+    return [",".join(ids[i * per : (i + 1) * per]) for i in range(max_parallel)]
 
 
 def estimate_cost(plan: Any) -> Optional[float]:
@@ -103,13 +103,18 @@ class SweepPlan:
         if self.search:
             s = self.search
             prune = s["prune"] + (f" from step {s['grace_steps']}" if s["prune"] != "none" else "")
-            head = (f"# sweep: {s['sampler']} search, {self.n_trials} trial(s) (seed {s['seed']}, prune {prune}),"
-                    f" up to {self.max_parallel} at once")
+            head = (
+                f"# sweep: {s['sampler']} search, {self.n_trials} trial(s) (seed {s['seed']}, prune {prune}),"
+                f" up to {self.max_parallel} at once"
+            )
         lines = [head, f"fixed:       {' '.join(self.fixed()) or '(none)'}"]
         if self.search:
             lines.append(f"search:      {' '.join(self.search['searched'])}")
-        lines += [f"where:       {first.where}",
-                  f"tracking:    {redact(first.tracking_uri)} (experiment '{first.cfg['tracking']['experiment']}')", ""]
+        lines += [
+            f"where:       {first.where}",
+            f"tracking:    {redact(first.tracking_uri)} (experiment '{first.cfg['tracking']['experiment']}')",
+            "",
+        ]
         if self.search:
             lines.append("checked before launch (each searched key at its ends or choices):")
         keys = self.varying()
@@ -120,13 +125,19 @@ class SweepPlan:
         if self.search:
             lines += ["", f"first proposals (seed {self.search['seed']}):"]
             lines += [f"  trial {i}: {' '.join(p)}" for i, p in enumerate(self.search["first"])]
-            lines += ["", f"total:       {self.n_trials} trials, estimated cost"
-                          f" {table.fmt_cost(self.total_cost, unpriced)} (the costliest checked trial x --trials)"]
+            lines += [
+                "",
+                f"total:       {self.n_trials} trials, estimated cost"
+                f" {table.fmt_cost(self.total_cost, unpriced)} (the costliest checked trial x --trials)",
+            ]
         else:
             tokens = sum(_tokens(t.plan.cfg) for t in self.trials)
-            lines += ["", f"total:       {len(self.trials)} trials, {tokens:,} tokens,"
-                          f" estimated cost {table.fmt_cost(self.total_cost, unpriced)}"
-                          + ("" if self.total_cost is not None or unpriced else " (no cost estimator yet)")]
+            lines += [
+                "",
+                f"total:       {len(self.trials)} trials, {tokens:,} tokens,"
+                f" estimated cost {table.fmt_cost(self.total_cost, unpriced)}"
+                + ("" if self.total_cost is not None or unpriced else " (no cost estimator yet)"),
+            ]
         lines += [f"refused:     `llmctl launch -m` will refuse: {r}" for r in first.refusals]
         lines += [f"note:        {n}" for n in self.notes]
         return "\n".join(lines)
@@ -140,13 +151,24 @@ def _tokens(cfg: dict[str, Any]) -> int:
 def trial_row(t: Trial, keys: Optional[list[str]] = None) -> list[str]:
     keys = keys if keys is not None else []
     p = t.plan
-    return [*table.values(t.overrides, keys), str(p.world_size), p.device, f"{_tokens(p.cfg):,}",
-            table.fmt_cost(t.cost, t.unpriced)]
+    return [
+        *table.values(t.overrides, keys),
+        str(p.world_size),
+        p.device,
+        f"{_tokens(p.cfg):,}",
+        table.fmt_cost(t.cost, t.unpriced),
+    ]
 
 
-def make_sweep_plan(overrides: list[str], config_dir: Optional[str] = None, max_parallel: Optional[int] = None,
-                    search: str = "grid", n_trials: Optional[int] = None, prune: str = "none",
-                    seed: Optional[int] = None) -> SweepPlan:
+def make_sweep_plan(
+    overrides: list[str],
+    config_dir: Optional[str] = None,
+    max_parallel: Optional[int] = None,
+    search: str = "grid",
+    n_trials: Optional[int] = None,
+    prune: str = "none",
+    seed: Optional[int] = None,
+) -> SweepPlan:
     """Expand, compose, validate and plan every trial; any invalid trial refuses the whole sweep.
 
     A search (``random``/``tpe``) plans the trials at the ends of its space (``search.probe_overrides``)
@@ -170,9 +192,15 @@ def make_sweep_plan(overrides: list[str], config_dir: Optional[str] = None, max_
         trial_overrides = searching.probe_overrides(space)
         seed = seed if seed is not None else int.from_bytes(os.urandom(3), "big")
         first = searching.first_proposals(search, seed, space, int(n_trials or 1))
-        info = {"sampler": search, "seed": seed, "n_trials": n_trials, "prune": prune,
-                "space": searching.space_to_json(space), "searched": [o for o in overrides if _key(o) in space.dists],
-                "first": [[searching.as_override(k, p[k]) for k in space.dists] for p in first]}
+        info = {
+            "sampler": search,
+            "seed": seed,
+            "n_trials": n_trials,
+            "prune": prune,
+            "space": searching.space_to_json(space),
+            "searched": [o for o in overrides if _key(o) in space.dists],
+            "first": [[searching.as_override(k, p[k]) for k in space.dists] for p in first],
+        }
     composed = compose_trials(trial_overrides, config_dir)
     if info is not None:  # the probes hold both ends of a searched train.steps
         info["grace_steps"] = min(searching.grace_steps(c.cfg) for c in composed)
@@ -191,8 +219,10 @@ def make_sweep_plan(overrides: list[str], config_dir: Optional[str] = None, max_
         raise SweepConfigError(errors, len(composed))
     stores = {(t.plan.tracking_uri, t.plan.cfg["tracking"]["experiment"]) for t in trials}
     if len(stores) > 1:
-        raise ConfigError("tracking.uri and tracking.experiment must be the same for every trial of a sweep"
-                          " (the trials are children of one MLflow run)")
+        raise ConfigError(
+            "tracking.uri and tracking.experiment must be the same for every trial of a sweep"
+            " (the trials are children of one MLflow run)"
+        )
     sp = SweepPlan(overrides=list(overrides), trials=trials, max_parallel=parallel, config_dir=config_dir, search=info)
     if slot is not None:
         sp.notes.append(f"each trial gets {len(slot.split(','))} GPU(s) (CUDA_VISIBLE_DEVICES per trial)")
@@ -258,20 +288,28 @@ def check_budget(sp: SweepPlan, max_cost: Optional[float]) -> str:
     unpriced = [t for t in sp.trials if t.unpriced]
     if unpriced:
         names = sorted({t.plan.cfg["infra"]["name"] for t in unpriced})
-        raise ConfigError(f"--max-cost ${max_cost:,.2f} cannot be enforced: trial(s)"
-                          f" {', '.join(str(t.index) for t in unpriced)} run on unpriced infra ({', '.join(names)}:"
-                          " no catalog price, no infra.price_per_gpu_hour), so their spend cannot be tracked;"
-                          " nothing was launched. Fix: infra.price_per_gpu_hour=<$ per GPU-hour>")
+        raise ConfigError(
+            f"--max-cost ${max_cost:,.2f} cannot be enforced: trial(s)"
+            f" {', '.join(str(t.index) for t in unpriced)} run on unpriced infra ({', '.join(names)}:"
+            " no catalog price, no infra.price_per_gpu_hour), so their spend cannot be tracked;"
+            " nothing was launched. Fix: infra.price_per_gpu_hour=<$ per GPU-hour>"
+        )
     if total is None:
         missing = [str(t.index) for t in sp.trials if t.cost is None]
-        raise ConfigError(f"--max-cost ${max_cost:,.2f} cannot be enforced: no cost estimate for trial(s)"
-                          f" {', '.join(missing)} (see `llmctl plan -m`), so they would run without a budget"
-                          " guard; nothing was launched")
+        raise ConfigError(
+            f"--max-cost ${max_cost:,.2f} cannot be enforced: no cost estimate for trial(s)"
+            f" {', '.join(missing)} (see `llmctl plan -m`), so they would run without a budget"
+            " guard; nothing was launched"
+        )
     if total > max_cost:
-        raise ConfigError(f"the sweep's estimated cost {table.fmt_cost(total)} exceeds --max-cost ${max_cost:,.2f};"
-                          " fewer trials, fewer steps or a cheaper infra would fit")
-    return (f"estimated cost {table.fmt_cost(total)} within --max-cost ${max_cost:,.2f}; each trial stops"
-            " after a checkpoint at its share of it")
+        raise ConfigError(
+            f"the sweep's estimated cost {table.fmt_cost(total)} exceeds --max-cost ${max_cost:,.2f};"
+            " fewer trials, fewer steps or a cheaper infra would fit"
+        )
+    return (
+        f"estimated cost {table.fmt_cost(total)} within --max-cost ${max_cost:,.2f}; each trial stops"
+        " after a checkpoint at its share of it"
+    )
 
 
 def plan_text(overrides: list[str], config_dir: Optional[str], max_parallel: Optional[int], **search: Any) -> str:

@@ -60,16 +60,23 @@ def log_checkpoints(mc: Any, experiment_id: str, run_id: str, checkpoint_dir: Op
             continue
         where = redact(step_dir(checkpoint_dir, step))
         model = mc.create_logged_model(
-            experiment_id=experiment_id, name=f"step-{step}", source_run_id=run_id, model_type=MODEL_TYPE,
+            experiment_id=experiment_id,
+            name=f"step-{step}",
+            source_run_id=run_id,
+            model_type=MODEL_TYPE,
             tags={TAG_STEP: str(step), TAG_CHECKPOINT: where, TAG_ROLE: role, MLFLOW_MODEL_IS_EXTERNAL: "true"},
-            params={"step": str(step), "checkpoint": where})
+            params={"step": str(step), "checkpoint": where},
+        )
         with tempfile.TemporaryDirectory() as tmp:  # what MLflow's create_external_model writes: an MLmodel stub
             get_external_mlflow_model_spec(model).save(f"{tmp}/{MLMODEL_FILE_NAME}")
             mc.log_model_artifacts(model.model_id, tmp)
         mc.finalize_logged_model(model.model_id, LoggedModelStatus.READY)
         # the step's own points (same timestamp: the run's history gains nothing), now also the model's
-        points = [Metric(m.key, m.value, m.timestamp, m.step, model_id=model.model_id)
-                  for name in LINKED_METRICS if (m := history[name].get(step)) is not None]
+        points = [
+            Metric(m.key, m.value, m.timestamp, m.step, model_id=model.model_id)
+            for name in LINKED_METRICS
+            if (m := history[name].get(step)) is not None
+        ]
         if points:
             mc.log_batch(run_id, metrics=points)
         mc.log_outputs(run_id, [LoggedModelOutput(model.model_id, step)])  # the run's outputs list it at its step
@@ -81,13 +88,17 @@ def resolve(mc: Any, uri: str) -> tuple[str, int]:
     """``models:/m-...`` → (source run id, step), or a ConfigError saying what the URI should be."""
     from llmctl.errors import ConfigError
 
-    model_id = uri[len(URI_PREFIX):].strip("/")
+    model_id = uri[len(URI_PREFIX) :].strip("/")
     try:
         model = mc.get_logged_model(model_id)
-    except Exception as exc:  # noqa: BLE001 - MlflowException RESOURCE_DOES_NOT_EXIST
-        raise ConfigError(f"no logged model {model_id!r} in this tracking store ({type(exc).__name__}). Fix: copy "
-                          f"the model id from the run's Models tab (models:/m-...), or pass the run id") from None
+    except Exception as exc:
+        raise ConfigError(
+            f"no logged model {model_id!r} in this tracking store ({type(exc).__name__}). Fix: copy "
+            f"the model id from the run's Models tab (models:/m-...), or pass the run id"
+        ) from None
     if TAG_STEP not in model.tags or not model.source_run_id:
-        raise ConfigError(f"model {model_id} is not an llmctl checkpoint (no {TAG_STEP} tag / source run). "
-                          f"Fix: pass the run id or the checkpoint URL instead")
+        raise ConfigError(
+            f"model {model_id} is not an llmctl checkpoint (no {TAG_STEP} tag / source run). "
+            f"Fix: pass the run id or the checkpoint URL instead"
+        )
     return model.source_run_id, int(model.tags[TAG_STEP])

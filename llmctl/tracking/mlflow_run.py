@@ -57,11 +57,12 @@ def resolve_uri(configured: Optional[str]) -> str:
 
 def sqlite_path(uri: str) -> Optional[Path]:
     """The file of a ``sqlite:///`` store, or None for any other store."""
-    return Path(uri[len("sqlite:///"):]) if uri.startswith("sqlite:///") else None
+    return Path(uri[len("sqlite:///") :]) if uri.startswith("sqlite:///") else None
 
 
 def redact(value: str) -> str:
     """Strip credentials from URLs (``https://user:token@host`` → ``https://***@host``)."""
+
     def _one(match: re.Match[str]) -> str:
         parts = urlsplit(match.group(0))
         if parts.username or parts.password:
@@ -81,8 +82,7 @@ def _artifact_location(uri: str) -> Optional[str]:
 
 
 def _git(cwd: str, *args: str) -> str:
-    return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=5,
-                          check=True).stdout.strip()
+    return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=5, check=True).stdout.strip()
 
 
 def git_state(path: Optional[Path] = None) -> dict[str, str]:
@@ -116,8 +116,11 @@ def source_tags(git: dict[str, str]) -> dict[str, str]:
     """MLflow's standard source fields (the run list's Source column, the run page's git commit)."""
     from mlflow.utils import mlflow_tags as t
 
-    tags = {t.MLFLOW_SOURCE_TYPE: "PROJECT", t.MLFLOW_SOURCE_NAME: git.get("origin") or git["root"],
-            t.MLFLOW_GIT_COMMIT: git["git_sha"]}
+    tags = {
+        t.MLFLOW_SOURCE_TYPE: "PROJECT",
+        t.MLFLOW_SOURCE_NAME: git.get("origin") or git["root"],
+        t.MLFLOW_GIT_COMMIT: git["git_sha"],
+    }
     if git.get("origin"):
         tags[t.MLFLOW_GIT_REPO_URL] = git["origin"]
     return tags
@@ -191,9 +194,10 @@ def experiment_id(mlflow_client: Any, name: str, uri: str) -> str:
     exp = mlflow_client.get_experiment_by_name(name)
     if exp is None:
         try:
-            mlflow_client.create_experiment(name, artifact_location=_artifact_location(uri),
-                                            tags={TAG_EXPERIMENT_KIND: TRAINING_KIND})
-        except Exception:  # noqa: BLE001 - MlflowException RESOURCE_ALREADY_EXISTS, or a unique-constraint error
+            mlflow_client.create_experiment(
+                name, artifact_location=_artifact_location(uri), tags={TAG_EXPERIMENT_KIND: TRAINING_KIND}
+            )
+        except Exception:
             pass
         exp = mlflow_client.get_experiment_by_name(name)
         if exp is None:
@@ -203,8 +207,9 @@ def experiment_id(mlflow_client: Any, name: str, uri: str) -> str:
     return exp.experiment_id
 
 
-def create_run(cfg: dict[str, Any], choices: dict[str, Optional[str]],
-               extra_tags: Optional[dict[str, str]] = None) -> RunHandle:
+def create_run(
+    cfg: dict[str, Any], choices: dict[str, Optional[str]], extra_tags: Optional[dict[str, str]] = None
+) -> RunHandle:
     """Create the run with provenance tags; ``describe_run`` adds the final config once known."""
     uri = resolve_uri(cfg["tracking"]["uri"])
     mc = client(uri)
@@ -223,8 +228,7 @@ def create_run(cfg: dict[str, Any], choices: dict[str, Optional[str]],
     if choices.get("experiment"):
         tags["llmctl.experiment"] = str(choices["experiment"])
     tags.update(extra_tags or {})
-    run = mc.create_run(exp_id, run_name=cfg["tracking"]["run_name"],
-                        tags={k: redact(v) for k, v in tags.items()})
+    run = mc.create_run(exp_id, run_name=cfg["tracking"]["run_name"], tags={k: redact(v) for k, v in tags.items()})
     if git.get("git_dirty") == "true":
         mc.log_text(run.info.run_id, git_diff(git["root"]), "source/uncommitted.diff")
     return RunHandle(uri=uri, run_id=run.info.run_id, experiment_id=exp_id)
@@ -239,7 +243,7 @@ def describe_run(handle: RunHandle, cfg: dict[str, Any], resolved_yaml: str) -> 
     mc = client(handle.uri)
     params = [Param(k, redact(str(v))[:MAX_PARAM_CHARS]) for k, v in flatten(cfg).items()]
     for i in range(0, len(params), 100):
-        mc.log_batch(handle.run_id, params=params[i:i + 100])
+        mc.log_batch(handle.run_id, params=params[i : i + 100])
     mc.log_text(handle.run_id, redact(resolved_yaml), "config.yaml")
 
 
@@ -256,8 +260,10 @@ def log_loss_curve(handle: RunHandle, mc: Any = None) -> None:
     from llmctl.tracking.loss_plot import loss_curve_svg
 
     mc = mc or client(handle.uri)
-    curves = {name: [(m.step, m.value) for m in mc.get_metric_history(handle.run_id, name)]
-              for name in ("train/loss", "val/loss")}
+    curves = {
+        name: [(m.step, m.value) for m in mc.get_metric_history(handle.run_id, name)]
+        for name in ("train/loss", "val/loss")
+    }
     mc.log_text(handle.run_id, loss_curve_svg(curves, f"run {handle.run_id}"), "loss_curve.svg")
 
 
@@ -285,5 +291,6 @@ def run_url(handle: RunHandle) -> str:
     serves the UI and the page to open once it runs."""
     if handle.uri.startswith(("http://", "https://")):
         return run_page(redact(handle.uri), handle.experiment_id, handle.run_id)
-    return (f"mlflow ui --backend-store-uri {handle.uri}, then "
-            f"{run_page(UI_DEFAULT, handle.experiment_id, handle.run_id)}")
+    return (
+        f"mlflow ui --backend-store-uri {handle.uri}, then {run_page(UI_DEFAULT, handle.experiment_id, handle.run_id)}"
+    )

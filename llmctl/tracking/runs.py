@@ -45,11 +45,15 @@ def get_run(ref: str, uri: str) -> Any:
     if matches:
         listed = "\n".join(f"  {r.info.run_id}  {r.info.status:<8} {r.info.run_name or ''}" for r in matches[:20])
         more = f"\n  ... and {len(matches) - 20} more" if len(matches) > 20 else ""
-        raise ConfigError(f"run id '{ref}' is ambiguous: {len(matches)} runs in {redact(uri)} start with it:\n"
-                          f"{listed}{more}\nFix: give more characters of the id")
+        raise ConfigError(
+            f"run id '{ref}' is ambiguous: {len(matches)} runs in {redact(uri)} start with it:\n"
+            f"{listed}{more}\nFix: give more characters of the id"
+        )
     short = f" (a prefix needs at least {MIN_PREFIX} characters)" if len(ref) < MIN_PREFIX else ""
-    raise ConfigError(f"no run '{ref}' in {redact(uri)}{short}. Fix: `llmctl runs` (or `llmctl status`) lists runs;"
-                      " pass --tracking-uri (or set MLFLOW_TRACKING_URI) if the run is tracked elsewhere")
+    raise ConfigError(
+        f"no run '{ref}' in {redact(uri)}{short}. Fix: `llmctl runs` (or `llmctl status`) lists runs;"
+        " pass --tracking-uri (or set MLFLOW_TRACKING_URI) if the run is tracked elsewhere"
+    )
 
 
 def _by_prefix(mc: Any, prefix: str) -> list[Any]:
@@ -83,8 +87,13 @@ def describe(run: Any, backend_lines: list[str]) -> str:
 def table(runs: list[Any]) -> str:
     rows = [f"{'run id':<34} {'status':<9} {'infra':<8} {'where':<22} name"]
     for r in runs:
-        where = r.data.tags.get("llmctl.sky.cluster") or ("managed job " + r.data.tags["llmctl.sky.managed_job_id"]
-                                                          if r.data.tags.get("llmctl.sky.managed_job_id") else "local")
-        rows.append(f"{r.info.run_id:<34} {r.info.status:<9} {r.data.tags.get('llmctl.infra', '?'):<8}"
-                    f" {where:<22} {r.info.run_name or ''}")
+        where = r.data.tags.get("llmctl.sky.cluster") or (
+            "managed job " + r.data.tags["llmctl.sky.managed_job_id"]
+            if r.data.tags.get("llmctl.sky.managed_job_id")
+            else "local"
+        )
+        rows.append(
+            f"{r.info.run_id:<34} {r.info.status:<9} {r.data.tags.get('llmctl.infra', '?'):<8}"
+            f" {where:<22} {r.info.run_name or ''}"
+        )
     return "\n".join(rows)

@@ -23,7 +23,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from helpers import read_loss_file
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -73,10 +72,10 @@ def test_bf16_fsdp_tracks_fp32(single_rank_group) -> None:
     error, per parameter."""
     from torch.distributed.tensor import DTensor
 
-    from workloads.pretrain.model.transformer import build_model
     from workloads.pretrain.components.optim import build_optimizer
-    from workloads.pretrain.parallel.parallelize import apply_fsdp
     from workloads.pretrain.contract.schema import TrainCfg
+    from workloads.pretrain.model.transformer import build_model
+    from workloads.pretrain.parallel.parallelize import apply_fsdp
 
     torch.backends.cuda.matmul.allow_tf32 = False
     cfg = _model_cfg("tiny", dim=256, n_layers=4, n_heads=8, n_kv_heads=4)
@@ -186,14 +185,21 @@ def _trainer(tmp_path: Path, name: str, cache: Path, model: str, **overrides) ->
 
     cfg = OmegaConf.structured(TrainerCfg)
     cfg.model = OmegaConf.merge(cfg.model, OmegaConf.load(REPO / f"conf/model/{model}.yaml"))
-    cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([f"{k}={v}" for k, v in
-                                                       {"data.cache_dir": str(cache), **overrides}.items()]))
+    cfg = OmegaConf.merge(
+        cfg, OmegaConf.from_dotlist([f"{k}={v}" for k, v in {"data.cache_dir": str(cache), **overrides}.items()])
+    )
     path, losses = tmp_path / f"{name}.yaml", tmp_path / f"{name}.jsonl"
     OmegaConf.save(cfg, path)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "LLMCTL_"))}
     env.update({"LLMCTL_LOSS_FILE": str(losses), "PYTHONUNBUFFERED": "1"})
-    proc = subprocess.run([sys.executable, "-m", "workloads.pretrain", "--config", str(path)], cwd=REPO, env=env,
-                          text=True, capture_output=True, timeout=400)
+    proc = subprocess.run(
+        [sys.executable, "-m", "workloads.pretrain", "--config", str(path)],
+        cwd=REPO,
+        env=env,
+        text=True,
+        capture_output=True,
+        timeout=400,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     records = [__import__("json").loads(line) for line in losses.read_text().splitlines()]
     return {"stdout": proc.stdout, "records": records, "losses": read_loss_file(losses)}
@@ -201,15 +207,25 @@ def _trainer(tmp_path: Path, name: str, cache: Path, model: str, **overrides) ->
 
 # The 125M shape with the bundled corpus's 4096-token BPE: every linear but the head is a multiple
 # of 16, so FP8 converts all of them. 16 x 512 tokens a step.
-SMALL = {"model.vocab_size": 4096, "train.batch_size": 16, "train.seq_len": 512, "train.lr": 1e-3,
-         "train.warmup_steps": 30, "train.log_every": 10, "train.val_batches": 8, "train.dtype": "bf16"}
+SMALL = {
+    "model.vocab_size": 4096,
+    "train.batch_size": 16,
+    "train.seq_len": 512,
+    "train.lr": 1e-3,
+    "train.warmup_steps": 30,
+    "train.log_every": 10,
+    "train.val_batches": 8,
+    "train.dtype": "bf16",
+}
 
 
 def test_mfu_is_logged_within_0_and_1(tmp_path: Path, cache_dir: Path) -> None:
     from workloads.pretrain.contract.hardware import peak_for
 
     if peak_for(torch.cuda.get_device_name(0), "bf16") is None:
-        pytest.skip(f"no peak TFLOP/s known for {torch.cuda.get_device_name(0)} (workloads/pretrain/contract/hardware.py)")
+        pytest.skip(
+            f"no peak TFLOP/s known for {torch.cuda.get_device_name(0)} (workloads/pretrain/contract/hardware.py)"
+        )
     run = _trainer(tmp_path, "mfu", cache_dir, "125m", **{**SMALL, "train.steps": 30, "train.val_every": 0})
     mfus = [r["perf/mfu"] for r in run["records"] if "perf/mfu" in r]
     assert len(mfus) == 3 and all(0 < m < 1 for m in mfus), mfus
@@ -233,8 +249,10 @@ def test_fp8_loss_tracks_bf16_over_300_steps(tmp_path: Path, cache_dir: Path) ->
         pytest.skip(f"{torch.cuda.get_device_name(0)} has no FP8 tensor cores (compute capability < 8.9)")
     pytest.importorskip("torchao.float8", reason="torchao not installed (pip install 'llmctl[fp8]')")
     common = {**SMALL, "train.steps": 300, "train.val_every": 300}
-    runs = {recipe: _trainer(tmp_path, recipe, cache_dir, "125m", **common, **{"train.fp8": recipe})
-            for recipe in ("none", "tensorwise", "rowwise")}
+    runs = {
+        recipe: _trainer(tmp_path, recipe, cache_dir, "125m", **common, **{"train.fp8": recipe})
+        for recipe in ("none", "tensorwise", "rowwise")
+    }
     assert "fp8 tensorwise" in runs["tensorwise"]["stdout"] and "fp8 rowwise" in runs["rowwise"]["stdout"]
 
     def summary(run: dict) -> tuple[float, float, float]:

@@ -32,7 +32,6 @@ from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from workloads.pretrain.parallel.fake_world import fake_process_group
 
@@ -41,13 +40,21 @@ from workloads.pretrain.parallel.fake_world import fake_process_group
 # "Activation" in the forward and "Temp" in the backward. BUFFER (RoPE tables) goes with the
 # parameters, the token ids (INP / OTH) with the activations, as in the plan.
 _PARTS = {
-    "Sharded Param": "params", "Parameter": "params", "Buffer": "params",
-    "Sharded Grad": "grads", "Gradient": "grads",
-    "OptState": "optimizer", "Optstate": "optimizer",
-    "Unsharded Param": "unsharded", "Unsharded Grad": "unsharded",
-    "Activation": "activations", "Inputs": "activations", "Other": "activations",
+    "Sharded Param": "params",
+    "Parameter": "params",
+    "Buffer": "params",
+    "Sharded Grad": "grads",
+    "Gradient": "grads",
+    "OptState": "optimizer",
+    "Optstate": "optimizer",
+    "Unsharded Param": "unsharded",
+    "Unsharded Grad": "unsharded",
+    "Activation": "activations",
+    "Inputs": "activations",
+    "Other": "activations",
     "Temp": "temporaries",
-    "All Gather": "comm", "Reduce Scatter": "comm",
+    "All Gather": "comm",
+    "Reduce Scatter": "comm",
 }
 TRACKER_PARTS = ("params", "grads", "optimizer", "unsharded", "activations", "temporaries", "comm")
 
@@ -123,9 +130,9 @@ def tracked_peak(cfg: Any, world_size: int, device: str = "cpu", steps: int = 2,
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch.distributed.fsdp import FSDPModule
 
+    from workloads.pretrain.components.optim import build_optimizer
     from workloads.pretrain.data.sampler import Batch
     from workloads.pretrain.model.transformer import Transformer
-    from workloads.pretrain.components.optim import build_optimizer
     from workloads.pretrain.parallel.parallelize import ParallelDims, parallelize
 
     cfg = trainer_cfg(cfg)
@@ -133,7 +140,10 @@ def tracked_peak(cfg: Any, world_size: int, device: str = "cpu", steps: int = 2,
     dims = ParallelDims.from_config(cfg, world_size)
     local_batch, seq, vocab = int(tc.batch_size) // dims.dp, int(tc.seq_len), int(cfg.model.vocab_size)
     if getattr(tc.dtype, "value", tc.dtype) == "bf16":
-        autocast = lambda: torch.autocast(device, dtype=torch.bfloat16)
+
+        def autocast():
+            return torch.autocast(device, dtype=torch.bfloat16)
+
     else:
         autocast = nullcontext
     with fake_process_group(world_size):
@@ -141,7 +151,7 @@ def tracked_peak(cfg: Any, world_size: int, device: str = "cpu", steps: int = 2,
         with torch.device("meta"):
             model = Transformer(cfg.model)
         model = parallelize(model, dims, mesh, cfg)  # on meta, outside fake mode (SCALE-NOTES C)
-        with (FakeTensorMode(allow_non_fake_inputs=True) if fake else nullcontext()), _private_propagation_fake_mode():
+        with FakeTensorMode(allow_non_fake_inputs=True) if fake else nullcontext(), _private_propagation_fake_mode():
             model.to_empty(device=device)
             if fake:
                 model.tie_weights()
@@ -162,8 +172,16 @@ def tracked_peak(cfg: Any, world_size: int, device: str = "cpu", steps: int = 2,
                 tracker.track_external(model, optimizer, inputs, targets)
             for _ in range(steps):
                 with tracker:  # entering resets the peak to the current use: the peak of this step
-                    _train_step(model, optimizer, micro_batches, dims, autocast, float(tc.grad_clip or 0),
-                                cfg.parallel.grad_sync, tracker)
+                    _train_step(
+                        model,
+                        optimizer,
+                        micro_batches,
+                        dims,
+                        autocast,
+                        float(tc.grad_clip or 0),
+                        cfg.parallel.grad_sync,
+                        tracker,
+                    )
             return _by_part(tracker.get_tracker_snapshot("peak"))
 
 
@@ -180,8 +198,15 @@ def _by_part(snapshot: dict) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- the cases
 
 
-def _case(name: str, world_size: int, model: dict, train: dict, parallel: dict | None = None,
-          data: dict | None = None, slow: bool = False) -> dict[str, Any]:
+def _case(
+    name: str,
+    world_size: int,
+    model: dict,
+    train: dict,
+    parallel: dict | None = None,
+    data: dict | None = None,
+    slow: bool = False,
+) -> dict[str, Any]:
     """A case: a trainer config (``max_seq_len`` 4096 unless given) at ``world_size`` processes.
     ``slow``: the test marks it ``pytest.mark.slow`` (10-25 s on a busy 2-core machine)."""
     cfg = {"model": {"max_seq_len": 4096, **model}, "train": train, "parallel": parallel or {}}
@@ -198,24 +223,65 @@ _D1024 = {"dim": 1024, "n_layers": 4, "n_heads": 16, "n_kv_heads": 4, "vocab_siz
 # tensors (world-1 runs are the slowest: MemTracker follows every module). The names say what varies.
 CASES = [
     _case("w1 d512 none fp32", 1, _D512, {"batch_size": 4, "seq_len": 1024}),
-    _case("w1 d512 sft selective bf16", 1, {**_D512, "n_layers": 3},
-          {"batch_size": 4, "seq_len": 1024, "dtype": "bf16"}, {"ac": "selective"},
-          {"format": "sft", "source": "examples.jsonl"}),
-    _case("fsdp8 d1024 selective bf16", 8, _D1024, {"batch_size": 8, "seq_len": 2048, "dtype": "bf16"},
-          {"ac": "selective"}),
-    _case("fsdp4 d1024 full mb1x2", 4, _D1024, {"batch_size": 8, "seq_len": 2048, "micro_batch_size": 1},
-          {"ac": "full", "grad_sync": "step"}, slow=True),
-    _case("fsdp4 d768 none mb1x4 sync each", 4, _D768, {"batch_size": 16, "seq_len": 512, "micro_batch_size": 1},
-          {"grad_sync": "micro_batch"}),
+    _case(
+        "w1 d512 sft selective bf16",
+        1,
+        {**_D512, "n_layers": 3},
+        {"batch_size": 4, "seq_len": 1024, "dtype": "bf16"},
+        {"ac": "selective"},
+        {"format": "sft", "source": "examples.jsonl"},
+    ),
+    _case(
+        "fsdp8 d1024 selective bf16",
+        8,
+        _D1024,
+        {"batch_size": 8, "seq_len": 2048, "dtype": "bf16"},
+        {"ac": "selective"},
+    ),
+    _case(
+        "fsdp4 d1024 full mb1x2",
+        4,
+        _D1024,
+        {"batch_size": 8, "seq_len": 2048, "micro_batch_size": 1},
+        {"ac": "full", "grad_sync": "step"},
+        slow=True,
+    ),
+    _case(
+        "fsdp4 d768 none mb1x4 sync each",
+        4,
+        _D768,
+        {"batch_size": 16, "seq_len": 512, "micro_batch_size": 1},
+        {"grad_sync": "micro_batch"},
+    ),
     _case("tp4 d1024 full fp32", 4, _D1024, {"batch_size": 4, "seq_len": 1024}, {"ac": "full", "tp": 4}, slow=True),
-    _case("dp2xtp2 d768 none bf16 mb2x2", 4, _D768, {"batch_size": 8, "seq_len": 1024, "dtype": "bf16",
-                                                      "micro_batch_size": 2}, {"tp": 2}),
-    _case("hsdp2x2xtp2 d1024 selective", 8, _D1024, {"batch_size": 8, "seq_len": 1024}, {"ac": "selective",
-                                                                                        "tp": 2, "dp_replicate": 2}),
-    _case("fsdp2 d512 document mask none", 2, _D512, {"batch_size": 4, "seq_len": 1024}, {"ac": "none"},
-          {"document_mask": True}),
-    _case("fsdp2 d768 qwen2 tied none", 2, {**_D768, "arch": "qwen2", "tie_embeddings": True, "n_kv_heads": 2},
-          {"batch_size": 4, "seq_len": 1024}),
+    _case(
+        "dp2xtp2 d768 none bf16 mb2x2",
+        4,
+        _D768,
+        {"batch_size": 8, "seq_len": 1024, "dtype": "bf16", "micro_batch_size": 2},
+        {"tp": 2},
+    ),
+    _case(
+        "hsdp2x2xtp2 d1024 selective",
+        8,
+        _D1024,
+        {"batch_size": 8, "seq_len": 1024},
+        {"ac": "selective", "tp": 2, "dp_replicate": 2},
+    ),
+    _case(
+        "fsdp2 d512 document mask none",
+        2,
+        _D512,
+        {"batch_size": 4, "seq_len": 1024},
+        {"ac": "none"},
+        {"document_mask": True},
+    ),
+    _case(
+        "fsdp2 d768 qwen2 tied none",
+        2,
+        {**_D768, "arch": "qwen2", "tie_embeddings": True, "n_kv_heads": 2},
+        {"batch_size": 4, "seq_len": 1024},
+    ),
 ]
 
 

@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
-
 from sky_helpers import install_catalog
 
 
@@ -18,10 +17,18 @@ def sky_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """In-process SkyPilot reads HOME once, at import: point it at a temp dir for this session."""
     home = tmp_path_factory.mktemp("sky-home")
     install_catalog(home)
-    saved = {k: os.environ.get(k) for k in ("HOME", "SKYPILOT_DISABLE_USAGE_COLLECTION", "DO_NOT_TRACK",
-                                             "AWS_EC2_METADATA_DISABLED")}
-    os.environ.update({"HOME": str(home), "SKYPILOT_DISABLE_USAGE_COLLECTION": "1", "DO_NOT_TRACK": "1",
-                       "AWS_EC2_METADATA_DISABLED": "true"})
+    saved = {
+        k: os.environ.get(k)
+        for k in ("HOME", "SKYPILOT_DISABLE_USAGE_COLLECTION", "DO_NOT_TRACK", "AWS_EC2_METADATA_DISABLED")
+    }
+    os.environ.update(
+        {
+            "HOME": str(home),
+            "SKYPILOT_DISABLE_USAGE_COLLECTION": "1",
+            "DO_NOT_TRACK": "1",
+            "AWS_EC2_METADATA_DISABLED": "true",
+        }
+    )
     import sky.catalog  # noqa: F401  (binds the catalog dir to this HOME)
 
     yield home

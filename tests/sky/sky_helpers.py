@@ -19,8 +19,16 @@ def install_catalog(home: Path) -> None:
     shutil.copytree(FIXTURE_CATALOG, target, dirs_exist_ok=True)
 
 
-def run_cli(args: list[str], cwd: Path, env: dict[str, str], timeout: float = 600,
-            **kwargs: Any) -> subprocess.CompletedProcess[str]:
+def run_cli(
+    args: list[str], cwd: Path, env: dict[str, str], timeout: float = 600, **kwargs: Any
+) -> subprocess.CompletedProcess[str]:
     """The real CLI in a subprocess, exactly as a user runs it."""
-    return subprocess.run([sys.executable, "-m", "llmctl", *args], cwd=cwd, env=env, text=True,
-                          capture_output=True, timeout=timeout, **kwargs)
+    return subprocess.run(
+        [sys.executable, "-m", "llmctl", *args],
+        cwd=cwd,
+        env=env,
+        text=True,
+        capture_output=True,
+        timeout=timeout,
+        **kwargs,
+    )

@@ -74,11 +74,13 @@ class Cluster:
         (controller_home / ".slurm").mkdir(parents=True, exist_ok=True)
         (controller_home / ".slurm" / "config").write_text(
             f"Host {CLUSTER}\n  HostName 127.0.0.1\n  Port {self.ssh_port}\n  User {USER}\n"
-            f"  IdentityFile {key}\n  StrictHostKeyChecking no\n  UserKnownHostsFile /dev/null\n")
+            f"  IdentityFile {key}\n  StrictHostKeyChecking no\n  UserKnownHostsFile /dev/null\n"
+        )
 
     def squeue(self) -> str:
-        return subprocess.run(["squeue", "-h", "-o", "%i %j %T"], env=self.env, capture_output=True,
-                              text=True, timeout=30).stdout
+        return subprocess.run(
+            ["squeue", "-h", "-o", "%i %j %T"], env=self.env, capture_output=True, text=True, timeout=30
+        ).stdout
 
 
 def _uv_binary(cache: Path) -> Path:
@@ -87,8 +89,11 @@ def _uv_binary(cache: Path) -> Path:
     if target.exists():
         return target
     wheels = cache / "wheels"
-    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-                    "-d", str(wheels), "uv"], check=True, timeout=300)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "-d", str(wheels), "uv"],
+        check=True,
+        timeout=300,
+    )
     wheel = next(wheels.glob("uv-*.whl"))
     with zipfile.ZipFile(wheel) as zf:
         member = next(n for n in zf.namelist() if n.endswith("/scripts/uv"))
@@ -119,8 +124,14 @@ def slurm_cluster(cache: Path) -> Iterator[Cluster]:
     host = socket.gethostname().split(".")[0]
     # the cluster user runs the checkout's venv python and pyenv's interpreters: it must be able to
     # pass through their directories, even when the clone sits in a private (0700) directory
-    opened = _grant_search([Path(sys.executable).parent, Path(sys.executable).resolve().parent,
-                            Path(__file__).resolve().parents[2], PY310.parent])
+    opened = _grant_search(
+        [
+            Path(sys.executable).parent,
+            Path(sys.executable).resolve().parent,
+            Path(__file__).resolve().parents[2],
+            PY310.parent,
+        ]
+    )
     try:
         home = root / "home"
         _ensure_user(home)
@@ -132,7 +143,8 @@ def slurm_cluster(cache: Path) -> Iterator[Cluster]:
         # SkyPilot runs `curl -LsSf https://astral.sh/uv/install.sh | UV_INSTALL_DIR=... sh` when uv is absent
         (root / "bin" / "curl").write_text(
             "#!/bin/sh\n# test shim: answers the uv installer request offline\n"
-            f"echo 'mkdir -p \"$UV_INSTALL_DIR\" && cp {root}/bin/uv \"$UV_INSTALL_DIR/uv\"'\n")
+            f'echo \'mkdir -p "$UV_INSTALL_DIR" && cp {root}/bin/uv "$UV_INSTALL_DIR/uv"\'\n'
+        )
         (root / "bin" / "curl").chmod(0o755)
         os.chmod(root / "bin", 0o755)
 
@@ -141,9 +153,19 @@ def slurm_cluster(cache: Path) -> Iterator[Cluster]:
         key.write_bytes(os.urandom(1024))
         key.chmod(0o400)
         socket_path = root / "munge" / "munge.socket"
-        subprocess.run(["munged", "--force", f"--key-file={key}", f"--socket={socket_path}",
-                        f"--pid-file={root / 'run' / 'munged.pid'}", f"--log-file={root / 'log' / 'munged.log'}",
-                        f"--seed-file={root / 'munge' / 'seed'}"], check=True, timeout=30)
+        subprocess.run(
+            [
+                "munged",
+                "--force",
+                f"--key-file={key}",
+                f"--socket={socket_path}",
+                f"--pid-file={root / 'run' / 'munged.pid'}",
+                f"--log-file={root / 'log' / 'munged.log'}",
+                f"--seed-file={root / 'munge' / 'seed'}",
+            ],
+            check=True,
+            timeout=30,
+        )
         procs_pidfiles = [root / "run" / "munged.pid"]
         os.chmod(root / "munge", 0o755)
 
@@ -158,12 +180,12 @@ AuthInfo=socket={socket_path}
 CredType=cred/munge
 SlurmctldPort={free_port()}
 SlurmdPort={free_port()}
-StateSaveLocation={root / 'state'}
-SlurmdSpoolDir={root / 'spool'}
-SlurmctldPidFile={root / 'run' / 'slurmctld.pid'}
-SlurmdPidFile={root / 'run' / 'slurmd.pid'}
-SlurmctldLogFile={root / 'log' / 'slurmctld.log'}
-SlurmdLogFile={root / 'log' / 'slurmd.log'}
+StateSaveLocation={root / "state"}
+SlurmdSpoolDir={root / "spool"}
+SlurmctldPidFile={root / "run" / "slurmctld.pid"}
+SlurmdPidFile={root / "run" / "slurmd.pid"}
+SlurmctldLogFile={root / "log" / "slurmctld.log"}
+SlurmdLogFile={root / "log" / "slurmd.log"}
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SchedulerType=sched/backfill
@@ -182,8 +204,12 @@ PartitionName={PARTITION} Nodes={host} Default=YES MaxTime=60 DefaultTime=30 Sta
         procs_pidfiles += [root / "run" / "slurmctld.pid", root / "run" / "slurmd.pid"]
 
         # login node: sshd for the cluster user, key auth, environment for SkyPilot's bootstrap
-        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(root / "ssh" / "host_key")], check=True)
-        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(root / "ssh" / "user_key")], check=True)
+        subprocess.run(
+            ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(root / "ssh" / "host_key")], check=True
+        )
+        subprocess.run(
+            ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(root / "ssh" / "user_key")], check=True
+        )
         auth = root / "ssh" / "authorized_keys"
         shutil.copy(root / "ssh" / "user_key.pub", auth)
         auth.chmod(0o644)
@@ -192,8 +218,8 @@ PartitionName={PARTITION} Nodes={host} Default=YES MaxTime=60 DefaultTime=30 Sta
         path = f"{root / 'bin'}:/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin"
         (root / "sshd_config").write_text(f"""Port {port}
 ListenAddress 127.0.0.1
-HostKey {root / 'ssh' / 'host_key'}
-PidFile {root / 'run' / 'sshd.pid'}
+HostKey {root / "ssh" / "host_key"}
+PidFile {root / "run" / "sshd.pid"}
 AuthorizedKeysFile {auth}
 PubkeyAuthentication yes
 PasswordAuthentication no
@@ -203,24 +229,35 @@ UsePAM no
 AllowUsers {USER}
 MaxSessions 50
 MaxStartups 50:30:100
-SetEnv SLURM_CONF={conf} PATH={path} UV_SYSTEM_CERTS=1 UV_NATIVE_TLS=1 SSL_CERT_FILE=/etc/ssl/certs/ca-certificates.crt SKYPILOT_DISABLE_USAGE_COLLECTION=1 DO_NOT_TRACK=1
+SetEnv SLURM_CONF={conf} PATH={path} UV_SYSTEM_CERTS=1 UV_NATIVE_TLS=1 \
+    SSL_CERT_FILE=/etc/ssl/certs/ca-certificates.crt SKYPILOT_DISABLE_USAGE_COLLECTION=1 DO_NOT_TRACK=1
 Subsystem sftp /usr/lib/openssh/sftp-server
 """)
         # SkyPilot runs `bash --login -c ...` on the login node: /etc/profile resets PATH, then the
         # user's ~/.bash_profile runs; srun hands that environment on to the job steps
         profile = home / ".bash_profile"
-        profile.write_text(f"export PATH={path}\nexport SLURM_CONF={conf}\nexport UV_SYSTEM_CERTS=1 UV_NATIVE_TLS=1"
-                           " SSL_CERT_FILE=/etc/ssl/certs/ca-certificates.crt\n"
-                           "export SKYPILOT_DISABLE_USAGE_COLLECTION=1 DO_NOT_TRACK=1\n")
+        profile.write_text(
+            f"export PATH={path}\nexport SLURM_CONF={conf}\nexport UV_SYSTEM_CERTS=1 UV_NATIVE_TLS=1"
+            " SSL_CERT_FILE=/etc/ssl/certs/ca-certificates.crt\n"
+            "export SKYPILOT_DISABLE_USAGE_COLLECTION=1 DO_NOT_TRACK=1\n"
+        )
         shutil.chown(profile, USER, USER)
         Path("/run/sshd").mkdir(exist_ok=True)
-        subprocess.run(["/usr/sbin/sshd", "-f", str(root / "sshd_config"), "-E", str(root / "log" / "sshd.log")],
-                       check=True, timeout=30)
+        subprocess.run(
+            ["/usr/sbin/sshd", "-f", str(root / "sshd_config"), "-E", str(root / "log" / "sshd.log")],
+            check=True,
+            timeout=30,
+        )
         procs_pidfiles.append(root / "run" / "sshd.pid")
         cluster = Cluster(root=root, home=home, ssh_port=port, slurm_conf=conf, env=env, pidfiles=procs_pidfiles)
         _wait("sshd", lambda: _port_open(port), 20)
-        _wait("slurm node idle", lambda: "idle" in subprocess.run(
-            ["sinfo", "-h", "-o", "%t"], env=env, capture_output=True, text=True).stdout, 60)
+        _wait(
+            "slurm node idle",
+            lambda: (
+                "idle" in subprocess.run(["sinfo", "-h", "-o", "%t"], env=env, capture_output=True, text=True).stdout
+            ),
+            60,
+        )
         yield cluster
     finally:
         _teardown(root, locals().get("procs_pidfiles", []), procs)

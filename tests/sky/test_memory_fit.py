@@ -12,12 +12,19 @@ from sky_helpers import run_cli
 from test_plan_and_rules import _nothing_created
 
 # the issue's example: 8 sequences of 8192 tokens per H100, no activation checkpointing
-EIGHT_B = ["infra=lambda", "infra.accelerators=H100:8", "model=8b", "train.seq_len=8192", "train.batch_size=64",
-           "train.dtype=bf16", "tracking.uri=http://127.0.0.1:5000"]
+EIGHT_B = [
+    "infra=lambda",
+    "infra.accelerators=H100:8",
+    "model=8b",
+    "train.seq_len=8192",
+    "train.batch_size=64",
+    "train.dtype=bf16",
+    "tracking.uri=http://127.0.0.1:5000",
+]
 
 
 def _verdict(stdout: str) -> str:
-    line = next((l for l in stdout.splitlines() if " fit" in f" {l.lower()}" and " GiB per " in l), None)
+    line = next((ln for ln in stdout.splitlines() if " fit" in f" {ln.lower()}" and " GiB per " in ln), None)
     assert line, stdout[-3000:]
     return line
 
@@ -43,22 +50,46 @@ def test_the_8b_job_is_refused_with_a_fix_and_the_fixed_job_fits(sky_env: dict[s
 
 
 def test_a_job_that_fits_says_so(sky_env: dict[str, str], tmp_path: Path) -> None:
-    out = run_cli(["plan", "infra=lambda", "infra.accelerators=H100:8", "model=8b", "train.seq_len=2048",
-                   "train.batch_size=8", "train.dtype=bf16", "parallel.ac=full", "tracking.uri=http://127.0.0.1:5000"],
-                  tmp_path, sky_env)
+    out = run_cli(
+        [
+            "plan",
+            "infra=lambda",
+            "infra.accelerators=H100:8",
+            "model=8b",
+            "train.seq_len=2048",
+            "train.batch_size=8",
+            "train.dtype=bf16",
+            "parallel.ac=full",
+            "tracking.uri=http://127.0.0.1:5000",
+        ],
+        tmp_path,
+        sky_env,
+    )
     assert out.returncode == 0, out.stderr
     assert _verdict(out.stdout).strip().startswith("fits:")
 
 
 def test_auto_grad_sync_reduces_each_micro_batch_only_where_once_per_step_does_not_fit(
-        sky_env: dict[str, str], tmp_path: Path) -> None:
+    sky_env: dict[str, str], tmp_path: Path
+) -> None:
     """parallel.grad_sync=auto: a 70B job on 64 H100s with tp 4 and 4 micro-batches per rank keeps
     70 GiB of gathered fp32 gradients between micro-batches if FSDP reduces once per step; reducing
     after each keeps them sharded. auto takes that, and the trainer is given it; the 8B job that
     fits either way keeps one reduction per step. Asking for once per step gets it as the fix."""
-    seventy = ["infra=aws", "infra.region=null", "infra.nodes=8", "infra.accelerators=H100:8", "model=llama3.1-70b",
-               "parallel.tp=4", "parallel.ac=full", "train.seq_len=8192", "train.batch_size=64",
-               "train.micro_batch_size=1", "train.dtype=bf16", "tracking.uri=http://127.0.0.1:5000"]
+    seventy = [
+        "infra=aws",
+        "infra.region=null",
+        "infra.nodes=8",
+        "infra.accelerators=H100:8",
+        "model=llama3.1-70b",
+        "parallel.tp=4",
+        "parallel.ac=full",
+        "train.seq_len=8192",
+        "train.batch_size=64",
+        "train.micro_batch_size=1",
+        "train.dtype=bf16",
+        "tracking.uri=http://127.0.0.1:5000",
+    ]
     auto = run_cli(["plan", *seventy], tmp_path, sky_env)
     assert auto.returncode == 0, auto.stderr
     assert _verdict(auto.stdout).strip().startswith("fits:"), _verdict(auto.stdout)
@@ -71,8 +102,9 @@ def test_auto_grad_sync_reduces_each_micro_batch_only_where_once_per_step_does_n
     assert verdict.strip().startswith("DOES NOT FIT"), verdict
     assert "cheapest fix: parallel.grad_sync=micro_batch (" in verdict, verdict
 
-    eight = run_cli(["plan", *EIGHT_B[:-1], "parallel.ac=full", "train.micro_batch_size=1", EIGHT_B[-1]],
-                    tmp_path, sky_env)
+    eight = run_cli(
+        ["plan", *EIGHT_B[:-1], "parallel.ac=full", "train.micro_batch_size=1", EIGHT_B[-1]], tmp_path, sky_env
+    )
     assert eight.returncode == 0, eight.stderr
     assert _verdict(eight.stdout).strip().startswith("fits:"), _verdict(eight.stdout)
     assert "(gradients reduced once, after the last)" in eight.stdout

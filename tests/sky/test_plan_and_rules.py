@@ -7,12 +7,11 @@ import csv
 from pathlib import Path
 
 import pytest
+from sky_helpers import FIXTURE_CATALOG, REMOTE_URI, run_cli
 
 from llmctl.backends.sky import rules as sky_rules
 from llmctl.config.compose import compose
 from llmctl.errors import ConfigError
-
-from sky_helpers import FIXTURE_CATALOG, REMOTE_URI, run_cli
 
 
 def _rows(cloud: str) -> list[dict[str, str]]:
@@ -37,15 +36,19 @@ def _offers(overrides: list[str]) -> list[sky_rules.Offer]:
     return sky_rules.offers(cfg["infra"])
 
 
-@pytest.mark.parametrize("overrides, cloud, acc, count, spot", [
-    (["infra=lambda"], "lambda", "H100", 8, False),
-    (["infra=lambda", "infra.accelerators=A100:2"], "lambda", "A100", 2, False),
-    (["infra=runpod"], "runpod", "H100-SXM", 8, False),
-    (["infra=aws", "infra.region=null"], "aws", "H100", 8, False),
-    (["infra=aws", "infra.region=null", "infra.use_spot=true"], "aws", "H100", 8, True),
-])
-def test_offers_equal_fixture_rows(sky_home: Path, overrides: list[str], cloud: str, acc: str,
-                                   count: int, spot: bool) -> None:
+@pytest.mark.parametrize(
+    "overrides, cloud, acc, count, spot",
+    [
+        (["infra=lambda"], "lambda", "H100", 8, False),
+        (["infra=lambda", "infra.accelerators=A100:2"], "lambda", "A100", 2, False),
+        (["infra=runpod"], "runpod", "H100-SXM", 8, False),
+        (["infra=aws", "infra.region=null"], "aws", "H100", 8, False),
+        (["infra=aws", "infra.region=null", "infra.use_spot=true"], "aws", "H100", 8, True),
+    ],
+)
+def test_offers_equal_fixture_rows(
+    sky_home: Path, overrides: list[str], cloud: str, acc: str, count: int, spot: bool
+) -> None:
     found = _offers(overrides)
     expected = _expected(cloud, acc, count, spot)
     assert expected, "fixture has rows for this case"
@@ -75,17 +78,20 @@ def _refused(overrides: list[str], *needles: str) -> None:
         assert needle in str(err.value), str(err.value)
 
 
-@pytest.mark.parametrize("overrides, needles", [
-    (["infra=runpod", "infra.nodes=2"], ("at most 1 node", "infra.nodes=1")),
-    (["infra=lambda", "infra.use_spot=true"], ("lambda has no spot", "infra.use_spot=false")),
-    (["infra=slurm", "infra.use_spot=true"], ("slurm has no spot",)),
-    (["infra=slurm", "infra.autostop_minutes=5"], ("slurm has no autostop",)),
-    (["infra=runpod", "infra.accelerators=H200:8"], ("runpod has no 'H200'", "H100-SXM:8")),
-    (["infra=lambda", "infra.accelerators=H100:3"], ("no node with 3x H100", "1, 4, 8")),
-    (["infra=lambda", "infra.accelerators=NOSUCHGPU:8"], ("lambda has no 'NOSUCHGPU'", "offers A100")),
-    (["infra=lambda", "infra.region=mars-1"], ("Invalid region 'mars-1'", "us-east-1")),
-    (["infra=aws", "infra.provider=awz"], ("'awz' is not a SkyPilot provider", "Did you mean 'aws'")),
-])
+@pytest.mark.parametrize(
+    "overrides, needles",
+    [
+        (["infra=runpod", "infra.nodes=2"], ("at most 1 node", "infra.nodes=1")),
+        (["infra=lambda", "infra.use_spot=true"], ("lambda has no spot", "infra.use_spot=false")),
+        (["infra=slurm", "infra.use_spot=true"], ("slurm has no spot",)),
+        (["infra=slurm", "infra.autostop_minutes=5"], ("slurm has no autostop",)),
+        (["infra=runpod", "infra.accelerators=H200:8"], ("runpod has no 'H200'", "H100-SXM:8")),
+        (["infra=lambda", "infra.accelerators=H100:3"], ("no node with 3x H100", "1, 4, 8")),
+        (["infra=lambda", "infra.accelerators=NOSUCHGPU:8"], ("lambda has no 'NOSUCHGPU'", "offers A100")),
+        (["infra=lambda", "infra.region=mars-1"], ("Invalid region 'mars-1'", "us-east-1")),
+        (["infra=aws", "infra.provider=awz"], ("'awz' is not a SkyPilot provider", "Did you mean 'aws'")),
+    ],
+)
 def test_provider_rules(sky_home: Path, overrides: list[str], needles: tuple[str, ...]) -> None:
     _refused(overrides + [f"tracking.uri={REMOTE_URI}"], *needles)
 
@@ -109,8 +115,13 @@ def test_local_store_plan_shows_everything_and_launch_refuses(sky_env: dict[str,
     assert "gpu_8x_h100_sxm5" in shown.stdout and "31.92" in shown.stdout  # offers from lambda/vms.csv
     assert "# SkyPilot task" in shown.stdout and "# cost estimate" in shown.stdout
     [refused] = [line for line in shown.stdout.splitlines() if line.startswith("refused:")]
-    for needle in ("`llmctl launch` will refuse", "cannot reach the local MLflow store", str(tmp_path / "mlflow.db"),
-                   "mlflow server", "tracking.uri=http://"):
+    for needle in (
+        "`llmctl launch` will refuse",
+        "cannot reach the local MLflow store",
+        str(tmp_path / "mlflow.db"),
+        "mlflow server",
+        "tracking.uri=http://",
+    ):
         assert needle in refused, refused
     out = run_cli(["launch", "infra=lambda", f"tracking.uri={store}"], tmp_path, sky_env)
     assert out.returncode == 3, out.stdout + out.stderr
@@ -133,14 +144,18 @@ def _nothing_created(tmp_path: Path, env: dict[str, str]) -> None:
     assert not list(sky_dir.glob("*.db")), "no SkyPilot state (clusters) was written"
 
 
-@pytest.mark.parametrize("args, needle", [
-    (["infra=lambda", "infra.provider=nosuchcloud"], "is not a SkyPilot provider"),
-    (["infra=runpod", "infra.nodes=4"], "at most 1 node"),
-    (["infra=lambda", "infra.accelerators=H100:3"], "no node with 3x H100"),
-    (["infra=lambda"], "lambda is not usable"),  # no ~/.lambda_cloud/lambda_keys: what `sky check` says
-])
-def test_bad_infra_launch_exits_3_and_creates_nothing(sky_env: dict[str, str], tmp_path: Path,
-                                                      args: list[str], needle: str) -> None:
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["infra=lambda", "infra.provider=nosuchcloud"], "is not a SkyPilot provider"),
+        (["infra=runpod", "infra.nodes=4"], "at most 1 node"),
+        (["infra=lambda", "infra.accelerators=H100:3"], "no node with 3x H100"),
+        (["infra=lambda"], "lambda is not usable"),  # no ~/.lambda_cloud/lambda_keys: what `sky check` says
+    ],
+)
+def test_bad_infra_launch_exits_3_and_creates_nothing(
+    sky_env: dict[str, str], tmp_path: Path, args: list[str], needle: str
+) -> None:
     out = run_cli(["launch", *args], tmp_path, {**sky_env, "MLFLOW_TRACKING_URI": REMOTE_URI})
     assert out.returncode == 3, out.stdout + out.stderr
     assert needle in out.stderr and "Fix" in out.stderr, out.stderr
@@ -158,8 +173,12 @@ def test_missing_credentials_message_says_what_to_do(sky_env: dict[str, str], tm
 def test_unreachable_catalog_is_one_clear_error(cli_env: dict[str, str], tmp_path: Path) -> None:
     """No catalog on disk and none reachable (a proxy on a closed port stands in for no internet): one
     llmctl error naming the fix; none of SkyPilot's raw ``<sky-payload>`` status lines or log lines."""
-    env = {**cli_env, "https_proxy": "http://127.0.0.1:9", "HTTPS_PROXY": "http://127.0.0.1:9",
-           "AWS_EC2_METADATA_DISABLED": "true"}
+    env = {
+        **cli_env,
+        "https_proxy": "http://127.0.0.1:9",
+        "HTTPS_PROXY": "http://127.0.0.1:9",
+        "AWS_EC2_METADATA_DISABLED": "true",
+    }
     out = run_cli(["plan", "infra=aws", f"tracking.uri={REMOTE_URI}"], tmp_path, env)
     assert out.returncode == 3, out.stderr[-3000:]
     assert out.stdout == ""

@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from sky_helpers import run_cli
 
 PLAN = ["plan", "infra=lambda", "tracking.uri=http://alice:s3cret-pw@mlflow.example:5000"]
@@ -18,10 +17,12 @@ PLAN = ["plan", "infra=lambda", "tracking.uri=http://alice:s3cret-pw@mlflow.exam
 
 def _plan_imports(env: dict[str, str], cwd: Path, args: list[str]) -> tuple[str, list[str]]:
     """The plan's output, and which of sky/pandas/requests the process imported."""
-    code = ("import sys; from llmctl.cli import main\n"
-            f"sys.argv = ['llmctl', *{args!r}]\n"
-            "try:\n    main()\nexcept SystemExit:\n    pass\n"
-            "print('LOADED:' + ','.join(m for m in ('sky', 'pandas', 'requests') if m in sys.modules))\n")
+    code = (
+        "import sys; from llmctl.cli import main\n"
+        f"sys.argv = ['llmctl', *{args!r}]\n"
+        "try:\n    main()\nexcept SystemExit:\n    pass\n"
+        "print('LOADED:' + ','.join(m for m in ('sky', 'pandas', 'requests') if m in sys.modules))\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, text=True, capture_output=True, timeout=300)
     assert "LOADED:" in out.stdout, out.stderr[-3000:]
     text, _, loaded = out.stdout.rpartition("LOADED:")

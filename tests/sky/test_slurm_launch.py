@@ -14,18 +14,17 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
-import shutil
 import urllib.request
 from datetime import datetime
 from pathlib import Path
 from typing import Iterator
 
 import pytest
-
 from helpers import mlflow_server
 from sky_helpers import run_cli
 from slurm_harness import CLUSTER, PARTITION, USER, Cluster, missing_prerequisites, slurm_cluster
@@ -39,7 +38,10 @@ def prerequisites(request: pytest.FixtureRequest) -> None:
         pytest.skip("Slurm test disabled (--no-slurm / LLMCTL_SKIP_SLURM=1)")
     missing = missing_prerequisites()
     if missing:
-        message = f"localhost Slurm harness needs: {', '.join(missing)} (apt-get install slurm-wlm munge openssh-server rsync; run as root)"
+        message = (
+            f"localhost Slurm harness needs: {', '.join(missing)} "
+            "(apt-get install slurm-wlm munge openssh-server rsync; run as root)"
+        )
         if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
             pytest.fail(message)
         pytest.skip(message)
@@ -70,18 +72,32 @@ def cluster(prerequisites: None, request: pytest.FixtureRequest) -> Iterator[Clu
         yield c
 
 
-def test_launch_status_logs_down_on_real_slurm(tracking_server: str, cluster: Cluster, tmp_path: Path,
-                                              cli_env: dict[str, str]) -> None:
+def test_launch_status_logs_down_on_real_slurm(
+    tracking_server: str, cluster: Cluster, tmp_path: Path, cli_env: dict[str, str]
+) -> None:
     home = Path(cli_env["HOME"])
     cluster.write_client_config(home, cluster.root / "ssh" / "user_key")
     env = {**cli_env, "MLFLOW_TRACKING_URI": tracking_server, "AWS_EC2_METADATA_DISABLED": "true"}
     sky_bin = str(Path(sys.executable).with_name("sky"))
     _wait_healthy(tracking_server)
     try:
-        out = run_cli(["launch", "infra=slurm", "experiment=smoke", f"infra.region={CLUSTER}",
-                       f"infra.zone={PARTITION}", f"infra.node_python={sys.executable}",
-                       "infra.cpus=1", "infra.memory=2", "infra.down=false", "checkpoint.every=0"],
-                      tmp_path, env, timeout=420)
+        out = run_cli(
+            [
+                "launch",
+                "infra=slurm",
+                "experiment=smoke",
+                f"infra.region={CLUSTER}",
+                f"infra.zone={PARTITION}",
+                f"infra.node_python={sys.executable}",
+                "infra.cpus=1",
+                "infra.memory=2",
+                "infra.down=false",
+                "checkpoint.every=0",
+            ],
+            tmp_path,
+            env,
+            timeout=420,
+        )
         assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
 
         from mlflow.tracking import MlflowClient
@@ -106,8 +122,10 @@ def test_launch_status_logs_down_on_real_slurm(tracking_server: str, cluster: Cl
         assert "val" in logs.stdout and "step" in logs.stdout, logs.stdout[-2000:]
 
         # clusters stay visible to plain `sky status`
-        assert tags["llmctl.sky.cluster"] in subprocess.run([sky_bin, "status"], env=env, capture_output=True,
-                                                            text=True, timeout=120).stdout
+        assert (
+            tags["llmctl.sky.cluster"]
+            in subprocess.run([sky_bin, "status"], env=env, capture_output=True, text=True, timeout=120).stdout
+        )
 
         down = run_cli(["down", rid], tmp_path, env, timeout=180)
         assert down.returncode == 0 and "is down" in down.stdout, down.stdout + down.stderr
@@ -135,16 +153,22 @@ def _wait_for(what: str, ok: "callable[[], bool]", timeout: float, proc: subproc
 
 
 @contextlib.contextmanager
-def _managed_jobs(cluster: Cluster, cli_env: dict[str, str], tracking_server: str) -> Iterator[tuple[dict[str, str], str]]:
+def _managed_jobs(
+    cluster: Cluster, cli_env: dict[str, str], tracking_server: str
+) -> Iterator[tuple[dict[str, str], str]]:
     """The client side of managed jobs on the harness (SSH config, the jobs controller in the local API
     server: consolidation mode) and the env for llmctl; every job cancelled and the API server stopped after."""
     home = Path(cli_env["HOME"])
     cluster.write_client_config(home, cluster.root / "ssh" / "user_key")
     (home / ".sky").mkdir(parents=True, exist_ok=True)
     (home / ".sky" / "config.yaml").write_text("jobs:\n  controller:\n    consolidation_mode: true\n")
-    env = {**cli_env, "MLFLOW_TRACKING_URI": tracking_server, "AWS_EC2_METADATA_DISABLED": "true",
-           # the API server (and the jobs controller in it) inherit this: the internet probe stub only
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(OFFLINE_NETWORK), cli_env.get("PYTHONPATH")]))}
+    env = {
+        **cli_env,
+        "MLFLOW_TRACKING_URI": tracking_server,
+        "AWS_EC2_METADATA_DISABLED": "true",
+        # the API server (and the jobs controller in it) inherit this: the internet probe stub only
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(OFFLINE_NETWORK), cli_env.get("PYTHONPATH")])),
+    }
     sky_bin = str(Path(sys.executable).with_name("sky"))
     _wait_healthy(tracking_server)
     try:
@@ -165,8 +189,9 @@ def _complete_steps(ckpt: Path) -> list[int]:
     return sorted(int(p.parent.name.split("-")[1]) for p in ckpt.glob("step-*/.complete"))
 
 
-def test_managed_job_recovers_from_scancel_as_one_run(tracking_server: str, cluster: Cluster, tmp_path: Path,
-                                                     cli_env: dict[str, str]) -> None:
+def test_managed_job_recovers_from_scancel_as_one_run(
+    tracking_server: str, cluster: Cluster, tmp_path: Path, cli_env: dict[str, str]
+) -> None:
     """scancel the managed job's Slurm allocation mid-run: SkyPilot's controller (consolidation mode,
     in the local API server) relaunches it, the workload resumes from its checkpoint on the shared
     filesystem by itself, and the run finishes FINISHED as one MLflow run with two billed attempts."""
@@ -178,18 +203,41 @@ def test_managed_job_recovers_from_scancel_as_one_run(tracking_server: str, clus
         _launch_and_recover(cluster, shared, steps, env, sky_bin, tmp_path)
 
 
-def _launch_and_recover(cluster: Cluster, shared: Path, steps: int, env: dict[str, str], sky_bin: str,
-                        tmp_path: Path) -> None:
-    log = open(tmp_path / "launch.log", "w+")
+def _launch_and_recover(
+    cluster: Cluster, shared: Path, steps: int, env: dict[str, str], sky_bin: str, tmp_path: Path
+) -> None:
+    log = open(tmp_path / "launch.log", "w+")  # noqa: SIM115 - the launch's output, read after it ends
     proc = subprocess.Popen(
-        [sys.executable, "-m", "llmctl", "launch", "infra=slurm", "infra.managed=true", "experiment=smoke",
-         f"infra.region={CLUSTER}", f"infra.zone={PARTITION}", f"infra.node_python={sys.executable}",
-         "infra.cpus=1", "infra.memory=2", f"train.steps={steps}", "checkpoint.every=40", "train.val_every=100",
-         f"checkpoint.dir={shared / 'ckpt'}", "tracking.run_name=managed-recovery"],
-        cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        [
+            sys.executable,
+            "-m",
+            "llmctl",
+            "launch",
+            "infra=slurm",
+            "infra.managed=true",
+            "experiment=smoke",
+            f"infra.region={CLUSTER}",
+            f"infra.zone={PARTITION}",
+            f"infra.node_python={sys.executable}",
+            "infra.cpus=1",
+            "infra.memory=2",
+            f"train.steps={steps}",
+            "checkpoint.every=40",
+            "train.val_every=100",
+            f"checkpoint.dir={shared / 'ckpt'}",
+            "tracking.run_name=managed-recovery",
+        ],
+        cwd=tmp_path,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
-        _wait_for("a complete checkpoint on the shared filesystem", lambda: bool(_complete_steps(shared / "ckpt")),
-                  420, proc)
+        _wait_for(
+            "a complete checkpoint on the shared filesystem", lambda: bool(_complete_steps(shared / "ckpt")), 420, proc
+        )
         first_ckpt = _complete_steps(shared / "ckpt")[0]
         (job,) = cluster.squeue().split("\n")[:1]
         slurm_job = job.split()[0]
@@ -199,8 +247,10 @@ def _launch_and_recover(cluster: Cluster, shared: Path, steps: int, env: dict[st
         from mlflow.tracking import MlflowClient
 
         mc = MlflowClient(tracking_uri=env["MLFLOW_TRACKING_URI"])
-        runs = mc.search_runs([mc.get_experiment_by_name("llmctl").experiment_id],
-                              filter_string="tags.mlflow.runName = 'managed-recovery'")
+        runs = mc.search_runs(
+            [mc.get_experiment_by_name("llmctl").experiment_id],
+            filter_string="tags.mlflow.runName = 'managed-recovery'",
+        )
         assert len(runs) == 1, "one MLflow run across the recovery"
         run = runs[0]
         tags = run.data.tags
@@ -208,7 +258,9 @@ def _launch_and_recover(cluster: Cluster, shared: Path, steps: int, env: dict[st
         assert tags["llmctl.attempt"] == "2" and tags.get("llmctl.sky.task_id"), tags
         assert "llmctl.attempt.1.end" in tags and "llmctl.attempt.2.end" in tags, "both attempts billed and closed"
         assert int(tags["llmctl.attempt.2.from_step"]) >= first_ckpt > 0, "the rerun resumed from a checkpoint"
-        assert datetime.fromisoformat(tags["llmctl.attempt.1.end"]) <= datetime.fromisoformat(tags["llmctl.attempt.2.start"])
+        assert datetime.fromisoformat(tags["llmctl.attempt.1.end"]) <= datetime.fromisoformat(
+            tags["llmctl.attempt.2.start"]
+        )
         # scancel sends SIGTERM, then SIGKILL after Slurm's KillWait. When the workload's handler wins
         # (the usual case) it saves and tags the run, and the rerun starts from that emergency save; on a
         # loaded machine the step's processes can be killed first (seen once in CI), and the rerun then
@@ -226,8 +278,9 @@ def _launch_and_recover(cluster: Cluster, shared: Path, steps: int, env: dict[st
 
         status = run_cli(["status", run.info.run_id], tmp_path, env, timeout=120)
         assert "SUCCEEDED" in status.stdout, status.stdout + status.stderr
-        queue = subprocess.run([sky_bin, "jobs", "queue", "--all"], env=env, capture_output=True, text=True,
-                               timeout=120).stdout
+        queue = subprocess.run(
+            [sky_bin, "jobs", "queue", "--all"], env=env, capture_output=True, text=True, timeout=120
+        ).stdout
         assert "SUCCEEDED" in queue, queue
         _assert_no_slurm_job_left(cluster)
     finally:
@@ -242,33 +295,60 @@ def _tail(log: "object") -> str:
     return log.read()[-6000:]  # type: ignore[attr-defined]
 
 
-@pytest.mark.skipif(os.environ.get("LLMCTL_SLURM_SWEEP") != "1",
-                    reason="~9 min (two managed-job launches, one after the other); LLMCTL_SLURM_SWEEP=1 runs it")
-def test_sweep_trials_run_as_managed_jobs_on_slurm(tracking_server: str, cluster: Cluster, tmp_path: Path,
-                                                   cli_env: dict[str, str]) -> None:
+@pytest.mark.skipif(
+    os.environ.get("LLMCTL_SLURM_SWEEP") != "1",
+    reason="~9 min (two managed-job launches, one after the other); LLMCTL_SLURM_SWEEP=1 runs it",
+)
+def test_sweep_trials_run_as_managed_jobs_on_slurm(
+    tracking_server: str, cluster: Cluster, tmp_path: Path, cli_env: dict[str, str]
+) -> None:
     """A grid sweep whose trials are SkyPilot managed jobs on Slurm: each trial's controller submits
     its managed job and follows it, so the sweep ends with one FINISHED child run per trial and no
     Slurm job left behind."""
     steps = 4
     with _managed_jobs(cluster, cli_env, tracking_server) as (env, sky_bin):
-        out = run_cli(["launch", "-m", "--wait", "--max-parallel", "1", "infra=slurm", "infra.managed=true",
-                       "experiment=smoke", f"infra.region={CLUSTER}", f"infra.zone={PARTITION}",
-                       f"infra.node_python={sys.executable}", "infra.cpus=1", "infra.memory=2",
-                       f"train.steps={steps}", "train.log_every=1", "train.val_every=2", "train.val_batches=1",
-                       "checkpoint.every=0", "tracking.run_name=managed-sweep", "train.lr=1e-3,3e-3"],
-                      tmp_path, env, timeout=600)
+        out = run_cli(
+            [
+                "launch",
+                "-m",
+                "--wait",
+                "--max-parallel",
+                "1",
+                "infra=slurm",
+                "infra.managed=true",
+                "experiment=smoke",
+                f"infra.region={CLUSTER}",
+                f"infra.zone={PARTITION}",
+                f"infra.node_python={sys.executable}",
+                "infra.cpus=1",
+                "infra.memory=2",
+                f"train.steps={steps}",
+                "train.log_every=1",
+                "train.val_every=2",
+                "train.val_batches=1",
+                "checkpoint.every=0",
+                "tracking.run_name=managed-sweep",
+                "train.lr=1e-3,3e-3",
+            ],
+            tmp_path,
+            env,
+            timeout=600,
+        )
         assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
         sid = next(w.rstrip(":") for w in out.stdout.split() if w.startswith("sweep-"))
 
         from mlflow.tracking import MlflowClient
 
         mc = MlflowClient(tracking_uri=tracking_server)
-        runs = mc.search_runs([mc.get_experiment_by_name("llmctl").experiment_id],
-                              filter_string=f"tags.`llmctl.sweep_id` = '{sid}'")
+        runs = mc.search_runs(
+            [mc.get_experiment_by_name("llmctl").experiment_id], filter_string=f"tags.`llmctl.sweep_id` = '{sid}'"
+        )
         (parent,) = [r for r in runs if r.data.tags.get("llmctl.kind") == "sweep"]
         assert parent.info.status == "FINISHED", parent.data.tags.get("llmctl.status")
-        trials = sorted((r for r in runs if r.data.tags.get("llmctl.kind") == "trial"),
-                        key=lambda r: int(r.data.tags["llmctl.trial"]))
+        trials = sorted(
+            (r for r in runs if r.data.tags.get("llmctl.kind") == "trial"),
+            key=lambda r: int(r.data.tags["llmctl.trial"]),
+        )
         assert [t.data.tags["llmctl.trial"] for t in trials] == ["0", "1"], "each trial once"
         assert all(t.data.tags["mlflow.parentRunId"] == parent.info.run_id for t in trials)
         assert [t.info.status for t in trials] == ["FINISHED"] * 2, [t.data.tags.get("llmctl.status") for t in trials]
@@ -284,7 +364,8 @@ def test_sweep_trials_run_as_managed_jobs_on_slurm(tracking_server: str, cluster
         status = run_cli(["status", sid], tmp_path, env, timeout=120)
         assert status.returncode == 0, status.stderr
         assert "2 trials: 2 FINISHED" in status.stdout and "supervisor exited" in status.stdout, status.stdout
-        queue = subprocess.run([sky_bin, "jobs", "queue", "--all"], env=env, capture_output=True, text=True,
-                               timeout=120).stdout
+        queue = subprocess.run(
+            [sky_bin, "jobs", "queue", "--all"], env=env, capture_output=True, text=True, timeout=120
+        ).stdout
         assert queue.count("SUCCEEDED") >= 2, queue
         _assert_no_slurm_job_left(cluster)

@@ -10,21 +10,26 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from sky_helpers import REMOTE_URI
 
 from llmctl.backends.sky import task as sky_task
 from llmctl.config.compose import compose
 from workloads.pretrain.contract.protocol import ATTEMPT_ENVS
-
-from sky_helpers import REMOTE_URI
 
 
 def _task(overrides: list[str], environ: dict[str, str] | None = None) -> tuple[dict[str, Any], Any]:
     import sky
 
     cfg = compose(overrides + [f"tracking.uri={REMOTE_URI}"]).cfg
-    config = sky_task.task_config(cfg, run_id="abc123", tracking_uri=REMOTE_URI, experiment_id="7",
-                                  local_config="/tmp/cfg.yaml", workdir=str(sky_task.project_root()),
-                                  environ=environ or {})
+    config = sky_task.task_config(
+        cfg,
+        run_id="abc123",
+        tracking_uri=REMOTE_URI,
+        experiment_id="7",
+        local_config="/tmp/cfg.yaml",
+        workdir=str(sky_task.project_root()),
+        environ=environ or {},
+    )
     task = sky.Task.from_yaml_config(copy.deepcopy(config))  # the loader consumes its input
     return config, task
 
@@ -34,15 +39,25 @@ def _only(resources: Any) -> Any:
     return res
 
 
-@pytest.mark.parametrize("overrides, cloud, region, acc, spot, nodes", [
-    (["infra=lambda", "infra.nodes=2"], "Lambda", None, {"H100": 8}, False, 2),
-    (["infra=runpod", "infra.accelerators=H100:8"], "RunPod", None, {"H100-SXM": 8}, False, 1),
-    (["infra=aws", "infra.use_spot=true", "infra.accelerators=A100:8"], "AWS", "us-east-1", {"A100": 8}, True, 1),
-    (["infra=slurm", "infra.region=mycluster", "infra.zone=gpu", "infra.accelerators=H100:4"],
-     "Slurm", "mycluster", {"H100": 4}, False, 1),
-])
-def test_task_round_trips_through_skypilot(sky_home: Path, overrides: list[str], cloud: str,
-                                           region: str | None, acc: dict[str, int], spot: bool, nodes: int) -> None:
+@pytest.mark.parametrize(
+    "overrides, cloud, region, acc, spot, nodes",
+    [
+        (["infra=lambda", "infra.nodes=2"], "Lambda", None, {"H100": 8}, False, 2),
+        (["infra=runpod", "infra.accelerators=H100:8"], "RunPod", None, {"H100-SXM": 8}, False, 1),
+        (["infra=aws", "infra.use_spot=true", "infra.accelerators=A100:8"], "AWS", "us-east-1", {"A100": 8}, True, 1),
+        (
+            ["infra=slurm", "infra.region=mycluster", "infra.zone=gpu", "infra.accelerators=H100:4"],
+            "Slurm",
+            "mycluster",
+            {"H100": 4},
+            False,
+            1,
+        ),
+    ],
+)
+def test_task_round_trips_through_skypilot(
+    sky_home: Path, overrides: list[str], cloud: str, region: str | None, acc: dict[str, int], spot: bool, nodes: int
+) -> None:
     import sky
 
     config, task = _task(overrides)
@@ -75,8 +90,15 @@ def test_bucket_is_a_mount_where_supported_and_a_url_on_runpod(sky_home: Path) -
     cfg = compose(["infra=aws", "infra.bucket=s3://ckpts/llm", f"tracking.uri={REMOTE_URI}"]).cfg
     assert sky_task.checkpoint_dir(cfg, "r1") == "/llmctl-ckpt/r1"
     cfg["checkpoint"]["dir"] = "/llmctl-ckpt/r1"
-    config = sky_task.task_config(cfg, run_id="r1", tracking_uri=REMOTE_URI, experiment_id="1",
-                                  local_config="/tmp/c.yaml", workdir="/tmp", environ={})
+    config = sky_task.task_config(
+        cfg,
+        run_id="r1",
+        tracking_uri=REMOTE_URI,
+        experiment_id="1",
+        local_config="/tmp/c.yaml",
+        workdir="/tmp",
+        environ={},
+    )
     import sky
 
     task = sky.Task.from_yaml_config(config)
@@ -100,13 +122,25 @@ def test_attempt_and_budget_reach_the_nodes(sky_home: Path) -> None:
     process's own LLMCTL_* variables do not."""
     import sky
 
-    attempt = {"LLMCTL_ATTEMPT": "3", "LLMCTL_MAX_COST_USD": "12.500000", "LLMCTL_SPENT_USD": "4.2",
-               "LLMCTL_BILLING_START": "1700000000.000", "LLMCTL_PRICE_PER_HOUR": "23.92"}
+    attempt = {
+        "LLMCTL_ATTEMPT": "3",
+        "LLMCTL_MAX_COST_USD": "12.500000",
+        "LLMCTL_SPENT_USD": "4.2",
+        "LLMCTL_BILLING_START": "1700000000.000",
+        "LLMCTL_PRICE_PER_HOUR": "23.92",
+    }
     assert set(attempt) == set(ATTEMPT_ENVS)  # the trainer's contract names every one of them
     cfg = compose(["infra=lambda", f"tracking.uri={REMOTE_URI}"]).cfg
-    config = sky_task.task_config(cfg, run_id="abc123", tracking_uri=REMOTE_URI, experiment_id="7",
-                                  local_config="/tmp/cfg.yaml", workdir=str(sky_task.project_root()),
-                                  environ={"LLMCTL_ATTEMPT": "9", "LLMCTL_OTHER": "x"}, attempt_env=attempt)
+    config = sky_task.task_config(
+        cfg,
+        run_id="abc123",
+        tracking_uri=REMOTE_URI,
+        experiment_id="7",
+        local_config="/tmp/cfg.yaml",
+        workdir=str(sky_task.project_root()),
+        environ={"LLMCTL_ATTEMPT": "9", "LLMCTL_OTHER": "x"},
+        attempt_env=attempt,
+    )
     task = sky.Task.from_yaml_config(copy.deepcopy(config))
     assert {k: task.envs[k] for k in ATTEMPT_ENVS} == attempt
     assert "LLMCTL_OTHER" not in task.envs
@@ -124,27 +158,54 @@ def _fake_python(tmp_path: Path) -> Path:
 def test_run_script_gives_torchrun_two_node_arguments(tmp_path: Path, rank: int) -> None:
     """Execute the task's run script under a fake 2-node SkyPilot environment; read the argv."""
     env = {
-        "PATH": os.environ["PATH"], "HOME": str(tmp_path),
-        "SKYPILOT_NUM_NODES": "2", "SKYPILOT_NODE_RANK": str(rank), "SKYPILOT_NUM_GPUS_PER_NODE": "8",
-        "SKYPILOT_NODE_IPS": "10.0.0.1\n10.0.0.2", "LLMCTL_RUN_ID": "abc123",
+        "PATH": os.environ["PATH"],
+        "HOME": str(tmp_path),
+        "SKYPILOT_NUM_NODES": "2",
+        "SKYPILOT_NODE_RANK": str(rank),
+        "SKYPILOT_NUM_GPUS_PER_NODE": "8",
+        "SKYPILOT_NODE_IPS": "10.0.0.1\n10.0.0.2",
+        "LLMCTL_RUN_ID": "abc123",
         "LLMCTL_PYTHON": str(_fake_python(tmp_path)),
     }
     out = subprocess.run(["bash", "-c", sky_task.RUN], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.splitlines() == [
-        "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=8", f"--node_rank={rank}",
-        "--master_addr=10.0.0.1", "--master_port=29500", "-m", "workloads.pretrain",
-        "--config", f"{tmp_path}/.llmctl/runs/abc123/config.yaml",
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=2",
+        "--nproc_per_node=8",
+        f"--node_rank={rank}",
+        "--master_addr=10.0.0.1",
+        "--master_port=29500",
+        "-m",
+        "workloads.pretrain",
+        "--config",
+        f"{tmp_path}/.llmctl/runs/abc123/config.yaml",
     ]
 
 
 def test_cpu_nodes_take_process_count_from_config(tmp_path: Path) -> None:
     cfg = compose(["infra=slurm", "parallel=fsdp2", f"tracking.uri={REMOTE_URI}"]).cfg
-    config = sky_task.task_config(cfg, run_id="r", tracking_uri=REMOTE_URI, experiment_id="1",
-                                  local_config="/tmp/c.yaml", workdir="/tmp", environ={})
+    config = sky_task.task_config(
+        cfg,
+        run_id="r",
+        tracking_uri=REMOTE_URI,
+        experiment_id="1",
+        local_config="/tmp/c.yaml",
+        workdir="/tmp",
+        environ={},
+    )
     assert config["envs"]["LLMCTL_NPROC_PER_NODE"] == "2"
-    env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "SKYPILOT_NUM_NODES": "1", "SKYPILOT_NODE_RANK": "0",
-           "SKYPILOT_NUM_GPUS_PER_NODE": "0", "SKYPILOT_NODE_IPS": "127.0.0.1", "LLMCTL_RUN_ID": "r",
-           "LLMCTL_PYTHON": str(_fake_python(tmp_path)), **config["envs"]}
+    env = {
+        "PATH": os.environ["PATH"],
+        "HOME": str(tmp_path),
+        "SKYPILOT_NUM_NODES": "1",
+        "SKYPILOT_NODE_RANK": "0",
+        "SKYPILOT_NUM_GPUS_PER_NODE": "0",
+        "SKYPILOT_NODE_IPS": "127.0.0.1",
+        "LLMCTL_RUN_ID": "r",
+        "LLMCTL_PYTHON": str(_fake_python(tmp_path)),
+        **config["envs"],
+    }
     env["LLMCTL_PYTHON"] = str(_fake_python(tmp_path))
     out = subprocess.run(["bash", "-c", config["run"]], env=env, capture_output=True, text=True, check=True)
     assert "--nproc_per_node=2" in out.stdout.splitlines()

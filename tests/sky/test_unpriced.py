@@ -7,11 +7,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from sky_helpers import REMOTE_URI, run_cli
+
 from llmctl.config.compose import compose
 from llmctl.cost.estimate import configured_price
 from llmctl.plan.devices import Hardware
-
-from sky_helpers import REMOTE_URI, run_cli
 
 SLURM = ["infra=slurm", "infra.accelerators=H100:8", f"tracking.uri={REMOTE_URI}"]
 FIX = "infra.price_per_gpu_hour=<$ per GPU-hour>"
@@ -73,10 +73,10 @@ def test_an_unpriced_run_reads_unpriced(sky_home: Path, cli_env: dict[str, str],
     and ``status``, ``runs`` and the closing line say unpriced."""
     from mlflow.tracking import MlflowClient
 
-    from llmctl.run import lifecycle
-    from llmctl.tracking import mlflow_run as tracking
     from llmctl.cost import hooks
     from llmctl.plan.make import make_plan
+    from llmctl.run import lifecycle
+    from llmctl.tracking import mlflow_run as tracking
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     plan = make_plan(compose(["infra=slurm", "infra.accelerators=H100:8", f"tracking.uri={uri}"]))

@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from helpers import read_loss_file
 
 REPO = Path(__file__).resolve().parents[2]
@@ -23,8 +22,15 @@ def tiny_cfg(**dotlist):
 
     cfg = OmegaConf.structured(TrainerCfg)
     cfg.model = OmegaConf.merge(cfg.model, OmegaConf.load(REPO / "conf/model/tiny.yaml"))
-    base = {"train.steps": 30, "train.batch_size": 8, "train.seq_len": 64, "train.warmup_steps": 3,
-            "train.log_every": 5, "train.val_every": 15, "train.val_batches": 2}
+    base = {
+        "train.steps": 30,
+        "train.batch_size": 8,
+        "train.seq_len": 64,
+        "train.warmup_steps": 3,
+        "train.log_every": 5,
+        "train.val_every": 15,
+        "train.val_batches": 2,
+    }
     base.update(dotlist)
     return OmegaConf.merge(cfg, OmegaConf.from_dotlist([f"{k}={v}" for k, v in base.items()]))
 
@@ -49,8 +55,9 @@ def workload_env() -> dict[str, str]:
     return env
 
 
-def run_workload(args: list[str], env: dict[str, str], launcher: list[str] | None = None,
-                 timeout: float = 300) -> subprocess.CompletedProcess[str]:
+def run_workload(
+    args: list[str], env: dict[str, str], launcher: list[str] | None = None, timeout: float = 300
+) -> subprocess.CompletedProcess[str]:
     """``python -m workloads.pretrain ARGS`` (or under ``launcher``, e.g. torchrun) from the repo root."""
     cmd = (launcher or [sys.executable]) + ["-m", "workloads.pretrain", *args]
     return subprocess.run(cmd, cwd=REPO, env=env, text=True, capture_output=True, timeout=timeout)
@@ -99,8 +106,12 @@ def moto_s3():
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
-    env = {"AWS_ENDPOINT_URL_S3": f"http://{host}:{port}", "AWS_ACCESS_KEY_ID": "testing",
-           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+    env = {
+        "AWS_ENDPOINT_URL_S3": f"http://{host}:{port}",
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
     yield env
     server.stop()
 

@@ -10,10 +10,10 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from workloads.pretrain.parallel import fp8
 from workloads.pretrain.components.optim import build_optimizer
-from workloads.pretrain.parallel.parallelize import ParallelDims
 from workloads.pretrain.contract.schema import TrainerCfg
+from workloads.pretrain.parallel import fp8
+from workloads.pretrain.parallel.parallelize import ParallelDims
 from workloads.pretrain.train import DistEnv, init_sharded
 
 dist.init_process_group("gloo")

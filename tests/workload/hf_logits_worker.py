@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -18,7 +19,7 @@ from workloads.pretrain.train import init_distributed, load_pretrained
 def main(batch: str, jobs: str, overrides: list[str]) -> None:
     x, y = torch.load(batch)
     env = None
-    for job in json.loads(open(jobs).read()):
+    for job in json.loads(Path(jobs).read_text()):
         cfg = load(None, overrides + [f"model.init_from={job['init_from']}"])
         env = init_distributed(cfg)
         model = load_pretrained(cfg, env)

@@ -40,12 +40,26 @@ def main(out_dir: str, overrides: list[str]) -> None:
     full = sum(p.numel() * 4 for p in params.values())
     layer = sum(p.numel() * 4 for n, p in params.items() if ".layers.0." in f".{n}" or n.startswith("layers.0."))
     largest = max(p.numel() * 4 for p in params.values())
-    checksum = float(sum(float((p.full_tensor() if isinstance(p, DTensor) else p).detach().double().square().sum())
-                         for p in params.values()))
+    checksum = float(
+        sum(
+            float((p.full_tensor() if isinstance(p, DTensor) else p).detach().double().square().sum())
+            for p in params.values()
+        )
+    )
     rank = int(os.environ.get("RANK", "0"))
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(
-        {"before": before, "peak": peak, "local": local, "full": full, "layer": layer, "largest": largest,
-         "checksum": checksum}))
+    Path(out_dir, f"rank{rank}.json").write_text(
+        json.dumps(
+            {
+                "before": before,
+                "peak": peak,
+                "local": local,
+                "full": full,
+                "layer": layer,
+                "largest": largest,
+                "checksum": checksum,
+            }
+        )
+    )
     torch.distributed.destroy_process_group()
 
 

@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from workloads.pretrain.checkpoint.dcp import Checkpointer
+from workloads.pretrain.components.optim import build_optimizer
 from workloads.pretrain.contract.checkpoint_layout import MARKER, latest_complete, list_checkpoints
 from workloads.pretrain.data import Sampler
 from workloads.pretrain.model.transformer import build_model
-from workloads.pretrain.components.optim import build_optimizer
 
 SHORT = {"train.steps": 6, "train.log_every": 1, "train.val_every": 3}
 ONE_PROCESS = SimpleNamespace(rank=0, world_size=1)
@@ -124,22 +124,35 @@ def fsdp_runs(tmp_path_factory, cache_dir, workload):
     tmp = tmp_path_factory.mktemp("ckpt")
     cfg = tmp / "config.yaml"
     OmegaConf.save(workload.cfg(**{"data.cache_dir": str(cache_dir), "parallel.dp_shard": 2, **SHORT}), cfg)
-    straight = workload.run(["--config", str(cfg), f"checkpoint.dir={tmp / 'straight'}"],
-                            _env(tmp / "straight.jsonl"), launcher=workload.torchrun(2))
+    straight = workload.run(
+        ["--config", str(cfg), f"checkpoint.dir={tmp / 'straight'}"],
+        _env(tmp / "straight.jsonl"),
+        launcher=workload.torchrun(2),
+    )
     assert straight.returncode == 0, straight.stderr[-3000:]
-    crashed = workload.run(["--config", str(cfg), f"checkpoint.dir={tmp / 'crashed'}", "checkpoint.every=2"],
-                           _env(tmp / "crashed.jsonl", {"LLMCTL_FAIL_AT_STEP": "4"}), launcher=workload.torchrun(2))
+    crashed = workload.run(
+        ["--config", str(cfg), f"checkpoint.dir={tmp / 'crashed'}", "checkpoint.every=2"],
+        _env(tmp / "crashed.jsonl", {"LLMCTL_FAIL_AT_STEP": "4"}),
+        launcher=workload.torchrun(2),
+    )
     assert crashed.returncode != 0 and "LLMCTL_FAIL_AT_STEP=4" in crashed.stderr
     assert list_checkpoints(str(tmp / "crashed")) == {2: True}
     shutil.copytree(tmp / "crashed", tmp / "step2-pristine")
-    return SimpleNamespace(tmp=tmp, cfg=cfg, losses=workload.loss_file(tmp / "straight.jsonl"),
-                           pristine=tmp / "step2-pristine", crashed=tmp / "crashed")
+    return SimpleNamespace(
+        tmp=tmp,
+        cfg=cfg,
+        losses=workload.loss_file(tmp / "straight.jsonl"),
+        pristine=tmp / "step2-pristine",
+        crashed=tmp / "crashed",
+    )
 
 
 def _resume(workload, runs, tmp_path, ckpt_dir, nproc, *overrides, extra_env=None):
-    proc = workload.run(["--config", str(runs.cfg), f"checkpoint.dir={ckpt_dir}", "checkpoint.every=2", *overrides],
-                        _env(tmp_path / "resumed.jsonl", extra_env),
-                        launcher=workload.torchrun(nproc) if nproc > 1 else None)
+    proc = workload.run(
+        ["--config", str(runs.cfg), f"checkpoint.dir={ckpt_dir}", "checkpoint.every=2", *overrides],
+        _env(tmp_path / "resumed.jsonl", extra_env),
+        launcher=workload.torchrun(nproc) if nproc > 1 else None,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from step 2" in proc.stdout
     return workload.loss_file(tmp_path / "resumed.jsonl")
@@ -158,10 +171,14 @@ def test_resume_is_exact(fsdp_runs, workload, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc, overrides", [
-    (1, ["parallel.dp_shard=1"]),
-    (2, ["parallel.dp_shard=1", "parallel.tp=2"]),
-], ids=["to-1-process", "to-tp2"])
+@pytest.mark.parametrize(
+    "nproc, overrides",
+    [
+        (1, ["parallel.dp_shard=1"]),
+        (2, ["parallel.dp_shard=1", "parallel.tp=2"]),
+    ],
+    ids=["to-1-process", "to-tp2"],
+)
 def test_fsdp_checkpoint_resumes_in_another_layout(fsdp_runs, workload, tmp_path, nproc, overrides):
     ckpt = tmp_path / "ck"
     shutil.copytree(fsdp_runs.pristine, ckpt)
@@ -199,13 +216,19 @@ def test_s3_round_trip(fsdp_runs, workload, tmp_path, s3_bucket):
 
     url, s3_env = s3_bucket
     root = f"{url}/runs/a"
-    crashed = workload.run(["--config", str(fsdp_runs.cfg), f"checkpoint.dir={root}", "checkpoint.every=2"],
-                           _env(tmp_path / "crashed.jsonl", {**s3_env, "LLMCTL_FAIL_AT_STEP": "4"}),
-                           launcher=workload.torchrun(2))
+    crashed = workload.run(
+        ["--config", str(fsdp_runs.cfg), f"checkpoint.dir={root}", "checkpoint.every=2"],
+        _env(tmp_path / "crashed.jsonl", {**s3_env, "LLMCTL_FAIL_AT_STEP": "4"}),
+        launcher=workload.torchrun(2),
+    )
     assert crashed.returncode != 0 and "LLMCTL_FAIL_AT_STEP=4" in crashed.stderr, crashed.stderr[-3000:]
     fs = s3fs.S3FileSystem(skip_instance_cache=True)
     assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls(f"{root}/step-2")) == [
-        ".complete", ".metadata", "__0_0.distcp", "__1_0.distcp"]
+        ".complete",
+        ".metadata",
+        "__0_0.distcp",
+        "__1_0.distcp",
+    ]
 
     got = _resume(workload, fsdp_runs, tmp_path, root, 2, extra_env=s3_env)
     assert got["train"] == {s: fsdp_runs.losses["train"][s] for s in (3, 4, 5, 6)}

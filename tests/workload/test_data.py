@@ -71,8 +71,9 @@ def test_concurrent_builders_build_once(tmp_path):
         c = prepare_corpus(DataCfg(vocab_size=300, cache_dir={str(tmp_path)!r}))
         print(c.cache_hit, hashlib.sha256(c.tokens.tobytes()).hexdigest())
     """)
-    procs = [subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE, text=True)
-             for _ in range(2)]
+    procs = [
+        subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE, text=True) for _ in range(2)
+    ]
     outs = [p.communicate(timeout=120)[0].split() for p in procs]
     assert all(p.returncode == 0 for p in procs)
     assert sorted(o[0] for o in outs) == ["False", "True"]  # exactly one built

@@ -23,8 +23,7 @@ EOS = 3
 
 def test_documents_give_each_token_its_position_and_document() -> None:
     """An end-of-text token ends its document (it is the document's last token); a row always starts one."""
-    inputs = torch.tensor([[5, EOS, 7, 8, EOS, EOS, 9],
-                           [EOS, 4, 4, 4, 4, 4, EOS]])
+    inputs = torch.tensor([[5, EOS, 7, 8, EOS, EOS, 9], [EOS, 4, 4, 4, 4, 4, EOS]])
     positions, doc_ids = documents(inputs, EOS)
     assert doc_ids.tolist() == [[0, 0, 1, 1, 1, 2, 3], [0, 1, 1, 1, 1, 1, 1]]
     assert positions.tolist() == [[0, 1, 0, 1, 2, 0, 0], [0, 0, 1, 2, 3, 4, 5]]
@@ -53,8 +52,9 @@ def _hf_alone(hf, inputs: torch.Tensor, targets: torch.Tensor, doc_ids: torch.Te
 
 
 @pytest.mark.parametrize("kernels", ["reference", "fused"])
-def test_masked_windows_compute_what_transformers_computes_per_document(make_tiny_cfg, tmp_path: Path,
-                                                                      kernels: str) -> None:
+def test_masked_windows_compute_what_transformers_computes_per_document(
+    make_tiny_cfg, tmp_path: Path, kernels: str
+) -> None:
     transformers = pytest.importorskip("transformers")
     from workloads.pretrain.checkpoint.hf_export import export
     from workloads.pretrain.model.transformer import build_model
@@ -63,7 +63,9 @@ def test_masked_windows_compute_what_transformers_computes_per_document(make_tin
     cfg = make_tiny_cfg(**{"model.kernels": kernels, "model.vocab_size": vocab})
     torch.manual_seed(0)
     model = build_model(cfg.model).eval()
-    hf = transformers.LlamaForCausalLM.from_pretrained(str(export(model.state_dict(), cfg.model, tmp_path / "hf"))).eval()
+    hf = transformers.LlamaForCausalLM.from_pretrained(
+        str(export(model.state_dict(), cfg.model, tmp_path / "hf"))
+    ).eval()
 
     rng = np.random.default_rng(0)
     tokens = rng.integers(EOS + 1, vocab, 4 * seq + 1).astype(np.uint16)
@@ -86,17 +88,26 @@ def test_eval_of_a_masked_run_matches_transformers_per_document(make_tiny_cfg, c
     """``llmctl eval``'s batches follow the run's ``data.document_mask``, and the native score of
     them equals the score of its export through transformers (one document at a time)."""
     transformers = pytest.importorskip("transformers")
+    from workloads.pretrain.checkpoint.hf_export import export
     from workloads.pretrain.data import prepare_corpus
     from workloads.pretrain.evaluate import eval_batches, score_hf, score_native, token_byte_lengths
-    from workloads.pretrain.checkpoint.hf_export import export
     from workloads.pretrain.model.transformer import build_model
 
-    cfg = make_tiny_cfg(**{"data.cache_dir": str(cache_dir), "data.document_mask": True, "train.seq_len": 256,
-                           "train.batch_size": 4, "eval.val_batches": 1})
+    cfg = make_tiny_cfg(
+        **{
+            "data.cache_dir": str(cache_dir),
+            "data.document_mask": True,
+            "train.seq_len": 256,
+            "train.batch_size": 4,
+            "eval.val_batches": 1,
+        }
+    )
     corpus = prepare_corpus(cfg.data)
     torch.manual_seed(0)
     model = build_model(cfg.model).eval()
-    hf = transformers.LlamaForCausalLM.from_pretrained(str(export(model.state_dict(), cfg.model, tmp_path / "hf"))).eval()
+    hf = transformers.LlamaForCausalLM.from_pretrained(
+        str(export(model.state_dict(), cfg.model, tmp_path / "hf"))
+    ).eval()
     byte_len = torch.from_numpy(token_byte_lengths(corpus.tokenizer))
     (batch,) = eval_batches(cfg, corpus, 0, 1, torch.device("cpu"))
     assert batch.doc_ids is not None and int(batch.doc_ids.max()) >= 1, "pydoc windows of 256 tokens cross documents"
@@ -109,8 +120,9 @@ def test_eval_of_a_masked_run_matches_transformers_per_document(make_tiny_cfg, c
 
 
 @pytest.mark.slow
-def test_trainer_masks_documents_alike_on_one_process_and_under_tensor_parallel(workload, tmp_path: Path,
-                                                                                cache_dir: Path) -> None:
+def test_trainer_masks_documents_alike_on_one_process_and_under_tensor_parallel(
+    workload, tmp_path: Path, cache_dir: Path
+) -> None:
     """The trainer reads ``data.document_mask``: it says so, its losses differ from the unmasked
     run's from the first step on, and 2 tensor-parallel ranks (heads split, the mask broadcast over
     them) reproduce the single process's train and val losses within 1e-5."""
@@ -120,8 +132,19 @@ def test_trainer_masks_documents_alike_on_one_process_and_under_tensor_parallel(
 
     def run(name: str, *extra: str, launcher=None):
         cfg = tmp_path / "cfg.yaml"
-        OmegaConf.save(workload.cfg(**{"data.cache_dir": str(cache_dir), "train.steps": 4, "train.seq_len": 256,
-                                       "train.batch_size": 4, "train.log_every": 1, "train.val_every": 2}), cfg)
+        OmegaConf.save(
+            workload.cfg(
+                **{
+                    "data.cache_dir": str(cache_dir),
+                    "train.steps": 4,
+                    "train.seq_len": 256,
+                    "train.batch_size": 4,
+                    "train.log_every": 1,
+                    "train.val_every": 2,
+                }
+            ),
+            cfg,
+        )
         env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "LLMCTL_"))}
         env.update(PYTHONUNBUFFERED="1", LLMCTL_LOSS_FILE=str(tmp_path / f"{name}.jsonl"))
         out = workload.run(["--config", str(cfg), *extra], env, launcher=launcher)

@@ -12,15 +12,18 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("preset, world, parallel, published", [
-    ("llama3.1-70b", 64, {"dp_shard": 8, "tp": 8}, 70_553_706_496),
-    ("llama3.1-8b", 8, {"dp_shard": 8, "tp": 1}, 8_030_261_248),
-])
+@pytest.mark.parametrize(
+    "preset, world, parallel, published",
+    [
+        ("llama3.1-70b", 64, {"dp_shard": 8, "tp": 8}, 70_553_706_496),
+        ("llama3.1-8b", 8, {"dp_shard": 8, "tp": 1}, 8_030_261_248),
+    ],
+)
 def test_full_size_model_shards_over_the_target_world(preset: str, world: int, parallel: dict, published: int) -> None:
     from omegaconf import OmegaConf
 
-    from workloads.pretrain.dry_run import sharded_params
     from workloads.pretrain.contract.schema import TrainerCfg
+    from workloads.pretrain.dry_run import sharded_params
 
     cfg = OmegaConf.structured(TrainerCfg)
     cfg.model = OmegaConf.merge(cfg.model, OmegaConf.load(REPO / "conf" / "model" / f"{preset}.yaml"))

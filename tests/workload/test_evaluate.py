@@ -42,8 +42,9 @@ def test_loaded_checkpoint_has_the_weights_and_cached_generation_matches(tmp_pat
     torch.manual_seed(7)
     saved = build_model(cfg.model)
     step_dir = tmp_path / "ck" / "step-3"
-    dcp.save({"model": get_model_state_dict(saved), "optim": {"x": torch.ones(2)}}, checkpoint_id=str(step_dir),
-             no_dist=True)
+    dcp.save(
+        {"model": get_model_state_dict(saved), "optim": {"x": torch.ones(2)}}, checkpoint_id=str(step_dir), no_dist=True
+    )
     (step_dir / ".complete").write_text("{}")
     path, step = resolve_step_dir(str(tmp_path / "ck"), None)
     assert (path, step) == (str(step_dir), 3)
@@ -59,13 +60,23 @@ def test_loaded_checkpoint_has_the_weights_and_cached_generation_matches(tmp_pat
 
 @pytest.mark.slow
 def test_two_rank_fsdp_checkpoint_evaluates_the_same_in_one_and_two_processes(
-        tmp_path: Path, write_tiny_config, workload_env, workload) -> None:
+    tmp_path: Path, write_tiny_config, workload_env, workload
+) -> None:
     """Train 2 ranks (FSDP, dp_shard=2) with checkpoints; eval at world size 1 and 2 equals training."""
-    cfg = write_tiny_config(**{"train.steps": 6, "train.val_every": 3, "checkpoint.dir": str(tmp_path / "ck"),
-                               "checkpoint.every": 3, "eval.max_new_tokens": 4, "eval.prompts": "[The]"})
+    cfg = write_tiny_config(
+        **{
+            "train.steps": 6,
+            "train.val_every": 3,
+            "checkpoint.dir": str(tmp_path / "ck"),
+            "checkpoint.every": 3,
+            "eval.max_new_tokens": 4,
+            "eval.prompts": "[The]",
+        }
+    )
     loss_file = tmp_path / "loss.jsonl"
-    out = workload.run(["--config", str(cfg)], {**workload_env, "LLMCTL_LOSS_FILE": str(loss_file)},
-                       launcher=workload.torchrun(2))
+    out = workload.run(
+        ["--config", str(cfg)], {**workload_env, "LLMCTL_LOSS_FILE": str(loss_file)}, launcher=workload.torchrun(2)
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     trained = workload.loss_file(loss_file)["val"]
     results = {}
@@ -73,8 +84,9 @@ def test_two_rank_fsdp_checkpoint_evaluates_the_same_in_one_and_two_processes(
         res = tmp_path / f"eval-{nproc}.json"
         launcher = workload.torchrun(nproc) if nproc > 1 else [sys.executable]
         cmd = launcher + ["-m", "workloads.pretrain.evaluate", "--config", str(cfg), "--out", str(res)]
-        done = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[2], env=workload_env, text=True,
-                              capture_output=True, timeout=300)
+        done = subprocess.run(
+            cmd, cwd=Path(__file__).resolve().parents[2], env=workload_env, text=True, capture_output=True, timeout=300
+        )
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
         results[nproc] = json.loads(res.read_text())
     one, two = results[1]["metrics"], results[2]["metrics"]

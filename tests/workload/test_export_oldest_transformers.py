@@ -40,9 +40,13 @@ def worker(spec_path: str) -> None:
 
     spec = json.loads(Path(spec_path).read_text())
     tokens = torch.tensor(spec["tokens"])
-    result: dict[str, Any] = {"transformers": transformers.__version__, "tokenizers": tokenizers.__version__,
-                              "transformers_file": transformers.__file__, "torch_file": torch.__file__,
-                              "exports": {}}
+    result: dict[str, Any] = {
+        "transformers": transformers.__version__,
+        "tokenizers": tokenizers.__version__,
+        "transformers_file": transformers.__file__,
+        "torch_file": torch.__file__,
+        "exports": {},
+    }
     for name, path in spec["exports"].items():
         model, info = transformers.AutoModelForCausalLM.from_pretrained(path, output_loading_info=True)
         model.eval()
@@ -63,15 +67,23 @@ def worker(spec_path: str) -> None:
 
         with torch.no_grad():
             logits = model(tokens).logits
-            generated = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=20,
-                                       do_sample=False, logits_processor=[EndAtThird(prompt.shape[1] + 2, eos)])
+            generated = model.generate(
+                prompt,
+                attention_mask=torch.ones_like(prompt),
+                max_new_tokens=20,
+                do_sample=False,
+                logits_processor=[EndAtThird(prompt.shape[1] + 2, eos)],
+            )
         result["exports"][name] = {
             "model_class": type(model).__name__,
             "loading_info": {k: sorted(map(str, v)) for k, v in info.items()},
             "tokenizer_class": type(tok).__name__,
-            "eos_token": tok.eos_token, "eos_id": eos,
-            "config_eos": model.config.eos_token_id, "generation_eos": model.generation_config.eos_token_id,
-            "ids": ids, "decoded": tok.decode(ids),
+            "eos_token": tok.eos_token,
+            "eos_id": eos,
+            "config_eos": model.config.eos_token_id,
+            "generation_eos": model.generation_config.eos_token_id,
+            "ids": ids,
+            "decoded": tok.decode(ids),
             "generated": generated[0].tolist(),
             "logits": logits.tolist(),
         }
@@ -94,13 +106,32 @@ def oldest_transformers() -> Path:
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-cache-dir",
-               "--no-deps", "--only-binary=:all:", "--timeout", "30", "--retries", "2", "--target", str(tmp), *PINS]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--disable-pip-version-check",
+            "--no-cache-dir",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--timeout",
+            "30",
+            "--retries",
+            "2",
+            "--target",
+            str(tmp),
+            *PINS,
+        ]
         proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=600)
         if proc.returncode != 0:
-            pytest.fail(f"could not install {' '.join(PINS)} from PyPI (needed to check the export against the "
-                        f"oldest transformers allowed); set LLMCTL_OFFLINE=1 to skip this test offline.\n"
-                        f"$ {' '.join(cmd)}\n{proc.stderr[-3000:]}", pytrace=False)
+            pytest.fail(
+                f"could not install {' '.join(PINS)} from PyPI (needed to check the export against the "
+                f"oldest transformers allowed); set LLMCTL_OFFLINE=1 to skip this test offline.\n"
+                f"$ {' '.join(cmd)}\n{proc.stderr[-3000:]}",
+                pytrace=False,
+            )
         try:
             os.rename(tmp, target)
         except OSError:  # another process put it there first
@@ -113,12 +144,26 @@ def oldest_transformers() -> Path:
 
 def run_worker(spec: Path, pythonpath: str | None) -> dict[str, Any]:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
-    env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-                "PYTHONNOUSERSITE": "1", "HF_HOME": str(spec.parent / "hf-home")})
+    env.update(
+        {
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            "PYTHONNOUSERSITE": "1",
+            "HF_HOME": str(spec.parent / "hf-home"),
+        }
+    )
     if pythonpath:
         env["PYTHONPATH"] = pythonpath
-    proc = subprocess.run([sys.executable, __file__, str(spec)], check=False, cwd=spec.parent, env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, __file__, str(spec)],
+        check=False,
+        cwd=spec.parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, f"worker under PYTHONPATH={pythonpath}:\n{proc.stderr[-4000:]}"
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -127,22 +172,37 @@ def _variants() -> dict[str, dict[str, Any]]:
     """ModelCfg fields of the tiny models exported: the existing tests' shape, tied embeddings with
     Llama 3.1's RoPE scaling (rope_scaling in 4.x, rope_parameters in 5.x), Qwen2 (q/k/v biases), and
     the RoPE layout of a model fine-tuned from a Hugging Face checkpoint."""
-    base = {"name": "t", "dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 300,
-            "max_seq_len": 96, "rope_theta": 500000.0}
+    base = {
+        "name": "t",
+        "dim": 64,
+        "n_layers": 2,
+        "n_heads": 4,
+        "n_kv_heads": 2,
+        "vocab_size": 300,
+        "max_seq_len": 96,
+        "rope_theta": 500000.0,
+    }
     # original_max_position_embeddings 16: wavelengths past 16 positions are scaled, so within a
     # 33-token batch the scaling changes the logits (a loader that dropped it would not match)
-    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-              "original_max_position_embeddings": 16}
-    return {"llama": base,
-            "llama-tied-llama3-rope": {**base, "tie_embeddings": True, "rope_theta": 10000.0, "rope_scaling": llama3},
-            "qwen2": {**base, "arch": "qwen2", "n_kv_heads": 1},
-            # a model loaded with model.init_from keeps Hugging Face's RoPE layout: exported unpermuted
-            "llama-init_from-layout": {**base, "rope_layout": "half"}}
+    llama3 = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16,
+    }
+    return {
+        "llama": base,
+        "llama-tied-llama3-rope": {**base, "tie_embeddings": True, "rope_theta": 10000.0, "rope_scaling": llama3},
+        "qwen2": {**base, "arch": "qwen2", "n_kv_heads": 1},
+        # a model loaded with model.init_from keeps Hugging Face's RoPE layout: exported unpermuted
+        "llama-init_from-layout": {**base, "rope_layout": "half"},
+    }
 
 
 def _build(fields: dict[str, Any], seed: int = 0) -> tuple[torch.nn.Module, Any]:
-    from workloads.pretrain.model.transformer import build_model
     from workloads.pretrain.contract.schema import ModelCfg
+    from workloads.pretrain.model.transformer import build_model
 
     torch.manual_seed(seed)
     cfg = ModelCfg(**fields)
@@ -185,8 +245,9 @@ def test_export_loads_in_oldest_allowed_transformers(tmp_path: Path) -> None:
         assert (no_bias(tokens) - native["qwen2"]).abs().max() > 1e-3
 
     spec = tmp_path / "spec.json"
-    spec.write_text(json.dumps({"exports": exports, "tokens": tokens.tolist(), "prompt": prompt, "text": TEXT,
-                                "eos_token": EOT}))
+    spec.write_text(
+        json.dumps({"exports": exports, "tokens": tokens.tolist(), "prompt": prompt, "text": TEXT, "eos_token": EOT})
+    )
     old = run_worker(spec, str(site))
     new = run_worker(spec, None)
 
@@ -211,21 +272,34 @@ def test_export_loads_in_oldest_allowed_transformers(tmp_path: Path) -> None:
                 assert got["ids"] == trained_ids, (where, got["tokenizer_class"], got["ids"])  # as in training
             assert got["decoded"] == TEXT, where
             generated = got["generated"]
-            assert generated[:len(prompt)] == prompt and len(generated) == len(prompt) + 3, (where, generated)
+            assert generated[: len(prompt)] == prompt and len(generated) == len(prompt) + 3, (where, generated)
             assert generated[-1] == eos, (where, generated)  # stopped there, 17 tokens short of max_new_tokens
             # fp32 tolerance: same math, different kernels/association order
-            torch.testing.assert_close(torch.tensor(got["logits"]), native[name], atol=2e-5, rtol=1e-4,
-                                       msg=lambda m, where=where: f"{where} vs the native model: {m}")
+            torch.testing.assert_close(
+                torch.tensor(got["logits"]),
+                native[name],
+                atol=2e-5,
+                rtol=1e-4,
+                msg=lambda m, where=where: f"{where} vs the native model: {m}",
+            )
         old_e, new_e = old["exports"][name], new["exports"][name]
         assert old_e["generated"] == new_e["generated"], name
         where = f"{name}: transformers {OLDEST} vs {new['transformers']}"
-        torch.testing.assert_close(torch.tensor(old_e["logits"]), torch.tensor(new_e["logits"]), atol=2e-5, rtol=1e-4,
-                                   msg=lambda m, where=where: f"{where}: {m}")
+        torch.testing.assert_close(
+            torch.tensor(old_e["logits"]),
+            torch.tensor(new_e["logits"]),
+            atol=2e-5,
+            rtol=1e-4,
+            msg=lambda m, where=where: f"{where}: {m}",
+        )
 
 
-@pytest.mark.xfail(strict=True, reason="transformers 5.x loads any model_type=qwen2 tokenizer as Qwen2Tokenizer, "
-                   "which replaces tokenizer.json's pre-tokenizer with Qwen's: an export of arch=qwen2 with "
-                   "llmctl's own BPE tokenizes differently than in training (4.x keeps tokenizer.json)")
+@pytest.mark.xfail(
+    strict=True,
+    reason="transformers 5.x loads any model_type=qwen2 tokenizer as Qwen2Tokenizer, "
+    "which replaces tokenizer.json's pre-tokenizer with Qwen's: an export of arch=qwen2 with "
+    "llmctl's own BPE tokenizes differently than in training (4.x keeps tokenizer.json)",
+)
 def test_qwen2_export_tokenizer_in_transformers_5(tmp_path: Path) -> None:
     transformers = pytest.importorskip("transformers")
     if int(transformers.__version__.split(".")[0]) < 5:

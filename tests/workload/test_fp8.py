@@ -8,17 +8,33 @@ from __future__ import annotations
 import pytest
 import torch
 
-from workloads.pretrain.parallel import fp8
 from workloads.pretrain.contract.hardware import capability_for, fp8_refusal
 from workloads.pretrain.contract.validate import ConfigError, validate
+from workloads.pretrain.parallel import fp8
 
 
-@pytest.mark.parametrize("name, capable", [
-    ("H100", True), ("NVIDIA H100 80GB HBM3", True), ("H200", True), ("GH200", True), ("B200", True),
-    ("GB200", True), ("L4", True), ("L40S", True), ("NVIDIA GeForce RTX 4090", True), ("RTX6000-Ada", True),
-    ("A100", False), ("A100-80GB", False), ("NVIDIA A100-SXM4-80GB", False), ("A10G", False), ("V100", False),
-    ("T4", False), ("RTX A6000", False),
-])
+@pytest.mark.parametrize(
+    "name, capable",
+    [
+        ("H100", True),
+        ("NVIDIA H100 80GB HBM3", True),
+        ("H200", True),
+        ("GH200", True),
+        ("B200", True),
+        ("GB200", True),
+        ("L4", True),
+        ("L40S", True),
+        ("NVIDIA GeForce RTX 4090", True),
+        ("RTX6000-Ada", True),
+        ("A100", False),
+        ("A100-80GB", False),
+        ("NVIDIA A100-SXM4-80GB", False),
+        ("A10G", False),
+        ("V100", False),
+        ("T4", False),
+        ("RTX A6000", False),
+    ],
+)
 def test_fp8_capable_devices_by_name(name: str, capable: bool) -> None:
     refusal = fp8_refusal("tensorwise", name, capability_for(name))
     assert (refusal is None) == capable, refusal
@@ -39,10 +55,13 @@ def test_the_trainer_refuses_a_cpu_device_before_importing_torchao() -> None:
     fp8.check_device("none", torch.device("cpu"))  # no-op
 
 
-@pytest.mark.parametrize("overrides, needle", [
-    ({"train.fp8": "tensorwise"}, "Fix: add train.dtype=bf16"),
-    ({"train.fp8": "rowwise", "train.dtype": "bf16", "parallel.tp": 2}, "Fix: parallel.tp=1"),
-])
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [
+        ({"train.fp8": "tensorwise"}, "Fix: add train.dtype=bf16"),
+        ({"train.fp8": "rowwise", "train.dtype": "bf16", "parallel.tp": 2}, "Fix: parallel.tp=1"),
+    ],
+)
 def test_validate_refuses_fp8_without_bf16_or_with_tp(make_tiny_cfg, overrides: dict, needle: str) -> None:
     from workloads.pretrain.contract.config import plain
 
@@ -69,7 +88,8 @@ def test_conversion_skips_the_head_and_dims_not_multiple_of_16(make_tiny_cfg, re
     assert not isinstance(model.output, Float8Linear)
     assert not isinstance(model.layers["0"].feed_forward.w1, Float8Linear)
     assert model.layers["0"].attention.wq.config.cast_config_weight.scaling_granularity.value == (
-        "tensorwise" if recipe == "tensorwise" else "axiswise")
+        "tensorwise" if recipe == "tensorwise" else "axiswise"
+    )
 
 
 def test_a_converted_model_trains_a_step_close_to_bf16_on_cpu(make_tiny_cfg) -> None:
@@ -96,8 +116,9 @@ def test_a_converted_model_trains_a_step_close_to_bf16_on_cpu(make_tiny_cfg) -> 
 
 
 def test_the_trainer_exits_2_on_cpu_with_one_line(write_tiny_config, workload_env, workload) -> None:
-    proc = workload.run(["--config", str(write_tiny_config(**{"train.dtype": "bf16"})), "train.fp8=tensorwise"],
-                        workload_env)
+    proc = workload.run(
+        ["--config", str(write_tiny_config(**{"train.dtype": "bf16"})), "train.fp8=tensorwise"], workload_env
+    )
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr
     assert "config error: train.fp8=tensorwise needs an FP8 GPU" in proc.stderr and "train.fp8=none" in proc.stderr
@@ -115,12 +136,26 @@ def test_fsdp_with_fp8_all_gather_trains_on_two_ranks(workload_env) -> None:
     from pathlib import Path
 
     repo = Path(__file__).resolve().parents[2]
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(Path(__file__).with_name("fp8_fsdp_worker.py")), "none", "tensorwise", "rowwise"],
-                          cwd=repo, env={**workload_env, "PYTHONPATH": str(repo)}, text=True, capture_output=True,
-                          timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            str(Path(__file__).with_name("fp8_fsdp_worker.py")),
+            "none",
+            "tensorwise",
+            "rowwise",
+        ],
+        cwd=repo,
+        env={**workload_env, "PYTHONPATH": str(repo)},
+        text=True,
+        capture_output=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    runs = {r["recipe"]: r for r in map(json.loads, (l for l in proc.stdout.splitlines() if l.startswith("{")))}
+    runs = {r["recipe"]: r for r in map(json.loads, (ln for ln in proc.stdout.splitlines() if ln.startswith("{")))}
     assert runs["tensorwise"]["local_weight"] == "WeightWithDynamicFloat8CastTensor"
     assert runs["rowwise"]["local_weight"] == runs["none"]["local_weight"] == "Tensor"
     for recipe in ("tensorwise", "rowwise"):

@@ -7,21 +7,32 @@ from pathlib import Path
 import pytest
 import torch
 
-from workloads.pretrain.contract.schema import ModelCfg
 from workloads.pretrain.checkpoint.hf_export import export
+from workloads.pretrain.contract.schema import ModelCfg
 from workloads.pretrain.model.generate import generate
 from workloads.pretrain.model.transformer import build_model
 
 
 def _model(tie: bool = False, kv_heads: int = 2, seed: int = 0, rope_layout: str = "interleaved") -> torch.nn.Module:
     torch.manual_seed(seed)
-    cfg = ModelCfg(name="t", dim=64, n_layers=2, n_heads=4, n_kv_heads=kv_heads, vocab_size=300,
-                   max_seq_len=96, tie_embeddings=tie, rope_theta=500000.0, rope_layout=rope_layout)
+    cfg = ModelCfg(
+        name="t",
+        dim=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=kv_heads,
+        vocab_size=300,
+        max_seq_len=96,
+        tie_embeddings=tie,
+        rope_theta=500000.0,
+        rope_layout=rope_layout,
+    )
     return build_model(cfg).eval(), cfg
 
 
-@pytest.mark.parametrize("kv_heads, rope_layout", [(4, "interleaved"), (2, "interleaved"), (1, "interleaved"),
-                                                   (2, "half")])
+@pytest.mark.parametrize(
+    "kv_heads, rope_layout", [(4, "interleaved"), (2, "interleaved"), (1, "interleaved"), (2, "half")]
+)
 def test_kv_cache_greedy_equals_full_recompute(kv_heads: int, rope_layout: str) -> None:
     """Also for Hugging Face's RoPE layout (``init_from`` models): the cache rotates as the model does."""
     model, _ = _model(kv_heads=kv_heads, rope_layout=rope_layout)
@@ -104,9 +115,14 @@ def test_hf_export_is_complete_for_transformers(tmp_path: Path) -> None:
     model, cfg = _model()
     tok_file = _tokenizer(tmp_path)
     out = export(model.state_dict(), cfg, tmp_path / "hf", tokenizer_file=tok_file, eos_token=EOT)
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors",
-                                                     "special_tokens_map.json", "tokenizer.json",
-                                                     "tokenizer_config.json"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "special_tokens_map.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
     hf, info = transformers.AutoModelForCausalLM.from_pretrained(str(out), output_loading_info=True)
     assert info["missing_keys"] in ([], set()) and info["unexpected_keys"] in ([], set()), info
     tok = transformers.AutoTokenizer.from_pretrained(str(out))
@@ -154,13 +170,19 @@ def test_hf_export_needs_no_transformers(tmp_path: Path) -> None:
     tok_file = _tokenizer(tmp_path)
     code = (
         "import sys, torch; from workloads.pretrain.contract.schema import ModelCfg;"
-        "from workloads.pretrain.model.transformer import build_model; from workloads.pretrain.checkpoint.hf_export import export;"
+        "from workloads.pretrain.model.transformer import build_model; "
+        "from workloads.pretrain.checkpoint.hf_export import export;"
         "cfg = ModelCfg(name='t', dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=300, max_seq_len=96);"
         f"export(build_model(cfg).state_dict(), cfg, {str(tmp_path / 'hf')!r}, tokenizer_file={str(tok_file)!r},"
         " eos_token='<|endoftext|>'); print('transformers' in sys.modules)"
     )
     root = Path(__file__).resolve().parents[2]
-    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
-                         env={**__import__("os").environ, "PYTHONPATH": f"{poisoned.parent}:{root}"})
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env={**__import__("os").environ, "PYTHONPATH": f"{poisoned.parent}:{root}"},
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip() == "False" and (tmp_path / "hf" / "tokenizer_config.json").is_file()

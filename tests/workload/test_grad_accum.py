@@ -40,8 +40,11 @@ def test_micro_batches_reproduce_the_whole_batch(workload, tmp_path: Path, cache
     OmegaConf.save(workload.cfg(**{"data.cache_dir": str(cache_dir), **STEPS}), cfg)
 
     def run(name: str, *overrides: str, nproc: int = 1) -> dict:
-        proc = workload.run(["--config", str(cfg), *overrides], _env(tmp_path / f"{name}.jsonl"),
-                            launcher=workload.torchrun(nproc) if nproc > 1 else None)
+        proc = workload.run(
+            ["--config", str(cfg), *overrides],
+            _env(tmp_path / f"{name}.jsonl"),
+            launcher=workload.torchrun(nproc) if nproc > 1 else None,
+        )
         assert proc.returncode == 0, proc.stderr[-4000:]
         return proc.stdout, workload.loss_file(tmp_path / f"{name}.jsonl")
 
@@ -56,8 +59,9 @@ def test_micro_batches_reproduce_the_whole_batch(workload, tmp_path: Path, cache
     assert "(2 micro-batches of 4 per rank, gradients reduced once)" in out and "dp_shard 2" in out, out
     _assert_same(fsdp, whole)
     # reduce-scattered after every micro-batch (parallel.grad_sync=micro_batch): the same sums
-    out, each = run("each", "parallel.dp_shard=2", "train.micro_batch_size=4", "parallel.grad_sync=micro_batch",
-                    nproc=2)
+    out, each = run(
+        "each", "parallel.dp_shard=2", "train.micro_batch_size=4", "parallel.grad_sync=micro_batch", nproc=2
+    )
     assert "(2 micro-batches of 4 per rank, gradients reduced after each)" in out, out
     _assert_same(each, whole)
 
@@ -75,5 +79,7 @@ def test_micro_batch_that_does_not_divide_is_refused(workload, tmp_path: Path, c
     OmegaConf.save(workload.cfg(**{"data.cache_dir": str(cache_dir), **STEPS}), cfg)
     proc = workload.run(["--config", str(cfg), "train.micro_batch_size=6"], _env(tmp_path / "l.jsonl"), timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert ("Bad value for 'train.micro_batch_size': 6 does not divide the 16 sequences each of 1 data-parallel "
-            "rank(s) takes per step") in proc.stderr
+    assert (
+        "Bad value for 'train.micro_batch_size': 6 does not divide the 16 sequences each of 1 data-parallel "
+        "rank(s) takes per step"
+    ) in proc.stderr

@@ -14,10 +14,23 @@ import torch
 
 REPO = Path(__file__).resolve().parents[2]
 VOCAB = 512
-COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5)
-LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 16}  # short: the scaled and blended bands both occur
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=160,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+)
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}  # short: the scaled and blended bands both occur
 OVERRIDES = [f"data.vocab_size={VOCAB}", "train.batch_size=2", "train.seq_len=48"]
 
 
@@ -34,8 +47,9 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     torch.manual_seed(0)
     out = {}
     for name, tie in (("llama", False), ("llama-tied", True)):
-        cfg = transformers.LlamaConfig(**COMMON, tie_word_embeddings=tie, rope_theta=500000.0,
-                                       rope_scaling=dict(LLAMA3_ROPE))
+        cfg = transformers.LlamaConfig(
+            **COMMON, tie_word_embeddings=tie, rope_theta=500000.0, rope_scaling=dict(LLAMA3_ROPE)
+        )
         out[name] = _save(transformers.LlamaForCausalLM(cfg), root / name)
     _hf_tokenizer().save_pretrained(str(out["llama-tied"]))  # a checkpoint that brings its tokenizer
     qwen = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**COMMON, tie_word_embeddings=False))
@@ -49,16 +63,23 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 def _hf_tokenizer():
     """A transformers tokenizer of VOCAB tokens whose end-of-text is "<|end|>" (not llmctl's)."""
-    import transformers
     from pydoc_data.topics import topics
+
+    import transformers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator([topics[k] for k in sorted(topics)], trainers.BpeTrainer(
-        vocab_size=VOCAB, special_tokens=["<|end|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False))
+    tok.train_from_iterator(
+        [topics[k] for k in sorted(topics)],
+        trainers.BpeTrainer(
+            vocab_size=VOCAB,
+            special_tokens=["<|end|>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        ),
+    )
     assert tok.get_vocab_size() <= VOCAB
     return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|end|>")
 
@@ -88,21 +109,29 @@ def test_config_json_sets_the_shape(checkpoints: dict[str, Path]) -> None:
     from workloads.pretrain.contract.config import load
 
     llama = load(None, OVERRIDES + [f"model.init_from={checkpoints['llama-tied']}"]).model
-    assert (llama.dim, llama.n_layers, llama.n_heads, llama.n_kv_heads, llama.vocab_size, llama.hidden_dim) == \
-        (64, 2, 4, 2, VOCAB, 160)
+    assert (llama.dim, llama.n_layers, llama.n_heads, llama.n_kv_heads, llama.vocab_size, llama.hidden_dim) == (
+        64,
+        2,
+        4,
+        2,
+        VOCAB,
+        160,
+    )
     assert llama.tie_embeddings and llama.rope_layout.value == "half" and llama.arch.value == "llama"
     assert dict(llama.rope_scaling) == LLAMA3_ROPE and llama.rope_theta == 500000.0
     qwen = load(None, OVERRIDES + [f"model.init_from={checkpoints['qwen2']}"])
     assert qwen.model.arch.value == "qwen2" and not qwen.model.tie_embeddings and qwen.model.rope_scaling is None
     # the checkpoint's own tokenizer, when it brings one; else a BPE trained on the data
-    assert load(None, OVERRIDES + [f"model.init_from={checkpoints['llama-tied']}"]).data.tokenizer == \
-        str(checkpoints["llama-tied"])
+    assert load(None, OVERRIDES + [f"model.init_from={checkpoints['llama-tied']}"]).data.tokenizer == str(
+        checkpoints["llama-tied"]
+    )
     assert qwen.data.tokenizer is None
 
 
 @pytest.mark.parametrize("name", ["llama", "llama-tied", "qwen2"])
-def test_one_process_computes_what_transformers_computes(checkpoints: dict[str, Path], name: str,
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_one_process_computes_what_transformers_computes(
+    checkpoints: dict[str, Path], name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from workloads.pretrain.contract.config import load
     from workloads.pretrain.train import init_distributed, load_pretrained
 
@@ -116,17 +145,28 @@ def test_one_process_computes_what_transformers_computes(checkpoints: dict[str, 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [["parallel.dp_shard=2"], ["parallel.tp=2", "parallel.dp_shard=1"]],
-                         ids=["fsdp2", "tp2"])
-def test_sharded_layouts_compute_what_transformers_computes(checkpoints: dict[str, Path], layout: list[str],
-                                                            tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "layout", [["parallel.dp_shard=2"], ["parallel.tp=2", "parallel.dp_shard=1"]], ids=["fsdp2", "tp2"]
+)
+def test_sharded_layouts_compute_what_transformers_computes(
+    checkpoints: dict[str, Path], layout: list[str], tmp_path: Path
+) -> None:
     batch = tmp_path / "batch.pt"
     torch.save(_batch(), batch)
     jobs = [{"init_from": str(path), "out": str(tmp_path / f"{name}.pt")} for name, path in checkpoints.items()]
     (tmp_path / "jobs.json").write_text(json.dumps(jobs))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(REPO / "tests" / "workload" / "hf_logits_worker.py"), str(batch), str(tmp_path / "jobs.json"),
-           *OVERRIDES, *layout]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(REPO / "tests" / "workload" / "hf_logits_worker.py"),
+        str(batch),
+        str(tmp_path / "jobs.json"),
+        *OVERRIDES,
+        *layout,
+    ]
     out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     for name, path in checkpoints.items():
@@ -151,34 +191,49 @@ def test_a_checkpoint_that_does_not_fit_is_refused(checkpoints: dict[str, Path],
 
 
 @pytest.mark.slow
-def test_launch_fine_tunes_exports_and_transformers_agrees(checkpoints: dict[str, Path], cli_env: dict[str, str],
-                                                            tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_launch_fine_tunes_exports_and_transformers_agrees(
+    checkpoints: dict[str, Path], cli_env: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Through llmctl: the plan and MLflow show the checkpoint's shape; FSDP over 2 trains from it
     (first-step loss = transformers' loss on the sampler's first batch, the tied head stays tied);
     the export loads in transformers (the newest and the oldest allowed, 4.45) and computes what
     the checkpoint computes."""
     import transformers
+    from helpers import run_cli
     from mlflow.tracking import MlflowClient
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    from helpers import run_cli
     from workloads.pretrain.contract.config import load
     from workloads.pretrain.data import Sampler, prepare_corpus
     from workloads.pretrain.evaluate import load_model
 
     ckpt = checkpoints["llama-tied"]
     loss_file = tmp_path / "losses.jsonl"
-    args = ["launch", f"model.init_from={ckpt}", f"data.vocab_size={VOCAB}", "train.steps=2", "train.seq_len=48",
-            "train.batch_size=4", "train.log_every=1", "train.val_every=2", "train.val_batches=1", "parallel=fsdp2",
-            "checkpoint.every=2"]
+    args = [
+        "launch",
+        f"model.init_from={ckpt}",
+        f"data.vocab_size={VOCAB}",
+        "train.steps=2",
+        "train.seq_len=48",
+        "train.batch_size=4",
+        "train.log_every=1",
+        "train.val_every=2",
+        "train.val_batches=1",
+        "parallel=fsdp2",
+        "checkpoint.every=2",
+    ]
     out = run_cli(args, tmp_path, {**cli_env, "LLMCTL_LOSS_FILE": str(loss_file)})
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     mc = MlflowClient(tracking_uri=uri)
     (run,) = mc.search_runs([e.experiment_id for e in mc.search_experiments()])
     p = run.data.params
-    assert (p["model.dim"], p["model.hidden_dim"], p["model.rope_layout"], p["model.init_from"]) == \
-        ("64", "160", "half", str(ckpt))
+    assert (p["model.dim"], p["model.hidden_dim"], p["model.rope_layout"], p["model.init_from"]) == (
+        "64",
+        "160",
+        "half",
+        str(ckpt),
+    )
 
     cfg = load(str(tmp_path / "llmctl-runs" / run.info.run_id / "config.yaml"))
     monkeypatch.setenv("LLMCTL_CACHE_DIR", cli_env["LLMCTL_CACHE_DIR"])  # the corpus the run trained on
@@ -206,8 +261,9 @@ def test_launch_fine_tunes_exports_and_transformers_agrees(checkpoints: dict[str
 
     out = run_cli(["export", run.info.run_id, "--out", str(tmp_path / "export")], tmp_path, cli_env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    exported, info = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "export"), dtype=torch.float32,
-                                                                       output_loading_info=True)
+    exported, info = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path / "export"), dtype=torch.float32, output_loading_info=True
+    )
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     assert exported.config.rope_parameters["rope_type"] == "llama3" and exported.config.tie_word_embeddings
     back = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "export"))  # the same tokenizer, handed on
@@ -222,8 +278,17 @@ def test_launch_fine_tunes_exports_and_transformers_agrees(checkpoints: dict[str
     from test_export_oldest_transformers import oldest_transformers, run_worker
 
     spec = tmp_path / "spec.json"
-    spec.write_text(json.dumps({"exports": {"launch": str(tmp_path / "export")}, "tokens": x.tolist(),
-                                "prompt": hf_tok("The")["input_ids"], "text": doc[:300], "eos_token": "<|end|>"}))
+    spec.write_text(
+        json.dumps(
+            {
+                "exports": {"launch": str(tmp_path / "export")},
+                "tokens": x.tolist(),
+                "prompt": hf_tok("The")["input_ids"],
+                "text": doc[:300],
+                "eos_token": "<|end|>",
+            }
+        )
+    )
     old = run_worker(spec, str(oldest_transformers()))
     assert old["transformers"].startswith("4.45."), old["transformers"]
     got = old["exports"]["launch"]
@@ -234,8 +299,15 @@ def test_launch_fine_tunes_exports_and_transformers_agrees(checkpoints: dict[str
     torch.testing.assert_close(torch.tensor(got["logits"]), want, atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("preset, published", [("llama3.2-1b", 1_235_814_400), ("llama3.1-8b", 8_030_261_248),
-                                               ("llama3.1-70b", 70_553_706_496), ("qwen2.5-7b", 7_615_616_512)])
+@pytest.mark.parametrize(
+    "preset, published",
+    [
+        ("llama3.2-1b", 1_235_814_400),
+        ("llama3.1-8b", 8_030_261_248),
+        ("llama3.1-70b", 70_553_706_496),
+        ("qwen2.5-7b", 7_615_616_512),
+    ],
+)
 def test_presets_are_the_published_models(preset: str, published: int) -> None:
     """transformers builds the preset (on meta: no memory) with exactly the published parameter count,
     and our count (N: the input embedding left out) agrees with it."""

@@ -16,14 +16,29 @@ pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
 MARGIN = 16 * 2**20  # allocator and bookkeeping slack (measured: peak is ~8 MB under shard + layer)
-SHAPE = ["model.dim=512", "model.n_layers=16", "model.n_heads=8", "model.n_kv_heads=8", "model.vocab_size=1024",
-         "data.vocab_size=1024", "parallel.dp_shard=4"]
+SHAPE = [
+    "model.dim=512",
+    "model.n_layers=16",
+    "model.n_heads=8",
+    "model.n_kv_heads=8",
+    "model.vocab_size=1024",
+    "data.vocab_size=1024",
+    "parallel.dp_shard=4",
+]
 
 
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's /proc peak-RSS reset")
 def test_each_rank_peaks_at_its_shard_plus_one_layer(tmp_path: Path) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
-           str(REPO / "tests/workload/init_memory_worker.py"), str(tmp_path), *SHAPE]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=4",
+        str(REPO / "tests/workload/init_memory_worker.py"),
+        str(tmp_path),
+        *SHAPE,
+    ]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]

@@ -14,24 +14,29 @@ from pathlib import Path
 
 import pytest
 
-from workloads.pretrain.memory_check import CASES
 from workloads.pretrain.contract.memory_plan import PARTS, MemoryPlan, plan_memory
+from workloads.pretrain.memory_check import CASES
 
 REPO = Path(__file__).resolve().parents[2]
 TOLERANCE = 0.15
 
 
-@pytest.mark.parametrize("case", [
-    pytest.param(case, id=case["name"].replace(" ", "-"), marks=[pytest.mark.slow] if case.get("slow") else [])
-    for case in CASES
-])
+@pytest.mark.parametrize(
+    "case",
+    [
+        pytest.param(case, id=case["name"].replace(" ", "-"), marks=[pytest.mark.slow] if case.get("slow") else [])
+        for case in CASES
+    ],
+)
 def test_plan_within_tolerance_of_tracker(case):
     from workloads.pretrain.memory_check import compare
 
     plan, tracked, err = compare(case)
     detail = {p: (getattr(plan, p) >> 20, tracked.get(p, 0) >> 20) for p in PARTS}
-    assert abs(err) <= TOLERANCE, (f"{case['name']}: plan {plan.total >> 20} MiB vs tracker {tracked['total'] >> 20} MiB "
-                                   f"({err:+.1%}); (plan, tracker) MiB by part: {detail}; plan's peak: {plan.phase}")
+    assert abs(err) <= TOLERANCE, (
+        f"{case['name']}: plan {plan.total >> 20} MiB vs tracker {tracked['total'] >> 20} MiB "
+        f"({err:+.1%}); (plan, tracker) MiB by part: {detail}; plan's peak: {plan.phase}"
+    )
     # the static parts are exact: the same shards, the same AdamW states
     assert plan.optimizer == tracked["optimizer"]
 
@@ -51,9 +56,11 @@ def test_cases_cover_the_layouts_and_modes():
 
 def test_plan_module_imports_no_torch():
     """llmctl imports the plan in its fast CLI: no torch, no numpy, not even indirectly."""
-    code = ("import sys, workloads.pretrain.contract.memory_plan as m; "
-            "m.plan_memory({'model': {'dim': 256}, 'train': {'batch_size': 8}, 'parallel': {}}, 8).describe(); "
-            "print(sorted(k for k in sys.modules if k.split('.')[0] in ('torch', 'numpy', 'omegaconf')))")
+    code = (
+        "import sys, workloads.pretrain.contract.memory_plan as m; "
+        "m.plan_memory({'model': {'dim': 256}, 'train': {'batch_size': 8}, 'parallel': {}}, 8).describe(); "
+        "print(sorted(k for k in sys.modules if k.split('.')[0] in ('torch', 'numpy', 'omegaconf')))"
+    )
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
 
@@ -90,9 +97,11 @@ def test_parameter_shards_match_the_model_count():
 
 def test_plan_moves_the_right_way():
     """More checkpointing, smaller micro-batches, more TP or FSDP ranks: never more memory."""
-    base = {"model": {"dim": 1024, "n_layers": 8, "n_heads": 16, "n_kv_heads": 4, "vocab_size": 32000,
-                      "max_seq_len": 4096},
-            "train": {"batch_size": 16, "seq_len": 2048, "dtype": "bf16"}, "parallel": {}}
+    base = {
+        "model": {"dim": 1024, "n_layers": 8, "n_heads": 16, "n_kv_heads": 4, "vocab_size": 32000, "max_seq_len": 4096},
+        "train": {"batch_size": 16, "seq_len": 2048, "dtype": "bf16"},
+        "parallel": {},
+    }
 
     def plan(world=8, **over):
         cfg = {k: dict(v) for k, v in base.items()}
@@ -122,10 +131,22 @@ def test_plan_moves_the_right_way():
 
 
 def test_describe_is_a_short_table():
-    plan = plan_memory({"model": {"dim": 4096, "n_layers": 32, "n_heads": 32, "n_kv_heads": 8,
-                                  "vocab_size": 128256, "hidden_dim": 14336, "max_seq_len": 8192},
-                        "train": {"batch_size": 64, "seq_len": 8192, "dtype": "bf16", "micro_batch_size": 1},
-                        "parallel": {"ac": "full"}}, 64)
+    plan = plan_memory(
+        {
+            "model": {
+                "dim": 4096,
+                "n_layers": 32,
+                "n_heads": 32,
+                "n_kv_heads": 8,
+                "vocab_size": 128256,
+                "hidden_dim": 14336,
+                "max_seq_len": 8192,
+            },
+            "train": {"batch_size": 64, "seq_len": 8192, "dtype": "bf16", "micro_batch_size": 1},
+            "parallel": {"ac": "full"},
+        },
+        64,
+    )
     assert isinstance(plan, MemoryPlan)
     text = plan.describe()
     assert "total" in text and "GiB" in text and plan.phase in text

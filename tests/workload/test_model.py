@@ -14,8 +14,8 @@ import torch
 from omegaconf import OmegaConf
 
 from workloads.pretrain.contract.schema import ModelCfg
-from workloads.pretrain.model.transformer import Transformer, build_model
 from workloads.pretrain.contract.shape import ffn_hidden_dim, flops_per_token, num_params
+from workloads.pretrain.model.transformer import Transformer, build_model
 
 VOCAB = 512
 CONF = Path(__file__).resolve().parents[2] / "conf"
@@ -49,8 +49,9 @@ def loss_and_grads(model: Transformer, x, y, autocast: bool = False):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("kw", [{}, {"n_kv_heads": 4}, {"n_kv_heads": 1}, {"tie_embeddings": True}],
-                         ids=["gqa-2", "mha", "mqa", "tied"])
+@pytest.mark.parametrize(
+    "kw", [{}, {"n_kv_heads": 4}, {"n_kv_heads": 1}, {"tie_embeddings": True}], ids=["gqa-2", "mha", "mqa", "tied"]
+)
 def test_fused_matches_reference_fp32(kw):
     ref, fused = pair(**kw)
     x, y = batch()
@@ -100,8 +101,17 @@ def test_module_names_are_the_parallelism_contract():
     model = build_model(shape())
     names = {n for n, _ in model.named_parameters()}
     for i in range(2):
-        for leaf in ("attention.wq", "attention.wk", "attention.wv", "attention.wo", "feed_forward.w1",
-                     "feed_forward.w2", "feed_forward.w3", "attention_norm", "ffn_norm"):
+        for leaf in (
+            "attention.wq",
+            "attention.wk",
+            "attention.wv",
+            "attention.wo",
+            "feed_forward.w1",
+            "feed_forward.w2",
+            "feed_forward.w3",
+            "attention_norm",
+            "ffn_norm",
+        ):
             assert f"layers.{i}.{leaf}.weight" in names
     assert {"tok_embeddings.weight", "norm.weight", "output.weight"} <= names
     assert "freqs_cos" not in model.state_dict()  # non-persistent: never checkpointed

@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 
-from workloads.pretrain.contract.hardware import cpu_threads
-from workloads.pretrain.contract.schema import TrainCfg
 from workloads.pretrain.components.metrics import MetricSink, format_train_line, peak_memory_gb, peak_tflops
 from workloads.pretrain.components.optim import build_optimizer, lr_factor
+from workloads.pretrain.contract.hardware import cpu_threads
+from workloads.pretrain.contract.schema import TrainCfg
 
 
 @pytest.mark.parametrize("schedule", ["cosine", "linear", "constant"])
@@ -37,8 +37,18 @@ def test_weight_decay_only_on_matrices():
 def test_no_mfu_on_cpu_and_peak_table_order():
     assert peak_tflops(torch.device("cpu"), "bf16") is None
     assert peak_memory_gb(torch.device("cpu")) > 0.01
-    line = format_train_line(10, 100, {"train/loss": 6.1234, "train/lr": 3e-3, "train/grad_norm": 0.5,
-                                       "perf/tokens_per_s": 12345.0, "perf/tflops": 0.1, "perf/mfu": None})
+    line = format_train_line(
+        10,
+        100,
+        {
+            "train/loss": 6.1234,
+            "train/lr": 3e-3,
+            "train/grad_norm": 0.5,
+            "perf/tokens_per_s": 12345.0,
+            "perf/tflops": 0.1,
+            "perf/mfu": None,
+        },
+    )
     assert line.startswith("step  10/100 | loss 6.1234 | lr 3.00e-03") and "12,345 tok/s" in line
     assert line.endswith("MFU n/a (cpu)")
 
@@ -136,7 +146,8 @@ def _train(**kw):
 
 
 def test_extension_pins_a_decayed_cosine_and_lets_a_stable_wsd_extend():
-    from workloads.pretrain.contract.schedule import extension, lr_factor as f
+    from workloads.pretrain.contract.schedule import extension
+    from workloads.pretrain.contract.schedule import lr_factor as f
 
     pin, said = extension(_train(steps=20), _train(steps=60), 20)  # the case: no jump to 7.5e-4
     assert pin == 20 and "keeps its horizon of 20" in said and "train.schedule_steps=60" in said

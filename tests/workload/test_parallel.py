@@ -35,16 +35,21 @@ def reference(tmp_path_factory, cache_dir, workload):
     return cfg, workload.loss_file(tmp / "ref.jsonl")
 
 
-@pytest.mark.parametrize("nproc, overrides, mesh", [
-    (2, ["parallel.dp_shard=2", "parallel.ac=full"], "dp_replicate 1 x dp_shard 2 x tp 1"),
-    (2, ["parallel.dp_shard=1", "parallel.tp=2"], "dp_replicate 1 x dp_shard 1 x tp 2"),
-    (4, ["parallel.dp_shard=2", "parallel.tp=2", "parallel.ac=selective"], "dp_replicate 1 x dp_shard 2 x tp 2"),
-    (2, ["parallel.dp_replicate=2", "parallel.dp_shard=1"], "dp_replicate 2 x dp_shard 1 x tp 1"),
-], ids=["fsdp2-ac_full", "tp2", "dp2xtp2-ac_selective", "hsdp2x1"])
+@pytest.mark.parametrize(
+    "nproc, overrides, mesh",
+    [
+        (2, ["parallel.dp_shard=2", "parallel.ac=full"], "dp_replicate 1 x dp_shard 2 x tp 1"),
+        (2, ["parallel.dp_shard=1", "parallel.tp=2"], "dp_replicate 1 x dp_shard 1 x tp 2"),
+        (4, ["parallel.dp_shard=2", "parallel.tp=2", "parallel.ac=selective"], "dp_replicate 1 x dp_shard 2 x tp 2"),
+        (2, ["parallel.dp_replicate=2", "parallel.dp_shard=1"], "dp_replicate 2 x dp_shard 1 x tp 1"),
+    ],
+    ids=["fsdp2-ac_full", "tp2", "dp2xtp2-ac_selective", "hsdp2x1"],
+)
 def test_layout_matches_single_process(reference, workload, tmp_path, nproc, overrides, mesh):
     cfg, ref = reference
-    proc = workload.run(["--config", str(cfg), *overrides], loss_env(tmp_path / "losses.jsonl"),
-                        launcher=workload.torchrun(nproc))
+    proc = workload.run(
+        ["--config", str(cfg), *overrides], loss_env(tmp_path / "losses.jsonl"), launcher=workload.torchrun(nproc)
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert f"mesh {mesh}" in proc.stdout and f"world {nproc} on cpu" in proc.stdout
     got = workload.loss_file(tmp_path / "losses.jsonl")
@@ -54,20 +59,24 @@ def test_layout_matches_single_process(reference, workload, tmp_path, nproc, ove
             assert abs(got[kind][step] - loss) <= 1e-5, (kind, step, loss, got[kind][step])
 
 
-@pytest.mark.parametrize("nproc, overrides, message", [
-    (1, ["parallel.tp=3"], "tp=3 must divide model.n_heads=4"),
-    (2, ["parallel.tp=4"], "tp=4 must divide model.n_kv_heads=2"),
-    (2, ["parallel.dp_shard=2", "parallel.tp=2"], "= 4 but the job has 2 processes"),
-    (2, ["train.batch_size=7"], "7 sequences cannot be split over 2 data-parallel ranks"),
-], ids=["tp3-heads", "tp4-kv_heads", "mesh-vs-world", "batch"])
-def test_workload_rejects_bad_layouts_before_process_groups(reference, workload, tmp_path, nproc, overrides,
-                                                             message):
+@pytest.mark.parametrize(
+    "nproc, overrides, message",
+    [
+        (1, ["parallel.tp=3"], "tp=3 must divide model.n_heads=4"),
+        (2, ["parallel.tp=4"], "tp=4 must divide model.n_kv_heads=2"),
+        (2, ["parallel.dp_shard=2", "parallel.tp=2"], "= 4 but the job has 2 processes"),
+        (2, ["train.batch_size=7"], "7 sequences cannot be split over 2 data-parallel ranks"),
+    ],
+    ids=["tp3-heads", "tp4-kv_heads", "mesh-vs-world", "batch"],
+)
+def test_workload_rejects_bad_layouts_before_process_groups(reference, workload, tmp_path, nproc, overrides, message):
     """The trainer validates before ``init_process_group`` (``config.load``, then the world size in
     ``init_distributed``): every rank exits 2 with one line naming the key; no rank waits on a peer."""
     cfg, _ = reference
     launcher = workload.torchrun(nproc) if nproc > 1 else None
-    proc = workload.run(["--config", str(cfg), *overrides], loss_env(tmp_path / "l.jsonl"),
-                        launcher=launcher, timeout=120)
+    proc = workload.run(
+        ["--config", str(cfg), *overrides], loss_env(tmp_path / "l.jsonl"), launcher=launcher, timeout=120
+    )
     assert proc.returncode == (2 if nproc == 1 else 1)  # torchrun turns a worker's 2 into 1
     assert "pretrain: config error: Bad value for '" in proc.stderr, proc.stderr[-3000:]
     assert message in proc.stderr and "workloads/pretrain" not in proc.stderr, proc.stderr[-3000:]  # no traceback
@@ -75,8 +84,14 @@ def test_workload_rejects_bad_layouts_before_process_groups(reference, workload,
 
 
 def test_cli_rejects_tp_that_does_not_divide_heads(cli_env, tmp_path):
-    out = subprocess.run([sys.executable, "-m", "llmctl", "launch", "model=tiny", "parallel.tp=3"], cwd=tmp_path,
-                         env=cli_env, text=True, capture_output=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "llmctl", "launch", "model=tiny", "parallel.tp=3"],
+        cwd=tmp_path,
+        env=cli_env,
+        text=True,
+        capture_output=True,
+        timeout=120,
+    )
     assert out.returncode != 0
     assert "parallel.tp" in out.stderr and "tp=3 must divide model.n_heads=4" in out.stderr, out.stderr
     assert not (tmp_path / "llmctl-runs").exists()  # refused before planning a run

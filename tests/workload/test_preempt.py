@@ -18,8 +18,15 @@ SHORT = {"train.steps": 400, "train.log_every": 1, "train.val_every": 0, "checkp
 
 
 def _start(config: Path, env: dict[str, str], launcher: list[str]) -> subprocess.Popen[str]:
-    return subprocess.Popen([*launcher, "-m", "workloads.pretrain", "--config", str(config)], cwd=REPO, env=env,
-                            text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen(
+        [*launcher, "-m", "workloads.pretrain", "--config", str(config)],
+        cwd=REPO,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
 
 
 def _wait_steps(loss_file: Path, n: int, proc: subprocess.Popen[str]) -> None:
@@ -55,8 +62,9 @@ def test_sigterm_to_one_rank_stops_all_after_the_same_step(workload, write_tiny_
     assert step < 400
 
 
-def test_no_time_for_an_emergency_save_keeps_the_previous_checkpoint(workload, write_tiny_config, workload_env,
-                                                                      tmp_path):
+def test_no_time_for_an_emergency_save_keeps_the_previous_checkpoint(
+    workload, write_tiny_config, workload_env, tmp_path
+):
     ck = tmp_path / "ck"
     config = write_tiny_config(**SHORT, **{"checkpoint.dir": str(ck), "checkpoint.preempt_grace_s": 0})
     loss_file = tmp_path / "losses.jsonl"
@@ -72,8 +80,10 @@ def test_no_time_for_an_emergency_save_keeps_the_previous_checkpoint(workload, w
     done = {s for s, ok in list_checkpoints(str(ck)).items() if ok}
     assert max(done) == step - step % 3  # only the regular checkpoints: the previous one stands
     rerun_losses = tmp_path / "rerun.jsonl"
-    rerun = workload.run(["--config", str(config), "train.steps=" + str(max(done) + 2)],
-                         {**workload_env, "LLMCTL_LOSS_FILE": str(rerun_losses)})
+    rerun = workload.run(
+        ["--config", str(config), "train.steps=" + str(max(done) + 2)],
+        {**workload_env, "LLMCTL_LOSS_FILE": str(rerun_losses)},
+    )
     assert rerun.returncode == 0 and f"resumed from step {max(done)}" in rerun.stdout, rerun.stderr[-2000:]
     trained = [json.loads(x)["step"] for x in rerun_losses.read_text().splitlines() if "train/loss" in x]
     assert trained == [max(done) + 1, max(done) + 2]  # from the previous checkpoint, not the stop step

@@ -115,13 +115,16 @@ def test_second_prepare_is_a_cache_hit_and_edits_rebuild(tmp_path):
     assert prepare_corpus(cfg(str(tmp_path / "*.txt"), tmp_path / "cache", vocab_size=300)).path != edited.path
 
 
-@pytest.mark.parametrize("source, message", [
-    ("", r"data\.source is empty"),
-    ("{tmp}/missing/*.jsonl", r"data\.source='.*missing/\*\.jsonl' matched nothing"),
-    ("{tmp}/nope.txt", r"data\.source='.*nope\.txt' matched nothing"),
-    ("{tmp}/other", r"data\.source='.*other' matched 1 entries, none of them \.txt/\.jsonl/\.parquet"),
-    ("{tmp}/empty/*.txt", r"data\.source='.*empty/\*\.txt': its files hold no text"),
-])
+@pytest.mark.parametrize(
+    "source, message",
+    [
+        ("", r"data\.source is empty"),
+        ("{tmp}/missing/*.jsonl", r"data\.source='.*missing/\*\.jsonl' matched nothing"),
+        ("{tmp}/nope.txt", r"data\.source='.*nope\.txt' matched nothing"),
+        ("{tmp}/other", r"data\.source='.*other' matched 1 entries, none of them \.txt/\.jsonl/\.parquet"),
+        ("{tmp}/empty/*.txt", r"data\.source='.*empty/\*\.txt': its files hold no text"),
+    ],
+)
 def test_missing_or_empty_source_names_data_source(tmp_path, source, message):
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "x.csv").write_text("a,b")
@@ -165,8 +168,15 @@ def test_s3_glob_and_shared_remote_cache(s3_bucket, tmp_path):
 
 def test_prepare_cli(tmp_path):
     (tmp_path / "a.txt").write_text(DOCS[0])
-    cmd = [sys.executable, "-m", "workloads.pretrain.prepare", "data.name=files", f"data.source={tmp_path}/*.txt",
-           f"data.cache_dir={tmp_path / 'cache'}", "data.vocab_size=300"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "workloads.pretrain.prepare",
+        "data.name=files",
+        f"data.source={tmp_path}/*.txt",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        "data.vocab_size=300",
+    ]
     env = {k: v for k, v in os.environ.items() if not k.startswith("LLMCTL_")}
     out = subprocess.run(cmd, cwd=REPO, env=env, text=True, capture_output=True, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -174,8 +184,9 @@ def test_prepare_cli(tmp_path):
     assert path.parent == tmp_path / "cache" and (path / "tokens.npy").is_file()
     assert "1 files, 1 documents" in out.stdout and "built" in out.stdout
 
-    bad = subprocess.run(cmd[:4] + [f"data.source={tmp_path}/none/*.txt"], cwd=REPO, env=env, text=True,
-                         capture_output=True, timeout=120)
+    bad = subprocess.run(
+        cmd[:4] + [f"data.source={tmp_path}/none/*.txt"], cwd=REPO, env=env, text=True, capture_output=True, timeout=120
+    )
     assert bad.returncode == 1 and "data.source=" in bad.stderr and "matched nothing" in bad.stderr
     # presets are composition, the launcher's job: the message says how to get a config file
     preset = subprocess.run(cmd[:3] + ["data=files"], cwd=REPO, env=env, text=True, capture_output=True, timeout=120)

@@ -27,11 +27,18 @@ TEMPLATE = (
 )
 CHATS = [
     [{"role": "user", "content": "What is a tuple?"}, {"role": "assistant", "content": "An immutable sequence."}],
-    [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Define  a set"},
-     {"role": "assistant", "content": " Unordered, unique items. "}, {"role": "user", "content": "And a dict?"},
-     {"role": "assistant", "content": "A mapping\nof keys to values."}],
-    [{"role": "user", "content": "Say nothing"}, {"role": "assistant", "content": "ok"},
-     {"role": "user", "content": "Thanks"}],
+    [
+        {"role": "system", "content": "Answer briefly."},
+        {"role": "user", "content": "Define  a set"},
+        {"role": "assistant", "content": " Unordered, unique items. "},
+        {"role": "user", "content": "And a dict?"},
+        {"role": "assistant", "content": "A mapping\nof keys to values."},
+    ],
+    [
+        {"role": "user", "content": "Say nothing"},
+        {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": "Thanks"},
+    ],
 ]
 
 
@@ -40,19 +47,28 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A Hugging Face tokenizer directory with a chat template and a BOS-adding post-processor."""
     transformers = pytest.importorskip("transformers")
     from pydoc_data.topics import topics
+
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator([topics[k] for k in sorted(topics)], trainers.BpeTrainer(
-        vocab_size=VOCAB, special_tokens=SPECIAL, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False))
+    tok.train_from_iterator(
+        [topics[k] for k in sorted(topics)],
+        trainers.BpeTrainer(
+            vocab_size=VOCAB,
+            special_tokens=SPECIAL,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        ),
+    )
     bos = tok.token_to_id("<|begin_of_text|>")
-    tok.post_processor = processors.TemplateProcessing(single="<|begin_of_text|> $A",
-                                                       special_tokens=[("<|begin_of_text|>", bos)])
-    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|begin_of_text|>",
-                                              eos_token="<|eot_id|>")
+    tok.post_processor = processors.TemplateProcessing(
+        single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", bos)]
+    )
+    hf = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|begin_of_text|>", eos_token="<|eot_id|>"
+    )
     hf.chat_template = TEMPLATE
     out = tmp_path_factory.mktemp("tok")
     hf.save_pretrained(str(out))
@@ -95,12 +111,15 @@ def test_prompt_completion_learns_the_completion_and_its_end(tokenizer_dir: Path
     assert mask.tolist() == [0] * len(prompt) + [1] * len(completion)
 
 
-@pytest.mark.parametrize("record, message", [
-    ({"text": "x"}, "needs 'messages' (a chat) or 'prompt' and 'completion'"),
-    ({"messages": [{"role": "user", "content": "hi"}]}, "no assistant message"),
-    ({"prompt": "hi"}, "needs a 'completion'"),
-    ({"messages": "hi"}, "list of {role, content} objects"),
-])
+@pytest.mark.parametrize(
+    "record, message",
+    [
+        ({"text": "x"}, "needs 'messages' (a chat) or 'prompt' and 'completion'"),
+        ({"messages": [{"role": "user", "content": "hi"}]}, "no assistant message"),
+        ({"prompt": "hi"}, "needs a 'completion'"),
+        ({"messages": "hi"}, "list of {role, content} objects"),
+    ],
+)
 def test_bad_records_are_named(tokenizer_dir: Path, record: dict, message: str) -> None:
     from workloads.pretrain.data.chat import ExampleError
 
@@ -145,8 +164,9 @@ def test_packed_examples_compute_what_each_example_computes_alone(make_tiny_cfg,
             for j in range(packed.bins[row], packed.bins[row + 1]):
                 s, n = int(packed.starts[j]), int(packed.lengths[j])
                 x = torch.from_numpy(tokens[s : s + n].astype(np.int64))[None]
-                y = torch.from_numpy(np.where(mask[s + 1 : s + 1 + n] > 0, tokens[s + 1 : s + 1 + n].astype(np.int64),
-                                             IGNORE_INDEX))
+                y = torch.from_numpy(
+                    np.where(mask[s + 1 : s + 1 + n] > 0, tokens[s + 1 : s + 1 + n].astype(np.int64), IGNORE_INDEX)
+                )
                 at = (batch.doc_ids[row] == j - packed.bins[row]).nonzero().flatten()
                 torch.testing.assert_close(logits[row, at], model(x)[0], atol=1e-5, rtol=1e-5)
                 assert torch.equal(batch.targets[row, at], y.long())
@@ -164,11 +184,15 @@ def _chat_jsonl(path: Path, n: int = 160) -> Path:
     with open(path, "w") as f:
         for i in range(n):
             name = names[i % len(names)]
-            answer = " ".join(topics[name].split()[:25 + i % 20])
+            answer = " ".join(topics[name].split()[: 25 + i % 20])
             chat = [{"role": "user", "content": f"Explain {name}."}, {"role": "assistant", "content": answer}]
             if i % 3 == 0:
-                chat = [{"role": "system", "content": "You document Python."}, *chat,
-                        {"role": "user", "content": "More?"}, {"role": "assistant", "content": name}]
+                chat = [
+                    {"role": "system", "content": "You document Python."},
+                    *chat,
+                    {"role": "user", "content": "More?"},
+                    {"role": "assistant", "content": name},
+                ]
             rec = {"messages": chat} if i % 4 else {"prompt": f"Explain {name}.\n", "completion": answer}
             f.write(json.dumps(rec) + "\n")
     return path
@@ -180,7 +204,9 @@ def _loss_env(path: Path) -> dict[str, str]:
 
 
 @pytest.mark.slow
-def test_sft_loss_falls_and_two_ranks_or_micro_batches_reproduce_one(tokenizer_dir, workload, tmp_path, cache_dir) -> None:
+def test_sft_loss_falls_and_two_ranks_or_micro_batches_reproduce_one(
+    tokenizer_dir, workload, tmp_path, cache_dir
+) -> None:
     """Masked, packed fine-tuning: the loss falls, and FSDP over 2 ranks, or 2 micro-batches of 2,
     give the single process's losses (train and val, every step) within 1e-5: the loss is the mean
     over the global batch's targets, not a mean of per-rank or per-micro-batch means (they hold
@@ -189,16 +215,33 @@ def test_sft_loss_falls_and_two_ranks_or_micro_batches_reproduce_one(tokenizer_d
 
     data = _chat_jsonl(tmp_path / "chats.jsonl")
     cfg = tmp_path / "sft.yaml"
-    OmegaConf.save(workload.cfg(**{
-        "data.cache_dir": str(cache_dir), "data.source": str(data), "data.format": "sft", "data.name": "chats",
-        "data.tokenizer": str(tokenizer_dir), "data.val_fraction": 0.1, "model.vocab_size": VOCAB,
-        "train.steps": 8, "train.batch_size": 4, "train.seq_len": 96, "train.log_every": 1,
-        "train.val_every": 4, "train.lr": 3e-3, "train.warmup_steps": 2}), cfg)
+    OmegaConf.save(
+        workload.cfg(
+            **{
+                "data.cache_dir": str(cache_dir),
+                "data.source": str(data),
+                "data.format": "sft",
+                "data.name": "chats",
+                "data.tokenizer": str(tokenizer_dir),
+                "data.val_fraction": 0.1,
+                "model.vocab_size": VOCAB,
+                "train.steps": 8,
+                "train.batch_size": 4,
+                "train.seq_len": 96,
+                "train.log_every": 1,
+                "train.val_every": 4,
+                "train.lr": 3e-3,
+                "train.warmup_steps": 2,
+            }
+        ),
+        cfg,
+    )
     one = workload.run(["--config", str(cfg)], _loss_env(tmp_path / "one.jsonl"))
     assert one.returncode == 0, one.stderr[-4000:]
     assert "examples packed into" in one.stdout, one.stdout
-    two = workload.run(["--config", str(cfg), "parallel.dp_shard=2"], _loss_env(tmp_path / "two.jsonl"),
-                       launcher=workload.torchrun(2))
+    two = workload.run(
+        ["--config", str(cfg), "parallel.dp_shard=2"], _loss_env(tmp_path / "two.jsonl"), launcher=workload.torchrun(2)
+    )
     assert two.returncode == 0, two.stderr[-4000:]
     micro = workload.run(["--config", str(cfg), "train.micro_batch_size=2"], _loss_env(tmp_path / "micro.jsonl"))
     assert micro.returncode == 0 and "(2 micro-batches of 2 per rank)" in micro.stdout, micro.stderr[-4000:]

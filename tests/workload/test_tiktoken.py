@@ -11,8 +11,14 @@ from pathlib import Path
 
 import pytest
 
-EDGE = ["héllo wörld 12345 ’quote’ <|eot_id|> tab\tx  \n\n  y", "  leading spaces", "a" * 50,
-        "<|begin_of_text|>x<|end_of_text|>", "emoji 🐍🐍 and CJK 蛇", "1234567 digits"]
+EDGE = [
+    "héllo wörld 12345 ’quote’ <|eot_id|> tab\tx  \n\n  y",
+    "  leading spaces",
+    "a" * 50,
+    "<|begin_of_text|>x<|end_of_text|>",
+    "emoji 🐍🐍 and CJK 蛇",
+    "1234567 digits",
+]
 
 
 @pytest.fixture(scope="module")
@@ -20,6 +26,7 @@ def tiktoken_bpe(tmp_path_factory: pytest.TempPathFactory):
     """(path of a tiktoken BPE file, the tiktoken Encoding that reads it as Llama 3 does)."""
     tiktoken = pytest.importorskip("tiktoken")
     from pydoc_data.topics import topics
+
     from tiktoken._educational import bpe_train
 
     from workloads.pretrain.data.tokenizer import LLAMA3_PATTERN, LLAMA3_SPECIAL
@@ -27,7 +34,9 @@ def tiktoken_bpe(tmp_path_factory: pytest.TempPathFactory):
     with contextlib.redirect_stdout(io.StringIO()):  # the educational trainer prints its merges
         ranks = bpe_train("".join(topics[k] for k in sorted(topics))[:40000], 400, LLAMA3_PATTERN)
     path = tmp_path_factory.mktemp("tiktoken") / "tokenizer.model"
-    path.write_text("".join(f"{base64.b64encode(t).decode()} {r}\n" for t, r in sorted(ranks.items(), key=lambda x: x[1])))
+    path.write_text(
+        "".join(f"{base64.b64encode(t).decode()} {r}\n" for t, r in sorted(ranks.items(), key=lambda x: x[1]))
+    )
     special = {t: len(ranks) + i for i, t in enumerate(LLAMA3_SPECIAL)}
     return path, tiktoken.Encoding("llama3-test", pat_str=LLAMA3_PATTERN, mergeable_ranks=ranks, special_tokens=special)
 
@@ -57,8 +66,16 @@ def test_corpus_built_with_a_tiktoken_file(tiktoken_bpe, tmp_path: Path) -> None
     from workloads.pretrain.data.sources import builtin_pydoc_texts
 
     path, enc = tiktoken_bpe
-    data = SimpleNamespace(name="pydoc", source="builtin:pydoc", text_field="text", vocab_size=0, val_fraction=0.05,
-                           cache_dir=str(tmp_path), tokenizer=str(path), format="text")
+    data = SimpleNamespace(
+        name="pydoc",
+        source="builtin:pydoc",
+        text_field="text",
+        vocab_size=0,
+        val_fraction=0.05,
+        cache_dir=str(tmp_path),
+        tokenizer=str(path),
+        format="text",
+    )
     corpus = prepare_corpus(data)
     bos, eos = (enc.encode(t, allowed_special="all")[0] for t in ("<|begin_of_text|>", "<|end_of_text|>"))
     docs = builtin_pydoc_texts()

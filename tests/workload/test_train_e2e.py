@@ -16,8 +16,7 @@ def test_tiny_run_learns_and_logs_the_metric_contract(write_tiny_config, workloa
     client = MlflowClient(tracking_uri=uri)
     exp = client.create_experiment("workload")
     run = client.create_run(exp)
-    env = {**workload_env, "MLFLOW_TRACKING_URI": uri, "MLFLOW_RUN_ID": run.info.run_id,
-           "MLFLOW_EXPERIMENT_ID": exp}
+    env = {**workload_env, "MLFLOW_TRACKING_URI": uri, "MLFLOW_RUN_ID": run.info.run_id, "MLFLOW_EXPERIMENT_ID": exp}
 
     proc = workload.run(["--config", str(write_tiny_config())], env)
     assert proc.returncode == 0, proc.stderr
@@ -29,8 +28,16 @@ def test_tiny_run_learns_and_logs_the_metric_contract(write_tiny_config, workloa
     assert "MFU n/a (cpu)" in proc.stdout
 
     metrics = client.get_run(run.info.run_id).data.metrics
-    for key in ("train/loss", "val/loss", "train/lr", "train/grad_norm", "perf/tokens_per_s",
-                "perf/tokens_per_s_per_device", "perf/tflops", "perf/peak_mem_gb"):
+    for key in (
+        "train/loss",
+        "val/loss",
+        "train/lr",
+        "train/grad_norm",
+        "perf/tokens_per_s",
+        "perf/tokens_per_s_per_device",
+        "perf/tflops",
+        "perf/peak_mem_gb",
+    ):
         assert key in metrics, key
     assert "perf/mfu" not in metrics  # unknown peak on CPU: not guessed
     val = client.get_metric_history(run.info.run_id, "val/loss")
@@ -39,9 +46,17 @@ def test_tiny_run_learns_and_logs_the_metric_contract(write_tiny_config, workloa
 
 
 def test_reference_kernels_bf16_and_overrides_after_config(write_tiny_config, workload_env, workload):
-    proc = workload.run(["--config", str(write_tiny_config(**{"model.kernels": "reference"})),
-                         "train.dtype=bf16", "train.steps=6", "train.val_every=6", "train.log_every=3"],
-                        workload_env)
+    proc = workload.run(
+        [
+            "--config",
+            str(write_tiny_config(**{"model.kernels": "reference"})),
+            "train.dtype=bf16",
+            "train.steps=6",
+            "train.val_every=6",
+            "train.log_every=3",
+        ],
+        workload_env,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "reference kernels, bf16" in proc.stdout
     assert sorted(workload.losses(proc.stdout)["train"]) == [3, 6]
@@ -71,8 +86,9 @@ def test_two_process_data_parallel_matches_one_process(write_tiny_config, worklo
     one = workload.run(["--config", cfg], workload_env)
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     # without OMP_NUM_THREADS torchrun sets 1 per process, and the trainer honours it on any machine
-    two = workload.run(["--config", cfg], {k: v for k, v in workload_env.items() if k != "OMP_NUM_THREADS"},
-                       launcher=launcher)
+    two = workload.run(
+        ["--config", cfg], {k: v for k, v in workload_env.items() if k != "OMP_NUM_THREADS"}, launcher=launcher
+    )
     assert one.returncode == 0, one.stderr
     assert two.returncode == 0, two.stderr
     assert "world 2 on cpu (1 threads/proc)" in two.stdout
@@ -90,15 +106,31 @@ def test_trains_under_plain_torchrun_where_llmctl_cannot_be_imported(workload_en
     metrics and the start record still reach MLflow."""
     import subprocess
 
+    from helpers import ROOT
     from mlflow.tracking import MlflowClient
 
-    from helpers import ROOT
-
     config = tmp_path / "run.yaml"
-    shown = subprocess.run([sys.executable, "-m", "llmctl", "config", "show", "experiment=smoke", "parallel=fsdp2",
-                            "train.steps=4", "train.log_every=2", "train.val_every=4", f"data.cache_dir={cache_dir}",
-                            f"checkpoint.dir={tmp_path / 'ckpt'}"], cwd=ROOT, capture_output=True, text=True,
-                           env=workload_env, check=True)
+    shown = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "llmctl",
+            "config",
+            "show",
+            "experiment=smoke",
+            "parallel=fsdp2",
+            "train.steps=4",
+            "train.log_every=2",
+            "train.val_every=4",
+            f"data.cache_dir={cache_dir}",
+            f"checkpoint.dir={tmp_path / 'ckpt'}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=workload_env,
+        check=True,
+    )
     config.write_text(shown.stdout)
     assert "infra:" in shown.stdout and "tracking:" in shown.stdout  # the launcher's sections are there, and skipped
     poisoned = tmp_path / "poisoned" / "llmctl"
@@ -107,15 +139,26 @@ def test_trains_under_plain_torchrun_where_llmctl_cannot_be_imported(workload_en
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     mc = MlflowClient(tracking_uri=uri)
     run = mc.create_run(mc.create_experiment("plain"))
-    env = {**workload_env, "PYTHONPATH": os.pathsep.join([str(poisoned.parent), str(ROOT)]),
-           "MLFLOW_TRACKING_URI": uri, "MLFLOW_RUN_ID": run.info.run_id}
+    env = {
+        **workload_env,
+        "PYTHONPATH": os.pathsep.join([str(poisoned.parent), str(ROOT)]),
+        "MLFLOW_TRACKING_URI": uri,
+        "MLFLOW_RUN_ID": run.info.run_id,
+    }
     # from a directory without llmctl in it (python puts the working directory first on the path)
-    check = subprocess.run([sys.executable, "-c", "import llmctl"], env=env, cwd=tmp_path, capture_output=True,
-                           text=True)
+    check = subprocess.run(
+        [sys.executable, "-c", "import llmctl"], env=env, cwd=tmp_path, capture_output=True, text=True
+    )
     assert check.returncode == 1 and "the workload imported llmctl" in check.stderr  # the poison works
 
-    proc = subprocess.run([*workload.torchrun(2), "-m", "workloads.pretrain", "--config", str(config)], cwd=tmp_path,
-                          env=env, text=True, capture_output=True, timeout=300)
+    proc = subprocess.run(
+        [*workload.torchrun(2), "-m", "workloads.pretrain", "--config", str(config)],
+        cwd=tmp_path,
+        env=env,
+        text=True,
+        capture_output=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "world 2 on cpu" in proc.stdout and "dp_shard 2" in proc.stdout
     assert sorted(workload.losses(proc.stdout)["train"]) == [2, 4]

@@ -42,10 +42,15 @@ def sharded_params(cfg: Any, world_size: int) -> dict[str, Any]:
         total = sum(p.numel() for p in params)
         wq = model.layers["0"].attention.wq.weight
         placements = [str(p) for p in wq.placements] if isinstance(wq, DTensor) else []
-    return {"world_size": world_size, "layout": {"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard,
-                                                 "tp": dims.tp},
-            "params_total": total, "params_per_rank": local, "param_bytes_per_rank": 4 * local,
-            "wq_placements": placements, "seconds": time.perf_counter() - t0}
+    return {
+        "world_size": world_size,
+        "layout": {"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "tp": dims.tp},
+        "params_total": total,
+        "params_per_rank": local,
+        "param_bytes_per_rank": 4 * local,
+        "wq_placements": placements,
+        "seconds": time.perf_counter() - t0,
+    }
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -46,11 +46,18 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 
-from workloads.pretrain.contract.checkpoint_layout import MARKER, fs_and_path, join, latest_complete, split_step_dir, step_dir
+from workloads.pretrain.contract.checkpoint_layout import (
+    MARKER,
+    fs_and_path,
+    join,
+    latest_complete,
+    split_step_dir,
+    step_dir,
+)
 from workloads.pretrain.contract.config import parse_args
+from workloads.pretrain.contract.hardware import cpu_threads
 from workloads.pretrain.contract.protocol import EXPORT_INFO
 from workloads.pretrain.data import EOT, Corpus, Windows, load_texts, prepare_corpus, val_batches
-from workloads.pretrain.contract.hardware import cpu_threads
 from workloads.pretrain.model.losses import IGNORE_INDEX
 from workloads.pretrain.model.transformer import Transformer, build_model
 
@@ -109,8 +116,11 @@ def token_byte_lengths(tokenizer: Any) -> np.ndarray:
 
     n = tokenizer.get_vocab_size()
     byte_level = isinstance(tokenizer.pre_tokenizer, pre_tokenizers.ByteLevel)
-    special = {t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special} \
-        if hasattr(tokenizer, "get_added_tokens_decoder") else {EOT}
+    special = (
+        {t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special}
+        if hasattr(tokenizer, "get_added_tokens_decoder")
+        else {EOT}
+    )
     out = np.zeros(n, dtype=np.int64)
     for i in range(n):
         tok = tokenizer.id_to_token(i)
@@ -160,9 +170,13 @@ def _reduce(totals: torch.Tensor) -> torch.Tensor:
 
 def finish_metrics(nats: float, tokens: float, nbytes: float) -> dict[str, float]:
     loss = nats / tokens
-    return {"val_loss": loss, "perplexity": math.exp(loss),
-            "bits_per_byte": nats / math.log(2) / nbytes if nbytes else float("nan"),
-            "tokens": tokens, "bytes": nbytes}
+    return {
+        "val_loss": loss,
+        "perplexity": math.exp(loss),
+        "bits_per_byte": nats / math.log(2) / nbytes if nbytes else float("nan"),
+        "tokens": tokens,
+        "bytes": nbytes,
+    }
 
 
 @torch.no_grad()
@@ -174,8 +188,9 @@ def score_native(model: Transformer, batches: list, byte_len: torch.Tensor, auto
         with autocast():
             nats = model(b.inputs, b.targets, **b.model_kwargs(), reduction="sum").float()
         targets = b.targets[b.targets != IGNORE_INDEX].cpu()
-        totals += torch.tensor([nats.double().item(), targets.numel(), byte_len[targets].sum().item()],
-                               dtype=torch.float64)
+        totals += torch.tensor(
+            [nats.double().item(), targets.numel(), byte_len[targets].sum().item()], dtype=torch.float64
+        )
     return finish_metrics(*_reduce(totals).tolist())
 
 
@@ -186,8 +201,9 @@ def score_hf(hf_model: Any, batches: list, byte_len: torch.Tensor) -> dict[str, 
     for b in batches:
         for x, y in _unpacked(b):  # packed fine-tuning examples go to transformers one at a time
             logits = hf_model(input_ids=x.to(device)).logits.float()
-            nats = F.cross_entropy(logits.flatten(0, 1), y.to(logits.device).flatten(), reduction="sum",
-                                   ignore_index=IGNORE_INDEX)
+            nats = F.cross_entropy(
+                logits.flatten(0, 1), y.to(logits.device).flatten(), reduction="sum", ignore_index=IGNORE_INDEX
+            )
             targets = y[y != IGNORE_INDEX].cpu()
             totals += torch.tensor([nats.item(), targets.numel(), byte_len[targets].sum().item()], dtype=torch.float64)
     return finish_metrics(*totals.tolist())
@@ -215,10 +231,18 @@ def samples(model: Transformer, corpus: Corpus, ec: Any, device: torch.device) -
         n = max(0, min(int(ec.max_new_tokens), model.max_seq_len - len(ids)))
         x = torch.tensor([ids], device=device)
         greedy = generate(model, x, n, temperature=0.0, use_cache=True)[0].tolist()
-        sampled = generate(model, x, n, temperature=float(ec.temperature), top_k=ec.top_k,
-                           use_cache=True, generator=gen)[0].tolist()
-        out.append({"prompt": prompt, "greedy": tok.decode(greedy), "sampled": tok.decode(sampled),
-                    "greedy_ids": greedy, "sampled_ids": sampled})
+        sampled = generate(
+            model, x, n, temperature=float(ec.temperature), top_k=ec.top_k, use_cache=True, generator=gen
+        )[0].tolist()
+        out.append(
+            {
+                "prompt": prompt,
+                "greedy": tok.decode(greedy),
+                "sampled": tok.decode(sampled),
+                "greedy_ids": greedy,
+                "sampled_ids": sampled,
+            }
+        )
     return out
 
 
@@ -238,8 +262,13 @@ def _init() -> tuple[int, int, torch.device]:
     return rank, world, device
 
 
-def run(cfg: Any, checkpoint: Optional[str] = None, hf_dir: Optional[str] = None,
-        export_dir: Optional[str] = None, run_id: Optional[str] = None) -> dict[str, Any]:
+def run(
+    cfg: Any,
+    checkpoint: Optional[str] = None,
+    hf_dir: Optional[str] = None,
+    export_dir: Optional[str] = None,
+    run_id: Optional[str] = None,
+) -> dict[str, Any]:
     """Do the requested mode; returns the result (rank 0's is complete)."""
     rank, world, device = _init()
     say = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
@@ -254,8 +283,11 @@ def run(cfg: Any, checkpoint: Optional[str] = None, hf_dir: Optional[str] = None
 
         hf = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32, device_map="auto").eval()
         batches = eval_batches(cfg, corpus, 0, 1, torch.device("cpu"))
-        result.update(hf=str(hf_dir), metrics=score_hf(hf, batches, torch.from_numpy(token_byte_lengths(corpus.tokenizer))),
-                      device_map={k: str(v) for k, v in (getattr(hf, "hf_device_map", None) or {}).items()})
+        result.update(
+            hf=str(hf_dir),
+            metrics=score_hf(hf, batches, torch.from_numpy(token_byte_lengths(corpus.tokenizer))),
+            device_map={k: str(v) for k, v in (getattr(hf, "hf_device_map", None) or {}).items()},
+        )
         say(f"eval | hf {hf_dir}: " + _line(result["metrics"]))
         return result
 
@@ -278,7 +310,11 @@ def run(cfg: Any, checkpoint: Optional[str] = None, hf_dir: Optional[str] = None
         say(f"eval | exported step {step} to {export_dir} (transformers Llama, safetensors + tokenizer)")
         return result
 
-    autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if _value(cfg.train.dtype) == "bf16" else nullcontext
+    autocast = (
+        (lambda: torch.autocast(device.type, dtype=torch.bfloat16))
+        if _value(cfg.train.dtype) == "bf16"
+        else nullcontext
+    )
     batches = eval_batches(cfg, corpus, rank, world, device)
     byte_len = torch.from_numpy(token_byte_lengths(corpus.tokenizer))
     result["metrics"] = score_native(model, batches, byte_len, autocast)
@@ -294,19 +330,28 @@ def run(cfg: Any, checkpoint: Optional[str] = None, hf_dir: Optional[str] = None
     return result
 
 
-def export_model(model: Transformer, model_cfg: Any, corpus: Corpus, out_dir: str,
-                 info: Optional[dict[str, Any]] = None) -> None:
+def export_model(
+    model: Transformer, model_cfg: Any, corpus: Corpus, out_dir: str, info: Optional[dict[str, Any]] = None
+) -> None:
     """The checkpoint's model and the run's tokenizer as a transformers Llama (no transformers needed)."""
     from workloads.pretrain.checkpoint.hf_export import export
 
     extra = {EXPORT_INFO: json.dumps(info, indent=2)} if info else None
-    export(dict(model.state_dict()), model_cfg, out_dir, tokenizer_file=corpus.path / "tokenizer.json",
-           eos_token=corpus.eos_token, extra_files=extra)
+    export(
+        dict(model.state_dict()),
+        model_cfg,
+        out_dir,
+        tokenizer_file=corpus.path / "tokenizer.json",
+        eos_token=corpus.eos_token,
+        extra_files=extra,
+    )
 
 
 def _line(m: dict[str, float]) -> str:
-    return (f"val_loss {m['val_loss']:.6f} | perplexity {m['perplexity']:.3f} | "
-            f"bits/byte {m['bits_per_byte']:.4f} | {int(m['tokens']):,} tokens, {int(m['bytes']):,} bytes")
+    return (
+        f"val_loss {m['val_loss']:.6f} | perplexity {m['perplexity']:.3f} | "
+        f"bits/byte {m['bits_per_byte']:.4f} | {int(m['tokens']):,} tokens, {int(m['bytes']):,} bytes"
+    )
 
 
 # ----------------------------------------------------------------------------- process

@@ -46,8 +46,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     meta = json.loads((corpus.path / "meta.json").read_text())
     n_files = len(meta.get("files") or []) or "builtin"
-    print(f"prepare | data {cfg.data.name}: {cfg.data.source} | {n_files} files, {_count(meta)}, "
-          f"{meta['tokens']:,} tokens, vocab {corpus.vocab_size} | {corpus.origin} in {time.perf_counter() - t0:.1f}s")
+    print(
+        f"prepare | data {cfg.data.name}: {cfg.data.source} | {n_files} files, {_count(meta)}, "
+        f"{meta['tokens']:,} tokens, vocab {corpus.vocab_size} | {corpus.origin} in {time.perf_counter() - t0:.1f}s"
+    )
     print(corpus.path)
     return 0
 

@@ -21,7 +21,6 @@ SIGTERM/SIGUSR1 finish the current step, write an emergency checkpoint within
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import signal
@@ -36,25 +35,29 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from workloads.pretrain.components.budget import BudgetGuard
 from workloads.pretrain.checkpoint.dcp import Checkpointer
-from workloads.pretrain.contract.config import parse_args
-from workloads.pretrain.contract.protocol import EXIT_CONFIG, EXIT_PREEMPTED
-from workloads.pretrain.data import Sampler, prepare_corpus, val_batches
-from workloads.pretrain.components.dataset_input import log_training_corpus
-from workloads.pretrain.contract.hardware import cpu_threads
-from workloads.pretrain.components.metrics import MetricSink, format_train_line, peak_memory_gb, peak_tflops
-from workloads.pretrain.model.transformer import Transformer
-from workloads.pretrain.components.optim import build_optimizer, lr_factor
-from workloads.pretrain.parallel.parallelize import (
-    ParallelDims, gradient_sync_due, local_loss, loss_context, parallelize, set_gradient_sync,
-)
-from workloads.pretrain.parallel import fp8
 from workloads.pretrain.components import preempt, system_metrics, test_hooks
+from workloads.pretrain.components.budget import BudgetGuard
+from workloads.pretrain.components.dataset_input import log_training_corpus
+from workloads.pretrain.components.metrics import MetricSink, format_train_line, peak_memory_gb, peak_tflops
+from workloads.pretrain.components.optim import build_optimizer, lr_factor
 from workloads.pretrain.components.test_hooks import LossFile
 from workloads.pretrain.contract import shape
+from workloads.pretrain.contract.config import parse_args
+from workloads.pretrain.contract.hardware import cpu_threads
+from workloads.pretrain.contract.protocol import EXIT_CONFIG, EXIT_PREEMPTED
 from workloads.pretrain.contract.validate import ConfigError
-
+from workloads.pretrain.data import Sampler, prepare_corpus, val_batches
+from workloads.pretrain.model.transformer import Transformer
+from workloads.pretrain.parallel import fp8
+from workloads.pretrain.parallel.parallelize import (
+    ParallelDims,
+    gradient_sync_due,
+    local_loss,
+    loss_context,
+    parallelize,
+    set_gradient_sync,
+)
 
 
 def _value(x: Any) -> Any:
@@ -131,7 +134,9 @@ def init_distributed(cfg: Any) -> DistEnv:
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, batches: list, autocast, env: DistEnv, micro_batch_size: int | None = None) -> float:
+def evaluate(
+    model: torch.nn.Module, batches: list, autocast, env: DistEnv, micro_batch_size: int | None = None
+) -> float:
     """Loss over every target of the fixed validation batches (all ranks): their exact mean."""
     model.eval()
     total = torch.zeros((), device=env.device)
@@ -183,9 +188,15 @@ def _describe(train_seqs: Any, val_seqs: Any) -> str:
     if not hasattr(train_seqs, "bins"):
         masked = ", attention within documents" if train_seqs.eos_id is not None else ""
         return f"{len(train_seqs.tokens):,} train / {len(val_seqs.tokens):,} val tokens{masked}"
-    cut = f", {train_seqs.truncated + val_seqs.truncated} truncated to seq_len" if train_seqs.truncated + val_seqs.truncated else ""
-    return (f"{len(train_seqs.starts):,} train / {len(val_seqs.starts):,} val examples packed into "
-            f"{len(train_seqs):,} / {len(val_seqs):,} sequences ({train_seqs.fill:.0%} filled{cut})")
+    cut = (
+        f", {train_seqs.truncated + val_seqs.truncated} truncated to seq_len"
+        if train_seqs.truncated + val_seqs.truncated
+        else ""
+    )
+    return (
+        f"{len(train_seqs.starts):,} train / {len(val_seqs.starts):,} val examples packed into "
+        f"{len(train_seqs):,} / {len(val_seqs):,} sequences ({train_seqs.fill:.0%} filled{cut})"
+    )
 
 
 def init_sharded(cfg: Any, env: DistEnv) -> torch.nn.Module:
@@ -258,17 +269,24 @@ def train(cfg: Any) -> dict:
     tokens_per_step = tc.batch_size * tc.seq_len  # global: the batch is split over dp ranks
     log_every, val_every = max(1, int(tc.log_every)), max(0, int(tc.val_every))  # val_every 0: start/end only
 
-    say(f"pretrain | model {mc.name}: {n_params / 1e6:.2f}M params (non-embedding), {mc.n_layers} layers, "
+    say(
+        f"pretrain | model {mc.name}: {n_params / 1e6:.2f}M params (non-embedding), {mc.n_layers} layers, "
         f"dim {mc.dim}, {mc.n_heads}/{mc.n_kv_heads} heads, {_value(mc.kernels)} kernels, {dtype}"
         f"{f', fp8 {fp8_recipe}' if fp8_recipe != 'none' else ''}"
-        f"{', compiled' if mc.compile else ''}")
-    say(f"pretrain | data {cfg.data.name}: {_describe(train_seqs, val_seqs)}, "
+        f"{', compiled' if mc.compile else ''}"
+    )
+    say(
+        f"pretrain | data {cfg.data.name}: {_describe(train_seqs, val_seqs)}, "
         f"vocab {corpus.vocab_size} ({'cached' if corpus.cache_hit else 'built'} {corpus.path}) | "
-        f"{tc.batch_size} x {tc.seq_len} = {tokens_per_step:,} tokens/step{_accumulation(cfg, env)} | world {env.world_size} on "
-        f"{env.device.type}" + (f" ({torch.get_num_threads()} threads/proc)" if env.device.type == "cpu" else ""))
+        f"{tc.batch_size} x {tc.seq_len} = {tokens_per_step:,} tokens/step{_accumulation(cfg, env)}"
+        f" | world {env.world_size} on "
+        f"{env.device.type}" + (f" ({torch.get_num_threads()} threads/proc)" if env.device.type == "cpu" else "")
+    )
     d = env.dims
-    say(f"pretrain | mesh dp_replicate {d.dp_replicate} x dp_shard {d.dp_shard} x tp {d.tp} | "
-        f"ac {_value(cfg.parallel.ac)} | checkpoints {cfg.checkpoint.dir or 'off (checkpoint.dir unset)'}")
+    say(
+        f"pretrain | mesh dp_replicate {d.dp_replicate} x dp_shard {d.dp_shard} x tp {d.tp} | "
+        f"ac {_value(cfg.parallel.ac)} | checkpoints {cfg.checkpoint.dir or 'off (checkpoint.dir unset)'}"
+    )
     if start_step:
         say(f"pretrain | resumed from step {start_step} ({cfg.checkpoint.dir})")
 

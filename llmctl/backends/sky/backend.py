@@ -15,22 +15,31 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from llmctl.backends.sky import rules as sky_rules, task as sky_task
-from llmctl.backends.sky.facts import remembered
 from llmctl.backends.base import JobStatus
+from llmctl.backends.sky import rules as sky_rules
+from llmctl.backends.sky import task as sky_task
+from llmctl.backends.sky.facts import remembered
 from llmctl.config.compose import Composed, to_yaml
+from llmctl.config.launcher_checks import resolve_layout
 from llmctl.errors import ConfigError, LaunchError
 from llmctl.plan.devices import Hardware
 from llmctl.plan.job_plan import Plan
-from llmctl.tracking.mlflow_run import RunHandle, client, redact, resolve_uri
-from llmctl.config.launcher_checks import resolve_layout
 from llmctl.run.workdir import run_dir
+from llmctl.tracking.mlflow_run import RunHandle, client, redact, resolve_uri
+
 TAG_CLUSTER = "llmctl.sky.cluster"
 TAG_JOB = "llmctl.sky.job_id"
 TAG_MANAGED = "llmctl.sky.managed_job_id"
 TERMINAL_OK = {"SUCCEEDED"}
-TERMINAL_BAD = {"FAILED", "FAILED_SETUP", "FAILED_DRIVER", "FAILED_PRECHECKS", "FAILED_NO_RESOURCE",
-                "FAILED_CONTROLLER", "CANCELLED"}
+TERMINAL_BAD = {
+    "FAILED",
+    "FAILED_SETUP",
+    "FAILED_DRIVER",
+    "FAILED_PRECHECKS",
+    "FAILED_NO_RESOURCE",
+    "FAILED_CONTROLLER",
+    "CANCELLED",
+}
 
 
 @dataclass
@@ -41,11 +50,17 @@ class SkyPlan(Plan):
     offers_text: str = ""
 
     def describe(self) -> str:
-        return "\n".join([super().describe(), "",
-                          "# SkyPilot task (what `llmctl launch` submits; <run-id> is filled in then)",
-                          self.task_yaml.rstrip(), "",
-                          "# offers, cheapest first (SkyPilot catalog, on-demand unless infra.use_spot)",
-                          self.offers_text])
+        return "\n".join(
+            [
+                super().describe(),
+                "",
+                "# SkyPilot task (what `llmctl launch` submits; <run-id> is filled in then)",
+                self.task_yaml.rstrip(),
+                "",
+                "# offers, cheapest first (SkyPilot catalog, on-demand unless infra.use_spot)",
+                self.offers_text,
+            ]
+        )
 
 
 def _int_prefix(value: Any) -> int:
@@ -108,10 +123,15 @@ def _launch_cluster(task: Any, infra: dict[str, Any], handle: RunHandle, mc: Any
     try:
         try:
             job_id, _ = sky.stream_and_get(
-                sky.launch(task, cluster_name=cluster, idle_minutes_to_autostop=autostop,
-                           down=bool(infra["down"]) and autostop is not None),
-                output_stream=out)
-        except Exception as exc:  # noqa: BLE001 - any provisioning failure: leave nothing behind
+                sky.launch(
+                    task,
+                    cluster_name=cluster,
+                    idle_minutes_to_autostop=autostop,
+                    down=bool(infra["down"]) and autostop is not None,
+                ),
+                output_stream=out,
+            )
+        except Exception as exc:
             _down_quietly(cluster)
             raise LaunchError(f"SkyPilot could not launch {cluster}: {' '.join(str(exc).split())[:2000]}") from None
         mc.set_tag(handle.run_id, TAG_JOB, str(job_id))
@@ -135,8 +155,10 @@ def _launch_managed(task: Any, handle: RunHandle, mc: Any, out: Any) -> int:
     name = cluster_name(handle.run_id)
     try:
         job_ids, _ = sky.stream_and_get(sky.jobs.launch(task, name=name), output_stream=out)
-    except Exception as exc:  # noqa: BLE001
-        raise LaunchError(f"SkyPilot could not submit managed job {name}: {' '.join(str(exc).split())[:2000]}") from None
+    except Exception as exc:
+        raise LaunchError(
+            f"SkyPilot could not submit managed job {name}: {' '.join(str(exc).split())[:2000]}"
+        ) from None
     job_id = job_ids[0] if isinstance(job_ids, list) else job_ids
     mc.set_tag(handle.run_id, TAG_MANAGED, str(job_id))
     try:
@@ -163,7 +185,7 @@ def _managed_status(job_id: int) -> Optional[str]:
 def _quietly(fn: Any) -> None:
     try:
         fn()
-    except Exception:  # noqa: BLE001 - best-effort cleanup; the original error matters more
+    except Exception:
         pass
 
 
@@ -199,18 +221,25 @@ class SkyBackend:
         sky_rules.check(cfg)
         nproc = sky_task.nproc_per_node(cfg)
         layout = resolve_layout(cfg, infra["nodes"] * nproc)
-        resolved = {**cfg, "parallel": {**cfg["parallel"], **layout},
-                    "checkpoint": {**cfg["checkpoint"],
-                                   "dir": sky_task.checkpoint_dir(cfg, sky_task.RUN_ID_PLACEHOLDER)}}
+        resolved = {
+            **cfg,
+            "parallel": {**cfg["parallel"], **layout},
+            "checkpoint": {**cfg["checkpoint"], "dir": sky_task.checkpoint_dir(cfg, sky_task.RUN_ID_PLACEHOLDER)},
+        }
         acc = sky_task.node_accelerators(infra)
         device = f"{acc[1]}x {acc[0]} per node, nccl" if acc else "CPU, gloo"
         if acc:
             hardware = Hardware(f"{acc[0]}:{acc[1]}", acc[0], int(acc[1]), int(infra["nodes"]))
         else:
             hardware = Hardware("cpu", None, 0, int(infra["nodes"]), _int_prefix(infra.get("cpus")) or 8)
-        config = sky_task.task_config(resolved, run_id=sky_task.RUN_ID_PLACEHOLDER, tracking_uri=uri,
-                                      experiment_id="<experiment-id>", local_config="<run-dir>/config.yaml",
-                                      workdir=str(sky_task.project_root()))
+        config = sky_task.task_config(
+            resolved,
+            run_id=sky_task.RUN_ID_PLACEHOLDER,
+            tracking_uri=uri,
+            experiment_id="<experiment-id>",
+            local_config="<run-dir>/config.yaml",
+            workdir=str(sky_task.project_root()),
+        )
         # both modes priced (the estimate lists them), where SkyPilot says the provider sells spot
         modes = [False] + ([True] if sky_rules.capabilities(infra["provider"]).supports("SPOT_INSTANCE") else [])
         offers = {spot: sky_rules.offers({**infra, "use_spot": spot}) for spot in modes}
@@ -220,18 +249,32 @@ class SkyBackend:
         notes = []
         if found:
             best = found[0]
-            notes.append(f"cheapest offer: {best.instance_type} in {best.region}, ${best.total_hour:.2f}/h"
-                         f" for {infra['nodes']} node(s)")
+            notes.append(
+                f"cheapest offer: {best.instance_type} in {best.region}, ${best.total_hour:.2f}/h"
+                f" for {infra['nodes']} node(s)"
+            )
         if str(resolved["checkpoint"]["dir"]).startswith("llmctl-runs/"):
             notes.append("checkpoints stay on the nodes and vanish with them; set infra.bucket=s3://... to keep them")
         if infra["managed"] and str(resolved["checkpoint"]["dir"]).startswith("llmctl-runs/"):
             notes.append("a managed job restarts from scratch after a preemption unless checkpoints go to a bucket")
-        return SkyPlan(cfg=resolved, choices=composed.choices, backend=self.name, where=where, nodes=infra["nodes"],
-                       nproc_per_node=nproc, layout=layout, device=device,
-                       command=["bash", "-c", "<run script below>"], tracking_uri=uri, hardware=hardware,
-                       offers=offers, notes=notes, task_yaml=task_yaml(config),
-                       refusals=[r for r in [sky_rules.tracking_refusal(infra["name"], uri)] if r],
-                       offers_text=sky_rules.format_offers(found))
+        return SkyPlan(
+            cfg=resolved,
+            choices=composed.choices,
+            backend=self.name,
+            where=where,
+            nodes=infra["nodes"],
+            nproc_per_node=nproc,
+            layout=layout,
+            device=device,
+            command=["bash", "-c", "<run script below>"],
+            tracking_uri=uri,
+            hardware=hardware,
+            offers=offers,
+            notes=notes,
+            task_yaml=task_yaml(config),
+            refusals=[r for r in [sky_rules.tracking_refusal(infra["name"], uri)] if r],
+            offers_text=sky_rules.format_offers(found),
+        )
 
     def preflight(self, plan: Plan) -> None:
         """A store the nodes can reach, and credentials as ``sky check`` sees them, before an MLflow
@@ -257,9 +300,15 @@ class SkyBackend:
         rdir = run_dir(handle.run_id)
         rdir.mkdir(parents=True, exist_ok=True)
         (rdir / "config.yaml").write_text(to_yaml(cfg))
-        config = sky_task.task_config(cfg, run_id=handle.run_id, tracking_uri=handle.uri,
-                                      experiment_id=handle.experiment_id, local_config=str(rdir / "config.yaml"),
-                                      workdir=str(sky_task.project_root()), attempt_env=handle.attempt_env)
+        config = sky_task.task_config(
+            cfg,
+            run_id=handle.run_id,
+            tracking_uri=handle.uri,
+            experiment_id=handle.experiment_id,
+            local_config=str(rdir / "config.yaml"),
+            workdir=str(sky_task.project_root()),
+            attempt_env=handle.attempt_env,
+        )
         task = sky.Task.from_yaml_config(config)
         mc = client(handle.uri)
         with open(rdir / "output.log", "a") as log:
@@ -307,7 +356,9 @@ class SkyBackend:
         if copy.is_file():
             sys.stdout.write(copy.read_text())
             return 0
-        raise LaunchError(f"no logs for run {run.info.run_id}: cluster {cluster or '-'} is gone and {copy} does not exist")
+        raise LaunchError(
+            f"no logs for run {run.info.run_id}: cluster {cluster or '-'} is gone and {copy} does not exist"
+        )
 
     def down(self, run: Any, uri: str, force: bool = False) -> str:
         """Tear the cluster down (or cancel the managed job): SkyPilot's stop is already final."""

@@ -83,16 +83,20 @@ def remembered(fn: Callable[..., Any]) -> Callable[..., Any]:
         if os.environ.get("LLMCTL_SKY_FACTS", "1") == "0":
             return fn(*args)
         # hashed: a task's envs may hold credentials, and they must not land in a cache file
-        key = hashlib.sha256(json.dumps([fn.__module__, fn.__qualname__, args], sort_keys=True,
-                                        default=str).encode()).hexdigest()
+        key = hashlib.sha256(
+            json.dumps([fn.__module__, fn.__qualname__, args], sort_keys=True, default=str).encode()
+        ).hexdigest()
         path, now, stamp = cache_file(), time.time(), fingerprint()
         data = _load(path)
         hit = data.get(key)
         if isinstance(hit, dict) and hit.get("fingerprint") == stamp and now - hit.get("at", 0) < TTL_S:
             return hit["value"]
         value = fn(*args)
-        data = {k: v for k, v in _load(path).items()
-                if isinstance(v, dict) and v.get("fingerprint") == stamp and now - v.get("at", 0) < TTL_S}
+        data = {
+            k: v
+            for k, v in _load(path).items()
+            if isinstance(v, dict) and v.get("fingerprint") == stamp and now - v.get("at", 0) < TTL_S
+        }
         data[key] = {"fingerprint": stamp, "at": now, "value": value}
         _save(path, data)
         return value

@@ -62,15 +62,17 @@ def _catalog_reachable(fn: Callable[..., Any]) -> Callable[..., Any]:
     def wrapper(infra: Mapping[str, Any], *args: Any, **kwargs: Any) -> Any:
         try:
             return fn(infra, *args, **kwargs)
-        except Exception as exc:  # noqa: BLE001 - only requests' connection errors are translated
+        except Exception as exc:
             import requests  # only now: a remembered answer (sky_facts) never needs it
 
             if not isinstance(exc, (requests.exceptions.ConnectionError, requests.exceptions.Timeout)):
                 raise
             url = getattr(getattr(exc, "request", None), "url", None) or "its catalog URL"
-            raise ConfigError(f"SkyPilot has no {infra['provider']} catalog on this machine and could not download"
-                              f" it from {url} ({type(exc).__name__}). Fix: run `llmctl plan` once with internet"
-                              " access, or copy the catalog CSVs into ~/.sky/catalogs/") from None
+            raise ConfigError(
+                f"SkyPilot has no {infra['provider']} catalog on this machine and could not download"
+                f" it from {url} ({type(exc).__name__}). Fix: run `llmctl plan` once with internet"
+                " access, or copy the catalog CSVs into ~/.sky/catalogs/"
+            ) from None
 
     return wrapper
 
@@ -117,9 +119,11 @@ def tracking_refusal(infra_name: str, tracking_uri: str) -> Optional[str]:
     and still shows the whole plan; ``preflight`` raises it."""
     if tracking_uri.startswith(REMOTE_SCHEMES):
         return None
-    return (f"infra '{infra_name}' runs on remote nodes, which cannot reach the local MLflow store {tracking_uri}."
-            " Fix: run a tracking server the nodes can reach (e.g. `mlflow server --host 0.0.0.0 --port 5000`)"
-            " and set tracking.uri=http://<that-host>:5000 (or MLFLOW_TRACKING_URI)")
+    return (
+        f"infra '{infra_name}' runs on remote nodes, which cannot reach the local MLflow store {tracking_uri}."
+        " Fix: run a tracking server the nodes can reach (e.g. `mlflow server --host 0.0.0.0 --port 5000`)"
+        " and set tracking.uri=http://<that-host>:5000 (or MLFLOW_TRACKING_URI)"
+    )
 
 
 def check(cfg: Mapping[str, Any]) -> None:
@@ -127,27 +131,37 @@ def check(cfg: Mapping[str, Any]) -> None:
     infra = cfg["infra"]
     provider = infra.get("provider")
     if not provider or provider not in known_providers():
-        raise ConfigError(f"Bad value for 'infra.provider': '{provider}' is not a SkyPilot provider."
-                          f"{_did_you_mean(str(provider), known_providers())}"
-                          f" Fix: infra.provider=<one of: aws, lambda, runpod, slurm, ...>"
-                          f" (all: {', '.join(known_providers())})")
+        raise ConfigError(
+            f"Bad value for 'infra.provider': '{provider}' is not a SkyPilot provider."
+            f"{_did_you_mean(str(provider), known_providers())}"
+            f" Fix: infra.provider=<one of: aws, lambda, runpod, slurm, ...>"
+            f" (all: {', '.join(known_providers())})"
+        )
     can = capabilities(provider)
     if infra["nodes"] > 1 and not can.supports("MULTI_NODE"):
-        raise ConfigError(f"Bad value for 'infra.nodes': {provider} runs at most 1 node per job"
-                          f" (SkyPilot: {can.why_not('MULTI_NODE')}), got {infra['nodes']}."
-                          f" Fix: infra.nodes=1, or pick a multi-node infra (aws, lambda, slurm)")
+        raise ConfigError(
+            f"Bad value for 'infra.nodes': {provider} runs at most 1 node per job"
+            f" (SkyPilot: {can.why_not('MULTI_NODE')}), got {infra['nodes']}."
+            f" Fix: infra.nodes=1, or pick a multi-node infra (aws, lambda, slurm)"
+        )
     if infra["use_spot"] and not can.supports("SPOT_INSTANCE"):
-        raise ConfigError(f"Bad value for 'infra.use_spot': {provider} has no spot instances"
-                          f" (SkyPilot: {can.why_not('SPOT_INSTANCE')})."
-                          " Fix: infra.use_spot=false, or pick an infra with spot (aws, runpod)")
+        raise ConfigError(
+            f"Bad value for 'infra.use_spot': {provider} has no spot instances"
+            f" (SkyPilot: {can.why_not('SPOT_INSTANCE')})."
+            " Fix: infra.use_spot=false, or pick an infra with spot (aws, runpod)"
+        )
     if infra.get("autostop_minutes") is not None and not infra["managed"] and not can.supports("AUTOSTOP"):
-        raise ConfigError(f"Bad value for 'infra.autostop_minutes': {provider} has no autostop"
-                          f" (SkyPilot: {can.why_not('AUTOSTOP')}). Fix: infra.autostop_minutes=null"
-                          " (llmctl releases the nodes when the run ends when infra.down=true)")
+        raise ConfigError(
+            f"Bad value for 'infra.autostop_minutes': {provider} has no autostop"
+            f" (SkyPilot: {can.why_not('AUTOSTOP')}). Fix: infra.autostop_minutes=null"
+            " (llmctl releases the nodes when the run ends when infra.down=true)"
+        )
     if infra.get("bucket") and infra.get("mount_bucket") and not can.supports("STORAGE_MOUNTING"):
-        raise ConfigError(f"Bad value for 'infra.mount_bucket': {provider} cannot mount a bucket"
-                          f" (SkyPilot: {can.why_not('STORAGE_MOUNTING')}). Fix: infra.mount_bucket=false"
-                          " (the workload then writes checkpoints to the bucket URL itself)")
+        raise ConfigError(
+            f"Bad value for 'infra.mount_bucket': {provider} cannot mount a bucket"
+            f" (SkyPilot: {can.why_not('STORAGE_MOUNTING')}). Fix: infra.mount_bucket=false"
+            " (the workload then writes checkpoints to the bucket URL itself)"
+        )
     _check_region(infra)
     _check_accelerators(infra)
 
@@ -200,13 +214,17 @@ def _check_accelerators(infra: Mapping[str, Any]) -> None:
     counts = _accelerator_counts(provider)
     if name not in counts:
         offered = ", ".join(f"{g}:{'/'.join(str(int(c)) for c in cs)}" for g, cs in sorted(counts.items()))
-        raise ConfigError(f"Bad value for 'infra.accelerators': {provider} has no '{name}'."
-                          f"{_did_you_mean(name, list(counts))} {provider} offers {offered}"
-                          f" (SkyPilot catalog). Fix: infra.accelerators=<NAME>:<count>")
+        raise ConfigError(
+            f"Bad value for 'infra.accelerators': {provider} has no '{name}'."
+            f"{_did_you_mean(name, list(counts))} {provider} offers {offered}"
+            f" (SkyPilot catalog). Fix: infra.accelerators=<NAME>:<count>"
+        )
     if count not in {int(c) for c in counts[name]}:
-        raise ConfigError(f"Bad value for 'infra.accelerators': {provider} has no node with {count}x {name};"
-                          f" it offers {name} in counts of {', '.join(str(int(c)) for c in counts[name])}"
-                          f" per node. Fix: infra.accelerators={name}:<count> and more infra.nodes")
+        raise ConfigError(
+            f"Bad value for 'infra.accelerators': {provider} has no node with {count}x {name};"
+            f" it offers {name} in counts of {', '.join(str(int(c)) for c in counts[name])}"
+            f" per node. Fix: infra.accelerators={name}:<count> and more infra.nodes"
+        )
 
 
 @remembered
@@ -221,12 +239,15 @@ def accelerator_memory_gib(provider: Optional[str], gpu: str) -> Optional[float]
     """One ``gpu``'s memory as SkyPilot's catalog lists it (None: not listed, or no catalog here)."""
     try:
         with _sky_quiet():
-            found = _catalog().list_accelerators(gpus_only=True, name_filter=gpu, clouds=provider,
-                                                 case_sensitive=False)
-    except Exception:  # noqa: BLE001 - no catalog here: the caller falls back to the name
+            found = _catalog().list_accelerators(gpus_only=True, name_filter=gpu, clouds=provider, case_sensitive=False)
+    except Exception:
         return None
-    sizes = [i.device_memory for infos in found.values() for i in infos
-             if i.device_memory and i.device_memory >= 1 and str(i.accelerator_name).lower() == gpu.lower()]
+    sizes = [
+        i.device_memory
+        for infos in found.values()
+        for i in infos
+        if i.device_memory and i.device_memory >= 1 and str(i.accelerator_name).lower() == gpu.lower()
+    ]
     return min(sizes) if sizes else None  # catalogs list MiB as GiB for some clouds: sizes < 1 are skipped
 
 
@@ -237,25 +258,40 @@ def offers(infra: Mapping[str, Any]) -> list[Offer]:
     if not _has_offline_catalog(provider):
         return []
     acc = node_accelerators(infra)
-    rows = _offer_rows(provider, list(acc) if acc else None, infra.get("cpus"), infra.get("memory"),
-                       bool(infra["use_spot"]), infra.get("region"), infra.get("zone"))
+    rows = _offer_rows(
+        provider,
+        list(acc) if acc else None,
+        infra.get("cpus"),
+        infra.get("memory"),
+        bool(infra["use_spot"]),
+        infra.get("region"),
+        infra.get("zone"),
+    )
     found = [Offer(provider, itype, reg, price, int(infra["nodes"])) for itype, reg, price in rows]
     return sorted(found, key=lambda o: (o.total_hour, o.region, o.instance_type))
 
 
 @remembered
-def _offer_rows(provider: str, acc: Optional[list[Any]], cpus: Any, memory: Any, spot: bool,
-                region: Optional[str], zone: Optional[str]) -> list[tuple[str, str, float]]:
+def _offer_rows(
+    provider: str,
+    acc: Optional[list[Any]],
+    cpus: Any,
+    memory: Any,
+    spot: bool,
+    region: Optional[str],
+    zone: Optional[str],
+) -> list[tuple[str, str, float]]:
     """(instance type, region, $/h per node) of every fit, as SkyPilot's catalog answers."""
     with _sky_quiet():
         cat = _catalog()
         if acc:
-            types, _ = cat.get_instance_type_for_accelerator(acc[0], acc[1], cpus=cpus, memory=memory,
-                                                             use_spot=spot, region=region, zone=zone,
-                                                             clouds=provider)
+            types, _ = cat.get_instance_type_for_accelerator(
+                acc[0], acc[1], cpus=cpus, memory=memory, use_spot=spot, region=region, zone=zone, clouds=provider
+            )
         else:
-            default = cat.get_default_instance_type(cpus=cpus, memory=memory, region=region, zone=zone,
-                                                    use_spot=spot, clouds=provider)
+            default = cat.get_default_instance_type(
+                cpus=cpus, memory=memory, region=region, zone=zone, use_spot=spot, clouds=provider
+            )
             types = [default] if default else []
         found = []
         for itype in types or []:
@@ -279,15 +315,21 @@ def check_credentials(provider: str) -> None:
     if isinstance(reason, dict):
         reason = "; ".join(f"{k}: {v}" for k, v in reason.items())
     detail = " ".join(str(reason or "no credentials").split())
-    raise ConfigError(f"{provider} is not usable: {detail}. Fix: set up {provider} credentials"
-                      f" (docs/providers/{provider}.md), then confirm with `sky check {provider}`")
+    raise ConfigError(
+        f"{provider} is not usable: {detail}. Fix: set up {provider} credentials"
+        f" (docs/providers/{provider}.md), then confirm with `sky check {provider}`"
+    )
 
 
 def format_offers(found: list[Offer], infra: Optional[Mapping[str, Any]] = None) -> str:
     if not found:
-        return "(none in SkyPilot's offline catalog for this provider; Slurm is priced by slurm/pricing.csv, $0 by default)"
+        return (
+            "(none in SkyPilot's offline catalog for this provider; "
+            "Slurm is priced by slurm/pricing.csv, $0 by default)"
+        )
     lines = [f"{'provider':<9} {'instance type':<24} {'region':<14} {'$/h per node':>13} {'$/h total':>10}"]
     for o in found:
-        lines.append(f"{o.provider:<9} {o.instance_type:<24} {o.region:<14} {o.per_node_hour:>13.2f}"
-                     f" {o.total_hour:>10.2f}")
+        lines.append(
+            f"{o.provider:<9} {o.instance_type:<24} {o.region:<14} {o.per_node_hour:>13.2f} {o.total_hour:>10.2f}"
+        )
     return "\n".join(lines)

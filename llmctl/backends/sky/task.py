@@ -20,9 +20,14 @@ BUCKET_MOUNT = "/llmctl-ckpt"
 REMOTE_CONFIG = "~/.llmctl/runs/{run_id}/config.yaml"
 # credentials copied from the launching environment into SkyPilot secrets (never envs, never MLflow)
 SECRET_ENVS = (
-    "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN",
-    "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN",
-    "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
+    "MLFLOW_TRACKING_USERNAME",
+    "MLFLOW_TRACKING_PASSWORD",
+    "MLFLOW_TRACKING_TOKEN",
+    "HF_TOKEN",
+    "HUGGING_FACE_HUB_TOKEN",
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
 )
 
 SETUP = """\
@@ -68,8 +73,9 @@ def parse_accelerators(spec: Optional[str]) -> Optional[tuple[str, int]]:
     try:
         n = int(count) if count else 1
     except ValueError:
-        raise ConfigError(f"Bad value for 'infra.accelerators': '{spec}'. Fix: infra.accelerators=<NAME>:<count>,"
-                          " e.g. H100:8") from None
+        raise ConfigError(
+            f"Bad value for 'infra.accelerators': '{spec}'. Fix: infra.accelerators=<NAME>:<count>, e.g. H100:8"
+        ) from None
     if not name or n < 1:
         raise ConfigError(f"Bad value for 'infra.accelerators': '{spec}'. Fix: e.g. infra.accelerators=H100:8")
     return name, n
@@ -103,8 +109,10 @@ def infra_string(infra: Mapping[str, Any]) -> str:
         parts.append(infra["region"])
     if infra.get("zone"):
         if not infra.get("region"):
-            raise ConfigError("Bad value for 'infra.zone': a zone/partition needs infra.region"
-                              " (Slurm: the cluster name from ~/.slurm/config)")
+            raise ConfigError(
+                "Bad value for 'infra.zone': a zone/partition needs infra.region"
+                " (Slurm: the cluster name from ~/.slurm/config)"
+            )
         parts.append(infra["zone"])
     return "/".join(parts)
 
@@ -147,9 +155,17 @@ def secrets_from(environ: Mapping[str, str], tracking_uri: str) -> dict[str, str
     return secrets
 
 
-def task_config(cfg: Mapping[str, Any], *, run_id: str, tracking_uri: str, experiment_id: str,
-                local_config: str, workdir: str, environ: Optional[Mapping[str, str]] = None,
-                attempt_env: Optional[Mapping[str, str]] = None) -> dict[str, Any]:
+def task_config(
+    cfg: Mapping[str, Any],
+    *,
+    run_id: str,
+    tracking_uri: str,
+    experiment_id: str,
+    local_config: str,
+    workdir: str,
+    environ: Optional[Mapping[str, str]] = None,
+    attempt_env: Optional[Mapping[str, str]] = None,
+) -> dict[str, Any]:
     """The SkyPilot task as a YAML-style dict (``sky.Task.from_yaml_config`` loads it).
 
     ``attempt_env``: the attempt number and the budget guard's inputs (``RunHandle.attempt_env``)."""
@@ -191,6 +207,8 @@ def project_root() -> Path:
     """The source tree that is synced to the nodes as the workdir (a checkout with pyproject.toml)."""
     root = Path(__file__).resolve().parents[2]
     if not (root / "pyproject.toml").is_file() or not (root / "workloads").is_dir():
-        raise ConfigError(f"infra.kind=sky ships this project's source to the nodes, but {root} is not a"
-                          " source checkout. Fix: run llmctl from a clone (pip install -e .)")
+        raise ConfigError(
+            f"infra.kind=sky ships this project's source to the nodes, but {root} is not a"
+            " source checkout. Fix: run llmctl from a clone (pip install -e .)"
+        )
     return root

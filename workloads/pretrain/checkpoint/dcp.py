@@ -23,7 +23,6 @@ which stays right under any resharding.
 from __future__ import annotations
 
 import json
-import os
 import time
 import warnings
 from concurrent.futures import Future
@@ -34,13 +33,20 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from workloads.pretrain.contract.checkpoint_layout import MARKER, fs_and_path, join, latest_complete, list_checkpoints, step_dir
 from workloads.pretrain.components import test_hooks
+from workloads.pretrain.contract.checkpoint_layout import (
+    MARKER,
+    fs_and_path,
+    join,
+    latest_complete,
+    list_checkpoints,
+    step_dir,
+)
 
 # a one-process run saves without a process group on purpose (no_dist=True); DCP warns on every save
-warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
-                        category=UserWarning)
-
+warnings.filterwarnings(
+    "ignore", message="torch.distributed is disabled, unavailable or uninitialized", category=UserWarning
+)
 
 
 def _rng_state() -> dict[str, bytes | None]:
@@ -62,8 +68,7 @@ class Checkpointer:
     ``sampler`` needs ``state_dict``/``load_state_dict``; ``env`` needs ``rank``/``world_size``.
     """
 
-    def __init__(self, cfg: Any, env: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 sampler: Any):
+    def __init__(self, cfg: Any, env: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer, sampler: Any):
         ck = cfg.checkpoint
         self.root = str(ck.dir) if ck.dir else None
         self.every, self.keep, self.async_save = int(ck.every), int(ck.keep), bool(ck.async_save)
@@ -79,8 +84,11 @@ class Checkpointer:
 
     def _state(self, step: int) -> dict[str, Any]:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        return {"model": model_sd, "optim": optim_sd,
-                "train": {"step": step, "sampler": self.sampler.state_dict(), "rng": _rng_state()}}
+        return {
+            "model": model_sd,
+            "optim": optim_sd,
+            "train": {"step": step, "sampler": self.sampler.state_dict(), "rng": _rng_state()},
+        }
 
     def _step_dir(self, step: int) -> str:
         return step_dir(self.root, step)
@@ -103,8 +111,7 @@ class Checkpointer:
             return 0
         state = self._state(0)
         dcp.load(state, checkpoint_id=self._step_dir(step), no_dist=not dist.is_initialized())
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         self.last_committed = step
         self.sampler.load_state_dict(state["train"]["sampler"])
         _set_rng_state(state["train"]["rng"])
@@ -157,7 +164,10 @@ class Checkpointer:
             return
         pause = test_hooks.checkpoint_pause_s()
         if pause > 0:  # test hook: a SIGKILL now leaves step-N written but unmarked
-            print(f"checkpoint | step-{step} written, pausing {pause:g}s before its marker ({test_hooks.CKPT_PAUSE_ENV})", flush=True)
+            print(
+                f"checkpoint | step-{step} written, pausing {pause:g}s before its marker ({test_hooks.CKPT_PAUSE_ENV})",
+                flush=True,
+            )
             time.sleep(pause)
         fs, path = fs_and_path(self._step_dir(step))
         with fs.open(join(path, MARKER), "w") as f:

@@ -24,6 +24,7 @@ import torch
 from workloads.pretrain.checkpoint.hf_load import hf_name
 from workloads.pretrain.contract.shape import hidden_dim
 
+
 def interleaved_to_halves(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Reorder each head's output rows from (x0, x1), (x2, x3)... pairs to [evens..., odds...]."""
     rows, cols = weight.shape
@@ -39,7 +40,8 @@ def hf_config(model_cfg: Any, bos_token_id: Optional[int] = None, eos_token_id: 
     rope = {"rope_type": "default", "rope_theta": float(model_cfg.rope_theta)}
     if scaling:
         rope = {**dict(scaling), "rope_theta": float(model_cfg.rope_theta)}
-    return {**special,
+    return {
+        **special,
         "architectures": ["Qwen2ForCausalLM" if qwen2 else "LlamaForCausalLM"],
         "model_type": "qwen2" if qwen2 else "llama",
         "vocab_size": int(model_cfg.vocab_size),
@@ -72,9 +74,15 @@ def to_hf_state_dict(state: dict[str, torch.Tensor], model_cfg: Any) -> dict[str
     for name, tensor in state.items():
         if name == "output.weight" and model_cfg.tie_embeddings:
             continue  # the embedding, saved once
-        if permute and name.startswith("layers.") and name.split(".", 2)[2].startswith(("attention.wq.", "attention.wk.")):
+        if (
+            permute
+            and name.startswith("layers.")
+            and name.split(".", 2)[2].startswith(("attention.wq.", "attention.wk."))
+        ):
             heads = n_heads if ".wq." in name else n_kv
-            tensor = interleaved_to_halves(tensor if tensor.dim() == 2 else tensor[:, None], heads).reshape(tensor.shape)
+            tensor = interleaved_to_halves(tensor if tensor.dim() == 2 else tensor[:, None], heads).reshape(
+                tensor.shape
+            )
         out[hf_name(name) or name] = tensor
     return {k: v.detach().to("cpu").contiguous() for k, v in out.items()}
 
@@ -91,15 +99,28 @@ def generation_config(bos_token_id: Optional[int], eos_token_id: Optional[int]) 
 def tokenizer_files(tokenizer_file: str | Path, eos_token: str, max_seq_len: int) -> dict[str, str]:
     """``tokenizer.json`` as it is, plus the two small files transformers' ``AutoTokenizer`` reads."""
     special = {"bos_token": eos_token, "eos_token": eos_token}
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", **special, "model_max_length": int(max_seq_len),
-              "clean_up_tokenization_spaces": False}
-    return {"tokenizer.json": Path(tokenizer_file).read_text(), "tokenizer_config.json": json.dumps(config, indent=2),
-            "special_tokens_map.json": json.dumps(special, indent=2)}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        **special,
+        "model_max_length": int(max_seq_len),
+        "clean_up_tokenization_spaces": False,
+    }
+    return {
+        "tokenizer.json": Path(tokenizer_file).read_text(),
+        "tokenizer_config.json": json.dumps(config, indent=2),
+        "special_tokens_map.json": json.dumps(special, indent=2),
+    }
 
 
-def export(state: dict[str, torch.Tensor], model_cfg: Any, out_dir: str | Path,
-           tokenizer_file: Optional[str | Path] = None, eos_token: Optional[str] = None,
-           dtype: torch.dtype = torch.float32, extra_files: Optional[dict[str, str]] = None) -> Path:
+def export(
+    state: dict[str, torch.Tensor],
+    model_cfg: Any,
+    out_dir: str | Path,
+    tokenizer_file: Optional[str | Path] = None,
+    eos_token: Optional[str] = None,
+    dtype: torch.dtype = torch.float32,
+    extra_files: Optional[dict[str, str]] = None,
+) -> Path:
     """Write ``model.safetensors``, ``config.json``, ``generation_config.json`` and, when given, the
     tokenizer (``eos_token``: its end-of-text token, also used as bos) into ``out_dir``, atomically."""
     from safetensors.torch import save_file
@@ -117,8 +138,11 @@ def export(state: dict[str, torch.Tensor], model_cfg: Any, out_dir: str | Path,
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         config = hf_config(model_cfg, eos_id, eos_id)
         config["torch_dtype"] = str(dtype).removeprefix("torch.")
-        files = {"config.json": json.dumps(config, indent=2),
-                 "generation_config.json": json.dumps(generation_config(eos_id, eos_id), indent=2), **(extra_files or {})}
+        files = {
+            "config.json": json.dumps(config, indent=2),
+            "generation_config.json": json.dumps(generation_config(eos_id, eos_id), indent=2),
+            **(extra_files or {}),
+        }
         if tokenizer_file is not None:
             files.update(tokenizer_files(tokenizer_file, eos_token or "", int(model_cfg.max_seq_len)))
         for name, text in files.items():

@@ -23,12 +23,21 @@ from typing import Optional
 import torch
 
 # native FQN (no "layers.N." prefix for per-layer names) -> Hugging Face name
-_TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
-        "output.weight": "lm_head.weight"}
+_TOP = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
 _LAYER = {
-    "attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj", "attention.wv": "self_attn.v_proj",
-    "attention.wo": "self_attn.o_proj", "feed_forward.w1": "mlp.gate_proj", "feed_forward.w3": "mlp.up_proj",
-    "feed_forward.w2": "mlp.down_proj", "attention_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attention.wq": "self_attn.q_proj",
+    "attention.wk": "self_attn.k_proj",
+    "attention.wv": "self_attn.v_proj",
+    "attention.wo": "self_attn.o_proj",
+    "feed_forward.w1": "mlp.gate_proj",
+    "feed_forward.w3": "mlp.up_proj",
+    "feed_forward.w2": "mlp.down_proj",
+    "attention_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
 }
 _LAYER_FQN = re.compile(r"^layers\.(\d+)\.(.+)\.(weight|bias)$")
 
@@ -89,7 +98,9 @@ def load(model: torch.nn.Module, init_from: str, cache_root: Path) -> None:
     from torch.distributed.checkpoint import HuggingFaceStorageReader
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions, get_model_state_dict, set_model_state_dict,
+        StateDictOptions,
+        get_model_state_dict,
+        set_model_state_dict,
     )
 
     path = local_dir(init_from, cache_root)
@@ -97,11 +108,15 @@ def load(model: torch.nn.Module, init_from: str, cache_root: Path) -> None:
     mapping = names(list(state), bool(getattr(model, "tie_embeddings", False)))
     hf_state = {hf: state[fqn] for fqn, hf in mapping.items()}
     try:
-        dcp.load(hf_state, storage_reader=HuggingFaceStorageReader(str(path)),
-                 no_dist=not (dist.is_available() and dist.is_initialized()))
+        dcp.load(
+            hf_state,
+            storage_reader=HuggingFaceStorageReader(str(path)),
+            no_dist=not (dist.is_available() and dist.is_initialized()),
+        )
     except CheckpointException as exc:  # a BaseException: name what is missing, in one line
-        raise ValueError(f"model.init_from={init_from}: the checkpoint does not fit this model: "
-                         f"{' '.join(str(exc).split())[:1500]}") from None
+        raise ValueError(
+            f"model.init_from={init_from}: the checkpoint does not fit this model: {' '.join(str(exc).split())[:1500]}"
+        ) from None
     loaded = {fqn: hf_state[hf] for fqn, hf in mapping.items()}
     set_model_state_dict(model, loaded, options=StateDictOptions(strict=False))
     if getattr(model, "tie_embeddings", False):

@@ -34,8 +34,7 @@ RESERVE_S = 5.0  # at least this long is kept for the last validation pass and t
 
 
 class BudgetGuard:
-    def __init__(self, max_cost: Optional[float], usd_per_hour: float, billing_start: float,
-                 spent_before: float = 0.0):
+    def __init__(self, max_cost: Optional[float], usd_per_hour: float, billing_start: float, spent_before: float = 0.0):
         self.max_cost, self.usd_per_hour = max_cost, usd_per_hour
         self.billing_start, self.spent_before = billing_start, spent_before
         self._last = time.time()
@@ -47,8 +46,12 @@ class BudgetGuard:
             raw = environ.get(key, "")
             return float(raw) if raw.strip() else default
 
-        return cls(num(ENV_MAX_COST, None), num(ENV_PRICE, 0.0) or 0.0,
-                   num(ENV_BILLING_START, time.time()) or time.time(), num(ENV_SPENT, 0.0) or 0.0)
+        return cls(
+            num(ENV_MAX_COST, None),
+            num(ENV_PRICE, 0.0) or 0.0,
+            num(ENV_BILLING_START, time.time()) or time.time(),
+            num(ENV_SPENT, 0.0) or 0.0,
+        )
 
     @property
     def active(self) -> bool:
@@ -78,11 +81,18 @@ class BudgetGuard:
         """Rank 0: say so, and tag the MLflow run for the controller (best-effort)."""
         if not is_main:
             return
-        info = {"step": step, "spent_usd": round(self.spent(), 6), "max_cost_usd": self.max_cost,
-                "usd_per_hour": self.usd_per_hour, "checkpoint": checkpoint}
-        print(f"budget | stopping after step {step}: spent ${info['spent_usd']:.4f} of ${self.max_cost:.4f}"
-              f" at ${self.usd_per_hour:.2f}/h; {'checkpoint saved' if checkpoint else 'no checkpoint.dir'}",
-              flush=True)
+        info = {
+            "step": step,
+            "spent_usd": round(self.spent(), 6),
+            "max_cost_usd": self.max_cost,
+            "usd_per_hour": self.usd_per_hour,
+            "checkpoint": checkpoint,
+        }
+        print(
+            f"budget | stopping after step {step}: spent ${info['spent_usd']:.4f} of ${self.max_cost:.4f}"
+            f" at ${self.usd_per_hour:.2f}/h; {'checkpoint saved' if checkpoint else 'no checkpoint.dir'}",
+            flush=True,
+        )
         run_id = os.environ.get("MLFLOW_RUN_ID")
         if not run_id:
             return
@@ -91,5 +101,8 @@ class BudgetGuard:
 
             MlflowClient().set_tag(run_id, TAG_BUDGET_STOP, json.dumps(info))
         except Exception as e:  # the controller then sees a plain FINISHED run; the log still says why
-            print(f"warning: could not tag the run with the budget stop ({type(e).__name__}: {e})",
-                  file=sys.stderr, flush=True)
+            print(
+                f"warning: could not tag the run with the budget stop ({type(e).__name__}: {e})",
+                file=sys.stderr,
+                flush=True,
+            )

@@ -62,8 +62,9 @@ class MetricSink:
         if not self.active:
             return
         ts = int(time.time() * 1000)
-        self._buffer += [(k, float(v), step, ts) for k, v in metrics.items()
-                         if v is not None and step > self.skip_upto.get(k, -1)]
+        self._buffer += [
+            (k, float(v), step, ts) for k, v in metrics.items() if v is not None and step > self.skip_upto.get(k, -1)
+        ]
 
     def flush(self) -> None:
         if not self.active or not self._buffer:
@@ -79,8 +80,12 @@ class MetricSink:
             for i in range(0, len(points), self.MAX_BATCH):
                 self._log_batch(points[i : i + self.MAX_BATCH])
         except Exception as e:  # tracking is best-effort; the run's stdout still has everything
-            print(f"warning: MLflow log_batch failed ({type(e).__name__}: {e}); dropped "
-                  f"{len(self._buffer)} metric points", file=sys.stderr, flush=True)
+            print(
+                f"warning: MLflow log_batch failed ({type(e).__name__}: {e}); dropped "
+                f"{len(self._buffer)} metric points",
+                file=sys.stderr,
+                flush=True,
+            )
         self._buffer.clear()
 
     LOCKED_RETRIES = 10  # ~1 min of backoff in all
@@ -108,6 +113,8 @@ def format_train_line(step: int, steps: int, m: dict, no_mfu_reason: str = "cpu"
     width = len(str(steps))
     mfu = m.get("perf/mfu")
     mfu_s = f"MFU {100 * mfu:.1f}%" if mfu is not None else f"MFU n/a ({no_mfu_reason})"
-    return (f"step {step:>{width}}/{steps} | loss {m['train/loss']:.4f} | lr {m['train/lr']:.2e} | "
-            f"gnorm {m['train/grad_norm']:.2f} | {m['perf/tokens_per_s']:,.0f} tok/s | "
-            f"{m['perf/tflops']:.2f} TFLOP/s | {mfu_s}")
+    return (
+        f"step {step:>{width}}/{steps} | loss {m['train/loss']:.4f} | lr {m['train/lr']:.2e} | "
+        f"gnorm {m['train/grad_norm']:.2f} | {m['perf/tokens_per_s']:,.0f} tok/s | "
+        f"{m['perf/tflops']:.2f} TFLOP/s | {mfu_s}"
+    )

@@ -42,8 +42,13 @@ class Preempted(Exception):
         self.step, self.checkpoint, self.saved, self.signame, self.note = step, checkpoint, saved, signame, note
 
     def info(self) -> dict[str, Any]:
-        return {"step": self.step, "checkpoint": self.checkpoint, "saved": self.saved,
-                "signal": self.signame, "note": self.note}
+        return {
+            "step": self.step,
+            "checkpoint": self.checkpoint,
+            "saved": self.saved,
+            "signal": self.signame,
+            "note": self.note,
+        }
 
 
 class Preemption:
@@ -71,8 +76,9 @@ class Preemption:
         time left on any rank, the slowest rank's last save.
         """
         left = grace_s - (time.monotonic() - self.signal_at) if self.signal_at is not None else self.NONE
-        t = torch.tensor([1.0 if self.signal_at is not None else 0.0, -left, save_s], dtype=torch.float64,
-                         device=device)
+        t = torch.tensor(
+            [1.0 if self.signal_at is not None else 0.0, -left, save_s], dtype=torch.float64, device=device
+        )
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
         if t[0].item() == 0.0:
@@ -96,12 +102,15 @@ def record(exc: Preempted, is_main: bool) -> None:
             from mlflow.tracking import MlflowClient
 
             MlflowClient().set_tag(run_id, TAG_PREEMPTED, json.dumps(exc.info()))
-        except Exception as e:  # noqa: BLE001 - the controller then reports a failure; the log says why
+        except Exception as e:
             problem = f"warning: could not tag the run as preempted ({type(e).__name__}: {e})"
     ck = f"checkpoint step-{exc.checkpoint}" if exc.checkpoint is not None else "no checkpoint"
     try:
-        print(f"preempt | {exc.signame}: stopped after step {exc.step}; {ck}"
-              f"{' (emergency save)' if exc.saved else ''}{'; ' + exc.note if exc.note else ''}", flush=True)
+        print(
+            f"preempt | {exc.signame}: stopped after step {exc.step}; {ck}"
+            f"{' (emergency save)' if exc.saved else ''}{'; ' + exc.note if exc.note else ''}",
+            flush=True,
+        )
         if problem:
             print(problem, file=sys.stderr, flush=True)
     except OSError:  # a closed pipe (the job step's reader was cancelled first)
@@ -125,8 +134,12 @@ def on_start(is_main: bool, start_step: int, world_size: int) -> dict[str, int]:
         mc = MlflowClient()
         run = mc.get_run(run_id)
         seen = [k for k in run.data.tags if k.startswith(TAG_START_PREFIX)]
-        start = {"time": round(time.time(), 3), "attempt": int(os.environ.get(ENV_ATTEMPT, "1") or 1),
-                 "from_step": start_step, "world_size": world_size}
+        start = {
+            "time": round(time.time(), 3),
+            "attempt": int(os.environ.get(ENV_ATTEMPT, "1") or 1),
+            "from_step": start_step,
+            "world_size": world_size,
+        }
         task_id = os.environ.get("SKYPILOT_TASK_ID")
         tags = {f"{TAG_START_PREFIX}{len(seen) + 1}": json.dumps(start)}
         if task_id:
@@ -140,7 +153,7 @@ def on_start(is_main: bool, start_step: int, world_size: int) -> dict[str, int]:
                 continue  # the launcher's snapshots, re-logged at step 0 by design
             logged[key] = max((m.step for m in mc.get_metric_history(run_id, key)), default=-1)
         return logged
-    except Exception as e:  # noqa: BLE001 - bookkeeping never stops training
+    except Exception as e:
         print(f"warning: run bookkeeping on start failed ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
         return {}
 
@@ -158,7 +171,9 @@ def stop(checkpointer: Any, step: int, save: bool) -> Preempted:
             checkpointer.save(step)
             saved = True
         else:
-            note = (f"emergency save skipped: it would not finish within checkpoint.preempt_grace_s"
-                    f" (last save took {checkpointer.save_s:.1f}s); the previous checkpoint stands")
+            note = (
+                f"emergency save skipped: it would not finish within checkpoint.preempt_grace_s"
+                f" (last save took {checkpointer.save_s:.1f}s); the previous checkpoint stands"
+            )
     checkpointer.close()  # an async save in flight is committed (or never marked) here
     return Preempted(step, checkpointer.last_committed, saved, sig, note)

@@ -39,7 +39,7 @@ def start() -> Optional[Any]:
         monitor = SystemMetricsMonitor(run_id, node_id=node_id(), resume_logging=True)
         monitor.start()
         return monitor
-    except Exception as e:  # noqa: BLE001 - telemetry never stops training
+    except Exception as e:
         print(f"warning: system metrics not started ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
         return None
 

@@ -26,8 +26,10 @@ def _check_overrides(overrides: Sequence[str]) -> None:
         if not eq or not key:
             raise ConfigError(f"'{raw}' is not an override: write key=value (e.g. train.steps=50)")
         if key.lstrip("+~") in SECTIONS or key.lstrip("+~") in LAUNCHER_SECTIONS:
-            raise ConfigError(f"'{raw}': the trainer takes key=value, not presets; compose a config with"
-                              f" `llmctl config show {raw} > run.yaml`, then --config run.yaml")
+            raise ConfigError(
+                f"'{raw}': the trainer takes key=value, not presets; compose a config with"
+                f" `llmctl config show {raw} > run.yaml`, then --config run.yaml"
+            )
 
 
 def load(path: Optional[str], overrides: Sequence[str] = ()) -> Any:
@@ -66,8 +68,9 @@ def plain(cfg: Any) -> dict[str, Any]:
     return cfg
 
 
-def parse_args(parser: argparse.ArgumentParser, argv: Optional[Sequence[str]] = None,
-               config_required: bool = False) -> tuple[argparse.Namespace, Any]:
+def parse_args(
+    parser: argparse.ArgumentParser, argv: Optional[Sequence[str]] = None, config_required: bool = False
+) -> tuple[argparse.Namespace, Any]:
     """Add ``--config PATH [key=value ...]`` to an entry point's parser; returns (args, config)."""
     parser.add_argument("--config", required=config_required, help="resolved config YAML (llmctl writes one per run)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.steps=50")

@@ -62,11 +62,29 @@ def peak_for(name: str, dtype: str) -> Optional[float]:
 # spaces and dashes (so catalog "RTX6000-Ada" and device "NVIDIA RTX 6000 Ada" both match). FP8
 # tensor cores (torch._scaled_mm) need >= 8.9: Ada, Hopper, Blackwell. First match wins.
 COMPUTE_CAPABILITY: list[tuple[str, tuple[int, int]]] = [
-    ("GB200", (10, 0)), ("B200", (10, 0)), ("B100", (10, 0)),
-    ("GH200", (9, 0)), ("H200", (9, 0)), ("H100", (9, 0)), ("H800", (9, 0)), ("H20", (9, 0)),
-    ("L40S", (8, 9)), ("L40", (8, 9)), ("L4", (8, 9)), ("RTX4090", (8, 9)), ("RTX6000Ada", (8, 9)),
-    ("A100", (8, 0)), ("A800", (8, 0)), ("A10G", (8, 6)), ("A10", (8, 6)), ("A40", (8, 6)),
-    ("A6000", (8, 6)), ("RTX3090", (8, 6)), ("T4", (7, 5)), ("V100", (7, 0)), ("P100", (6, 0)),
+    ("GB200", (10, 0)),
+    ("B200", (10, 0)),
+    ("B100", (10, 0)),
+    ("GH200", (9, 0)),
+    ("H200", (9, 0)),
+    ("H100", (9, 0)),
+    ("H800", (9, 0)),
+    ("H20", (9, 0)),
+    ("L40S", (8, 9)),
+    ("L40", (8, 9)),
+    ("L4", (8, 9)),
+    ("RTX4090", (8, 9)),
+    ("RTX6000Ada", (8, 9)),
+    ("A100", (8, 0)),
+    ("A800", (8, 0)),
+    ("A10G", (8, 6)),
+    ("A10", (8, 6)),
+    ("A40", (8, 6)),
+    ("A6000", (8, 6)),
+    ("RTX3090", (8, 6)),
+    ("T4", (7, 5)),
+    ("V100", (7, 0)),
+    ("P100", (6, 0)),
     ("K80", (3, 7)),
 ]
 FP8_MIN_CAPABILITY = (8, 9)
@@ -91,10 +109,14 @@ def fp8_refusal(recipe: str, target: Optional[str], capability: Optional[tuple[i
     if recipe == "none":
         return None
     if target is None:
-        return (f"train.fp8={recipe} needs an FP8 GPU ({FP8_EXAMPLES}); this run targets CPU (no CUDA device). "
-                f"Fix: train.fp8=none")
+        return (
+            f"train.fp8={recipe} needs an FP8 GPU ({FP8_EXAMPLES}); this run targets CPU (no CUDA device). "
+            f"Fix: train.fp8=none"
+        )
     if capability is not None and tuple(capability) < FP8_MIN_CAPABILITY:
-        return (f"train.fp8={recipe} needs an FP8 GPU ({FP8_EXAMPLES}); this run targets {target} (compute "
-                f"capability {capability[0]}.{capability[1]}). Fix: train.fp8=none, or an FP8 GPU "
-                f"(e.g. infra.accelerators=H100:8)")
+        return (
+            f"train.fp8={recipe} needs an FP8 GPU ({FP8_EXAMPLES}); this run targets {target} (compute "
+            f"capability {capability[0]}.{capability[1]}). Fix: train.fp8=none, or an FP8 GPU "
+            f"(e.g. infra.accelerators=H100:8)"
+        )
     return None

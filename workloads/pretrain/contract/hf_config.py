@@ -28,16 +28,20 @@ def read(init_from: str) -> dict[str, Any]:
         with fsspec.open(url, "r") as f:
             return json.load(f)
     except FileNotFoundError:
-        raise ConfigError(f"Bad value for 'model.init_from': no config.json at {url}. Fix: model.init_from="
-                          "<a Hugging Face checkpoint directory: config.json + *.safetensors>") from None
+        raise ConfigError(
+            f"Bad value for 'model.init_from': no config.json at {url}. Fix: model.init_from="
+            "<a Hugging Face checkpoint directory: config.json + *.safetensors>"
+        ) from None
 
 
 def model_fields(hf: Mapping[str, Any], init_from: str) -> dict[str, Any]:
     """The ModelCfg fields ``hf`` (a parsed config.json) stands for."""
     model_type = hf.get("model_type")
     if model_type not in FAMILIES:
-        raise ConfigError(f"Bad value for 'model.init_from': {init_from} is a '{model_type}' model; supported:"
-                          f" {', '.join(FAMILIES)} (Llama 2/3/3.1/3.2, Qwen2/2.5)")
+        raise ConfigError(
+            f"Bad value for 'model.init_from': {init_from} is a '{model_type}' model; supported:"
+            f" {', '.join(FAMILIES)} (Llama 2/3/3.1/3.2, Qwen2/2.5)"
+        )
 
     def refuse(field: str, why: str) -> None:
         raise ConfigError(f"Bad value for 'model.init_from': config.json has {field}={hf.get(field)!r}, {why}")

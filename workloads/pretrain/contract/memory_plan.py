@@ -86,10 +86,12 @@ class MemoryPlan:
     def describe(self) -> str:
         """A short table (GiB per device), for ``llmctl plan``."""
         lay = self.layout
-        head = (f"memory per device (plan): {_gib(self.total)} at the peak, {self.phase}\n"
-                f"  layout dp_replicate {lay.get('dp_replicate')} x dp_shard {lay.get('dp_shard')} x tp "
-                f"{lay.get('tp')}, {lay.get('micro_batches')} micro-batch(es) of {lay.get('micro_batch')} "
-                f"sequence(s){_sync_words(lay)}, ac {lay.get('ac')}, {lay.get('dtype')} on {lay.get('device')}")
+        head = (
+            f"memory per device (plan): {_gib(self.total)} at the peak, {self.phase}\n"
+            f"  layout dp_replicate {lay.get('dp_replicate')} x dp_shard {lay.get('dp_shard')} x tp "
+            f"{lay.get('tp')}, {lay.get('micro_batches')} micro-batch(es) of {lay.get('micro_batch')} "
+            f"sequence(s){_sync_words(lay)}, ac {lay.get('ac')}, {lay.get('dtype')} on {lay.get('device')}"
+        )
         rows = [f"  {_LABELS[p]:<40s} {_gib(getattr(self, p)):>10s}" for p in PARTS if getattr(self, p)]
         note = "  (tensors only: add the CUDA context, workspaces and allocator slack, ~0.5-2 GiB)"
         return "\n".join([head, *rows, f"  {'total':<40s} {_gib(self.total):>10s}", note])
@@ -99,8 +101,11 @@ def _sync_words(lay: dict) -> str:
     """When FSDP reduces the gradients, where micro-batching makes it a choice (parallel.grad_sync)."""
     if (lay.get("micro_batches") or 1) < 2 or (lay.get("dp_replicate") or 1) * (lay.get("dp_shard") or 1) < 2:
         return ""
-    return (" (gradients reduced after each)" if lay.get("grad_sync") == "micro_batch"
-            else " (gradients reduced once, after the last)")
+    return (
+        " (gradients reduced after each)"
+        if lay.get("grad_sync") == "micro_batch"
+        else " (gradients reduced once, after the last)"
+    )
 
 
 def _gib(n: int) -> str:
@@ -112,8 +117,12 @@ def _gib(n: int) -> str:
 
 def _section(cfg: Any, name: str) -> dict[str, Any]:
     """One config section as a plain dict over the schema's defaults (enums as their values)."""
-    defaults = {"model": schema.ModelCfg, "train": schema.TrainCfg, "parallel": schema.ParallelCfg,
-                "data": schema.DataCfg}[name]()
+    defaults = {
+        "model": schema.ModelCfg,
+        "train": schema.TrainCfg,
+        "parallel": schema.ParallelCfg,
+        "data": schema.DataCfg,
+    }[name]()
     part = cfg.get(name) if isinstance(cfg, Mapping) else getattr(cfg, name, None)
     out = {}
     for f in fields(defaults):
@@ -225,14 +234,28 @@ def setup(cfg: Any, world_size: int, device: str = "cuda") -> Setup:
     micro = min(micro, local_batch)
     heads = int(model["n_heads"])
     return Setup(
-        dim=int(model["dim"]), layers=int(model["n_layers"]), heads=heads,
-        kv_heads=int(model["n_kv_heads"] or heads), head_dim=int(model["dim"]) // heads,
-        hidden=shape.hidden_dim(model), vocab=int(model["vocab_size"]), tied=bool(model["tie_embeddings"]),
-        qkv_bias=shape.qkv_bias(model), max_seq_len=int(model["max_seq_len"]),
-        seq=int(train["seq_len"]), micro=micro, micro_batches=local_batch // micro, local_batch=local_batch,
-        dp_replicate=layout["dp_replicate"], dp_shard=layout["dp_shard"], tp=layout["tp"],
-        ac=str(par["ac"]), dtype=str(train["dtype"]), device=device,
-        fused_kernels=str(model["kernels"]) == "fused", rope_interleaved=str(model["rope_layout"]) == "interleaved",
+        dim=int(model["dim"]),
+        layers=int(model["n_layers"]),
+        heads=heads,
+        kv_heads=int(model["n_kv_heads"] or heads),
+        head_dim=int(model["dim"]) // heads,
+        hidden=shape.hidden_dim(model),
+        vocab=int(model["vocab_size"]),
+        tied=bool(model["tie_embeddings"]),
+        qkv_bias=shape.qkv_bias(model),
+        max_seq_len=int(model["max_seq_len"]),
+        seq=int(train["seq_len"]),
+        micro=micro,
+        micro_batches=local_batch // micro,
+        local_batch=local_batch,
+        dp_replicate=layout["dp_replicate"],
+        dp_shard=layout["dp_shard"],
+        tp=layout["tp"],
+        ac=str(par["ac"]),
+        dtype=str(train["dtype"]),
+        device=device,
+        fused_kernels=str(model["kernels"]) == "fused",
+        rope_interleaved=str(model["rope_layout"]) == "interleaved",
         packed=str(data["format"]) == "sft" or bool(data["document_mask"]),
         grad_sync="micro_batch" if str(par["grad_sync"]) == "micro_batch" else "step",
     )
@@ -254,8 +277,17 @@ def param_shapes(s: Setup) -> tuple[list[tuple[int, int]], list[tuple[int, int]]
     """
     t, d, hd = s.tp, s.dim, s.head_dim
     q, kv = _ceil(s.heads * hd, t), _ceil(s.kv_heads * hd, t)
-    block = [(q, d), (kv, d), (kv, d), (d, q), (_ceil(s.hidden, t), d), (d, _ceil(s.hidden, t)),
-             (_ceil(s.hidden, t), d), (d, 1), (d, 1)]
+    block = [
+        (q, d),
+        (kv, d),
+        (kv, d),
+        (d, q),
+        (_ceil(s.hidden, t), d),
+        (d, _ceil(s.hidden, t)),
+        (_ceil(s.hidden, t), d),
+        (d, 1),
+        (d, 1),
+    ]
     if s.qkv_bias:
         block += [(q, 1), (kv, 1), (kv, 1)]
     root = [(_ceil(s.vocab, t), d), (d, 1)]
@@ -426,8 +458,17 @@ def plan_memory(cfg: Any, world_size: int, device: str = "cuda") -> MemoryPlan:
     """
     s = setup(cfg, world_size, device)
     ledger = _walk_step(s)
-    layout = {"dp_replicate": s.dp_replicate, "dp_shard": s.dp_shard, "tp": s.tp, "micro_batch": s.micro,
-              "micro_batches": s.micro_batches, "grad_sync": s.grad_sync, "ac": s.ac, "dtype": s.dtype, "device": s.device}
+    layout = {
+        "dp_replicate": s.dp_replicate,
+        "dp_shard": s.dp_shard,
+        "tp": s.tp,
+        "micro_batch": s.micro,
+        "micro_batches": s.micro_batches,
+        "grad_sync": s.grad_sync,
+        "ac": s.ac,
+        "dtype": s.dtype,
+        "device": s.device,
+    }
     return MemoryPlan(**{p: round(ledger.best[p]) for p in PARTS}, phase=ledger.phase, layout=layout)
 
 
@@ -450,7 +491,8 @@ def _walk_step(s: Setup) -> _Peak:
     # AdamW: exp_avg and exp_avg_sq in fp32, and a scalar step count per parameter tensor (fused
     # AdamW keeps it on the device: a 512-byte block there)
     now["optimizer"] = 2 * 4 * (L * shard_block + shard_root) + (512 if s.device == "cuda" else 4) * (
-        L * len(block_p) + len(root_p))
+        L * len(block_p) + len(root_p)
+    )
     now["activations"] = 2 * 8 * s.local_batch * s.seq  # token ids and targets of the whole local batch
 
     casts = weight_casts(s)

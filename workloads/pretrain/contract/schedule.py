@@ -34,7 +34,11 @@ def _has(cfg: Any, key: str) -> bool:
 
 def lr_factor(step: int, train_cfg: Any) -> float:
     """Multiplier of ``train.lr`` for optimizer step ``step`` (1-based). Resuming needs no state."""
-    warmup, total, floor = int(_get(train_cfg, "warmup_steps")), horizon(train_cfg), float(_get(train_cfg, "min_lr_ratio"))
+    warmup, total, floor = (
+        int(_get(train_cfg, "warmup_steps")),
+        horizon(train_cfg),
+        float(_get(train_cfg, "min_lr_ratio")),
+    )
     schedule = _get(train_cfg, "schedule")
     schedule = getattr(schedule, "value", schedule)
     if step <= warmup:
@@ -68,15 +72,21 @@ def extension(old: Mapping[str, Any], new: Mapping[str, Any], from_step: int) ->
         return None, ""
     lr = float(new["lr"])
     if agrees(old, new, from_step):
-        return None, (f"the LR schedule now ends at step {new_h} (was {old_h}); it agrees with the old one up to"
-                      f" step {from_step}, so the learning rate continues without a jump")
+        return None, (
+            f"the LR schedule now ends at step {new_h} (was {old_h}); it agrees with the old one up to"
+            f" step {from_step}, so the learning rate continues without a jump"
+        )
     if new.get("schedule_steps"):  # the user asked for the new horizon by name: do it, and say what it costs
         before, after = lr * lr_factor(from_step, old), lr * lr_factor(from_step + 1, new)
-        return None, (f"train.schedule_steps={new_h}: the LR schedule is re-planned; the learning rate jumps from"
-                      f" {before:.2e} (step {from_step}) to {after:.2e} (step {from_step + 1})")
+        return None, (
+            f"train.schedule_steps={new_h}: the LR schedule is re-planned; the learning rate jumps from"
+            f" {before:.2e} (step {from_step}) to {after:.2e} (step {from_step + 1})"
+        )
     pinned = {**new, "schedule_steps": old_h}
     tail = f"{lr * lr_factor(max(new_h, old_h), pinned):.2e}"
-    return old_h, (f"train.steps {old_h} -> {int(new['steps'])}: the LR schedule keeps its horizon of {old_h}"
-                   f" steps, so the learning rate does not jump (after step {old_h} it stays at {tail}). To re-plan"
-                   f" the decay over the new length, add train.schedule_steps={int(new['steps'])} (the learning rate"
-                   f" then jumps at the resume); schedule=wsd extends cleanly while still in its stable phase")
+    return old_h, (
+        f"train.steps {old_h} -> {int(new['steps'])}: the LR schedule keeps its horizon of {old_h}"
+        f" steps, so the learning rate does not jump (after step {old_h} it stays at {tail}). To re-plan"
+        f" the decay over the new length, add train.schedule_steps={int(new['steps'])} (the learning rate"
+        f" then jumps at the resume); schedule=wsd extends cleanly while still in its stable phase"
+    )

@@ -63,4 +63,6 @@ def flops_per_token(model: Any, seq_len: int) -> int:
     PaLM appendix B / nanoGPT / torchtitan; N excludes the input embedding.
     """
     heads = int(_get(model, "n_heads"))
-    return 6 * num_params(model) + 12 * int(_get(model, "n_layers")) * heads * (int(_get(model, "dim")) // heads) * seq_len
+    return (
+        6 * num_params(model) + 12 * int(_get(model, "n_layers")) * heads * (int(_get(model, "dim")) // heads) * seq_len
+    )

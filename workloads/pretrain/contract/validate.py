@@ -23,46 +23,82 @@ def validate(cfg: dict[str, Any]) -> None:
     """Value ranges and cross-key consistency of the trainer's sections of a resolved config."""
     model, data, train = cfg["model"], cfg["data"], cfg["train"]
     for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "max_seq_len", "multiple_of"):
-        _require(model[key] > 0, f"model.{key}", f"must be a positive integer, got {model[key]}. Fix: model.{key}=<n > 0>")
-    _require(model["dim"] % model["n_heads"] == 0, "model.dim",
-             f"{model['dim']} is not divisible by model.n_heads={model['n_heads']}")
-    _require(model["n_heads"] % model["n_kv_heads"] == 0, "model.n_kv_heads",
-             f"model.n_heads={model['n_heads']} must be a multiple of n_kv_heads={model['n_kv_heads']}")
-    _require(model.get("hidden_dim") is None or model["hidden_dim"] > 0, "model.hidden_dim",
-             "must be a positive integer, or null for Llama's rule")
+        _require(
+            model[key] > 0, f"model.{key}", f"must be a positive integer, got {model[key]}. Fix: model.{key}=<n > 0>"
+        )
+    _require(
+        model["dim"] % model["n_heads"] == 0,
+        "model.dim",
+        f"{model['dim']} is not divisible by model.n_heads={model['n_heads']}",
+    )
+    _require(
+        model["n_heads"] % model["n_kv_heads"] == 0,
+        "model.n_kv_heads",
+        f"model.n_heads={model['n_heads']} must be a multiple of n_kv_heads={model['n_kv_heads']}",
+    )
+    _require(
+        model.get("hidden_dim") is None or model["hidden_dim"] > 0,
+        "model.hidden_dim",
+        "must be a positive integer, or null for Llama's rule",
+    )
     scaling = model.get("rope_scaling")
     keys = ("rope_type", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-    _require(not scaling or (scaling.get("rope_type") == "llama3" and all(k in scaling for k in keys)),
-             "model.rope_scaling", f"only Llama 3.1's scaling is supported: null or {{{', '.join(keys)}}} with"
-             " rope_type=llama3")
+    _require(
+        not scaling or (scaling.get("rope_type") == "llama3" and all(k in scaling for k in keys)),
+        "model.rope_scaling",
+        f"only Llama 3.1's scaling is supported: null or {{{', '.join(keys)}}} with rope_type=llama3",
+    )
     for key in ("steps", "batch_size", "seq_len", "log_every", "val_batches"):
-        _require(train[key] > 0, f"train.{key}", f"must be a positive integer, got {train[key]}. Fix: train.{key}=<n > 0>")
+        _require(
+            train[key] > 0, f"train.{key}", f"must be a positive integer, got {train[key]}. Fix: train.{key}=<n > 0>"
+        )
     _require(train["val_every"] >= 0, "train.val_every", "must be >= 0 (0: validate only at the start and the end)")
     _require(train["warmup_steps"] >= 0, "train.warmup_steps", "must be >= 0")
     _require(train["lr"] > 0, "train.lr", f"must be > 0, got {train['lr']}. Fix: train.lr=3e-4")
     _require(0 <= train["min_lr_ratio"] <= 1, "train.min_lr_ratio", "must lie in [0, 1]")
     _require(train["grad_clip"] >= 0, "train.grad_clip", "must be >= 0 (0 disables clipping)")
-    _require(train["seq_len"] <= model["max_seq_len"], "train.seq_len",
-             f"{train['seq_len']} exceeds model.max_seq_len={model['max_seq_len']} of model '{model['name']}'")
-    _require(bool(data["source"]), "data.source",
-             "no text to train on. Fix: data.source=<fsspec URL or glob>, e.g. data.source='s3://bucket/corpus/*.jsonl'")
+    _require(
+        train["seq_len"] <= model["max_seq_len"],
+        "train.seq_len",
+        f"{train['seq_len']} exceeds model.max_seq_len={model['max_seq_len']} of model '{model['name']}'",
+    )
+    _require(
+        bool(data["source"]),
+        "data.source",
+        "no text to train on. Fix: data.source=<fsspec URL or glob>, e.g. data.source='s3://bucket/corpus/*.jsonl'",
+    )
     _require(0 < data["val_fraction"] < 1, "data.val_fraction", f"must lie in (0, 1), got {data['val_fraction']}")
-    _require(getattr(data.get("format"), "value", data.get("format")) != "sft" or data["source"] != "builtin:pydoc", "data.format",
-             "sft reads your fine-tuning records, not the bundled corpus. Fix: data.source=<.jsonl of "
-             "{\"messages\": [...]} or {\"prompt\": ..., \"completion\": ...} records> (or data=sft)")
+    _require(
+        getattr(data.get("format"), "value", data.get("format")) != "sft" or data["source"] != "builtin:pydoc",
+        "data.format",
+        "sft reads your fine-tuning records, not the bundled corpus. Fix: data.source=<.jsonl of "
+        '{"messages": [...]} or {"prompt": ..., "completion": ...} records> (or data=sft)',
+    )
     if not data.get("tokenizer"):  # a BPE of data.vocab_size trained here (a given one is checked when loaded)
-        _require(2 <= data["vocab_size"] <= model["vocab_size"], "data.vocab_size",
-                 f"the tokenizer's {data['vocab_size']} tokens must fit model.vocab_size={model['vocab_size']}")
-        _require(data["vocab_size"] <= 65535 or data["source"] != "builtin:pydoc", "data.vocab_size",
-                 "the bundled corpus supports at most 65535 tokens")
+        _require(
+            2 <= data["vocab_size"] <= model["vocab_size"],
+            "data.vocab_size",
+            f"the tokenizer's {data['vocab_size']} tokens must fit model.vocab_size={model['vocab_size']}",
+        )
+        _require(
+            data["vocab_size"] <= 65535 or data["source"] != "builtin:pydoc",
+            "data.vocab_size",
+            "the bundled corpus supports at most 65535 tokens",
+        )
     fp8 = getattr(train.get("fp8"), "value", train.get("fp8")) or "none"
     if fp8 != "none":
         dtype = getattr(train["dtype"], "value", train["dtype"])
-        _require(dtype == "bf16", "train.fp8",
-                 f"{fp8} runs the matmuls in FP8 over bf16 autocast, but train.dtype={dtype}. Fix: add train.dtype=bf16")
-        _require(cfg["parallel"]["tp"] == 1, "train.fp8",
-                 f"FP8 with tensor parallelism (parallel.tp={cfg['parallel']['tp']}) is not supported yet. "
-                 "Fix: parallel.tp=1 (FSDP shards any size), or train.fp8=none")
+        _require(
+            dtype == "bf16",
+            "train.fp8",
+            f"{fp8} runs the matmuls in FP8 over bf16 autocast, but train.dtype={dtype}. Fix: add train.dtype=bf16",
+        )
+        _require(
+            cfg["parallel"]["tp"] == 1,
+            "train.fp8",
+            f"FP8 with tensor parallelism (parallel.tp={cfg['parallel']['tp']}) is not supported yet. "
+            "Fix: parallel.tp=1 (FSDP shards any size), or train.fp8=none",
+        )
     ckpt = cfg["checkpoint"]
     _require(ckpt["every"] >= 0, "checkpoint.every", "must be >= 0 (0 saves only at the end)")
     _require(ckpt["keep"] >= 1, "checkpoint.keep", "must keep at least 1 checkpoint")
@@ -77,19 +113,27 @@ def check_static_layout(cfg: dict[str, Any]) -> None:
     _require(rep >= 1, "parallel.dp_replicate", f"must be >= 1, got {rep}")
     _require(shard >= 1 or shard == -1, "parallel.dp_shard", f"must be >= 1 or -1 (all remaining devices), got {shard}")
     for key in ("n_heads", "n_kv_heads"):
-        _require(model[key] % tp == 0, "parallel.tp",
-                 f"tp={tp} must divide model.{key}={model[key]}; choose a divisor of {model[key]}")
+        _require(
+            model[key] % tp == 0,
+            "parallel.tp",
+            f"tp={tp} must divide model.{key}={model[key]}; choose a divisor of {model[key]}",
+        )
     dp = rep * (shard if shard > 0 else 1)
-    _require(train["batch_size"] % dp == 0, "train.batch_size",
-             f"{train['batch_size']} sequences cannot be split over {dp} data-parallel ranks;"
-             f" use a multiple of {dp}")
+    _require(
+        train["batch_size"] % dp == 0,
+        "train.batch_size",
+        f"{train['batch_size']} sequences cannot be split over {dp} data-parallel ranks; use a multiple of {dp}",
+    )
     micro = train.get("micro_batch_size")
     if micro is not None:
         _require(micro > 0, "train.micro_batch_size", f"must be a positive integer or null, got {micro}")
         local = train["batch_size"] // dp
-        _require(local % micro == 0, "train.micro_batch_size",
-                 f"{micro} does not divide the {local} sequences each of {dp} data-parallel rank(s) takes per "
-                 f"step (train.batch_size={train['batch_size']}); use a divisor of {local}")
+        _require(
+            local % micro == 0,
+            "train.micro_batch_size",
+            f"{micro} does not divide the {local} sequences each of {dp} data-parallel rank(s) takes per "
+            f"step (train.batch_size={train['batch_size']}); use a divisor of {local}",
+        )
 
 
 def resolve_layout(cfg: dict[str, Any], world_size: int) -> dict[str, int]:
@@ -97,12 +141,18 @@ def resolve_layout(cfg: dict[str, Any], world_size: int) -> dict[str, int]:
     par = cfg["parallel"]
     tp, rep, shard = par["tp"], par["dp_replicate"], par["dp_shard"]
     if shard == -1:
-        _require(world_size % (rep * tp) == 0, "parallel.dp_shard",
-                 f"{world_size} processes cannot be split into dp_replicate={rep} x tp={tp}")
+        _require(
+            world_size % (rep * tp) == 0,
+            "parallel.dp_shard",
+            f"{world_size} processes cannot be split into dp_replicate={rep} x tp={tp}",
+        )
         shard = world_size // (rep * tp)
-    _require(rep * shard * tp == world_size, "parallel",
-             f"dp_replicate={rep} x dp_shard={shard} x tp={tp} = {rep * shard * tp}"
-             f" but the job has {world_size} processes; make the product equal the process count")
+    _require(
+        rep * shard * tp == world_size,
+        "parallel",
+        f"dp_replicate={rep} x dp_shard={shard} x tp={tp} = {rep * shard * tp}"
+        f" but the job has {world_size} processes; make the product equal the process count",
+    )
     layout = {"dp_replicate": rep, "dp_shard": shard, "tp": tp}
     check_static_layout({**cfg, "parallel": {**par, **layout}})
     return layout

@@ -29,11 +29,17 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 
+from workloads.pretrain.data.chat import ChatTemplate, ExampleError, encode_example, load_chat_template
 from workloads.pretrain.data.sources import (
-    BUILTIN_SOURCE, CORPUS_VERSION, SourceFile, builtin_pydoc_texts, file_records, file_texts, list_source_files,
+    BUILTIN_SOURCE,
+    CORPUS_VERSION,
+    SourceFile,
+    builtin_pydoc_texts,
+    file_records,
+    file_texts,
+    list_source_files,
     source_files,
 )
-from workloads.pretrain.data.chat import ChatTemplate, ExampleError, encode_example, load_chat_template
 from workloads.pretrain.data.tokenizer import EOT, load_pretrained, train_tokenizer
 
 _LOCK_STALE_S = 3600.0
@@ -65,8 +71,12 @@ def _format(data_cfg: Any) -> str:
     return getattr(fmt, "value", fmt)
 
 
-def cache_key(data_cfg: Any, files: list[SourceFile] | None = None, pretrained: str | None = None,
-              chat_template: str | None = None) -> str:
+def cache_key(
+    data_cfg: Any,
+    files: list[SourceFile] | None = None,
+    pretrained: str | None = None,
+    chat_template: str | None = None,
+) -> str:
     """What the cached tokens depend on: the source and, for files, every file's URL, size and
     ETag/mtime; vocab size (or the pretrained tokenizer's own text); text field; tokenizers version;
     for fine-tuning data its format and the chat template. Builtin: fixed per Python version."""
@@ -76,9 +86,15 @@ def cache_key(data_cfg: Any, files: list[SourceFile] | None = None, pretrained: 
     if not builtin and files is None:
         files = list_source_files(data_cfg.source)
     if _format(data_cfg) == "sft":
-        ident = {"format": "sft", "pretrained": pretrained, "chat_template": chat_template,
-                 "vocab_size": None if pretrained else int(data_cfg.vocab_size), "corpus_version": CORPUS_VERSION,
-                 "tokenizers": tokenizers.__version__, "files": [[f.url, f.size, f.version] for f in files or []]}
+        ident = {
+            "format": "sft",
+            "pretrained": pretrained,
+            "chat_template": chat_template,
+            "vocab_size": None if pretrained else int(data_cfg.vocab_size),
+            "corpus_version": CORPUS_VERSION,
+            "tokenizers": tokenizers.__version__,
+            "files": [[f.url, f.size, f.version] for f in files or []],
+        }
         digest = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
         return f"{data_cfg.name}-sft-{digest}"
     if pretrained is not None:
@@ -98,10 +114,15 @@ def cache_key(data_cfg: Any, files: list[SourceFile] | None = None, pretrained: 
 
 
 def _ident_digest(data_cfg: Any, files: list[SourceFile] | None, builtin: bool, version: str, tokenizer: str) -> str:
-    ident = {"source": data_cfg.source, "tokenizer": tokenizer, "corpus_version": CORPUS_VERSION, "tokenizers": version,
-             "python": platform.python_version() if builtin else None,
-             "text_field": None if builtin else data_cfg.text_field,
-             "files": None if builtin else [[f.url, f.size, f.version] for f in files or []]}
+    ident = {
+        "source": data_cfg.source,
+        "tokenizer": tokenizer,
+        "corpus_version": CORPUS_VERSION,
+        "tokenizers": version,
+        "python": platform.python_version() if builtin else None,
+        "text_field": None if builtin else data_cfg.text_field,
+        "files": None if builtin else [[f.url, f.size, f.version] for f in files or []],
+    }
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -152,12 +173,15 @@ class Corpus:
         n = len(self.offsets) - 1
         n_val = int(n * val_fraction)
         if n_val <= 0 or n_val >= n:
-            raise ValueError(f"data.val_fraction={val_fraction} of {n} examples leaves no validation or no "
-                             f"training examples")
+            raise ValueError(
+                f"data.val_fraction={val_fraction} of {n} examples leaves no validation or no training examples"
+            )
         pad = self.eos_id
         cut = n - n_val
-        return (PackedExamples(self.tokens, self.mask, self.offsets[: cut + 1], seq_len, pad),
-                PackedExamples(self.tokens, self.mask, self.offsets[cut:], seq_len, pad))
+        return (
+            PackedExamples(self.tokens, self.mask, self.offsets[: cut + 1], seq_len, pad),
+            PackedExamples(self.tokens, self.mask, self.offsets[cut:], seq_len, pad),
+        )
 
 
 def prepare_corpus(data_cfg: Any, *, timeout_s: float = 1800.0) -> Corpus:
@@ -169,8 +193,10 @@ def prepare_corpus(data_cfg: Any, *, timeout_s: float = 1800.0) -> Corpus:
     pretrained = load_pretrained(spec) if spec else None
     sft = _format(data_cfg) == "sft"
     if sft and files is None:
-        raise ValueError("data.format=sft needs data.source=<.jsonl files of 'messages' or 'prompt'/'completion' "
-                         "records>, not the bundled corpus")
+        raise ValueError(
+            "data.format=sft needs data.source=<.jsonl files of 'messages' or 'prompt'/'completion' "
+            "records>, not the bundled corpus"
+        )
     template = load_chat_template(spec) if sft else None
     key = cache_key(data_cfg, files, pretrained[2] if pretrained else None, template.source if template else None)
     final = cache_root(data_cfg) / key
@@ -248,8 +274,9 @@ def _batched(it: Iterable[str], n: int) -> Iterator[list[str]]:
         yield batch
 
 
-def _build(data_cfg: Any, out: Path, files: list[SourceFile] | None = None,
-           pretrained: tuple[Any, str, str] | None = None) -> None:
+def _build(
+    data_cfg: Any, out: Path, files: list[SourceFile] | None = None, pretrained: tuple[Any, str, str] | None = None
+) -> None:
     """Train the BPE on the source (unless a pretrained tokenizer is given), then stream the source
     through the tokenizer into ``tokens.npy``, each document followed by the end-of-text token.
 
@@ -281,8 +308,10 @@ def _build(data_cfg: Any, out: Path, files: list[SourceFile] | None = None,
                 n_docs += 1
                 n_chars += len(text)
     if n_chars == 0:
-        raise ValueError(f"data.source={data_cfg.source!r}: its files hold no text "
-                         f"(empty files, or empty data.text_field={data_cfg.text_field!r} values)")
+        raise ValueError(
+            f"data.source={data_cfg.source!r}: its files hold no text "
+            f"(empty files, or empty data.text_field={data_cfg.text_field!r} values)"
+        )
     arr = np.lib.format.open_memmap(out / "tokens.npy", mode="w+", dtype=dtype, shape=(n_tokens,))
     src = np.memmap(raw, dtype=dtype, mode="r", shape=(n_tokens,)) if n_tokens else np.empty(0, dtype)
     for i in range(0, n_tokens, 1 << 24):
@@ -311,8 +340,13 @@ def _build(data_cfg: Any, out: Path, files: list[SourceFile] | None = None,
     (out / "meta.json").write_text(json.dumps(meta, indent=2))
 
 
-def _build_sft(data_cfg: Any, out: Path, files: list[SourceFile], pretrained: tuple[Any, str, str] | None,
-               template: ChatTemplate | None) -> None:
+def _build_sft(
+    data_cfg: Any,
+    out: Path,
+    files: list[SourceFile],
+    pretrained: tuple[Any, str, str] | None,
+    template: ChatTemplate | None,
+) -> None:
     """Encode each fine-tuning record (``chat.encode_example``) into ``tokens.npy`` (the examples one
     after another), ``mask.npy`` (1 where a token is a target) and ``offsets.npy`` (example bounds).
 
@@ -320,10 +354,12 @@ def _build_sft(data_cfg: Any, out: Path, files: list[SourceFile], pretrained: tu
     """
     t0 = time.time()
     if pretrained is None:
+
         def texts():
             for _, rec in file_records(files):
                 if isinstance(rec, dict) and "prompt" in rec:
                     yield f"{rec.get('prompt', '')}{rec.get('completion', '')}"
+
         tok, eos = train_tokenizer(texts(), int(data_cfg.vocab_size)), EOT
     else:
         tok, eos, _ = pretrained
@@ -338,8 +374,10 @@ def _build_sft(data_cfg: Any, out: Path, files: list[SourceFile], pretrained: tu
         offsets.append(offsets[-1] + len(ids))
         targets += int(mask[1:].sum())
     if len(offsets) < 3:
-        raise ValueError(f"data.source={data_cfg.source!r}: {len(offsets) - 1} fine-tuning example(s); need at "
-                         f"least 2 (one for validation)")
+        raise ValueError(
+            f"data.source={data_cfg.source!r}: {len(offsets) - 1} fine-tuning example(s); need at "
+            f"least 2 (one for validation)"
+        )
     dtype = np.uint16 if tok.get_vocab_size() <= np.iinfo(np.uint16).max + 1 else np.uint32
     np.save(out / "tokens.npy", np.concatenate(ids_parts).astype(dtype))
     np.save(out / "mask.npy", np.concatenate(mask_parts))
@@ -348,12 +386,20 @@ def _build_sft(data_cfg: Any, out: Path, files: list[SourceFile], pretrained: tu
         tok.save(str(out / "tokenizer.json"))
     else:
         (out / "tokenizer.json").write_text(pretrained[2], encoding="utf-8")
-    meta = {"source": data_cfg.source, "format": "sft",
-            "files": [{"url": f.url, "size": f.size, "version": f.version} for f in files],
-            "vocab_size": tok.get_vocab_size(), "examples": len(offsets) - 1, "tokens": offsets[-1],
-            "target_tokens": targets, "tokenizer": getattr(data_cfg, "tokenizer", None), "eos_token": eos,
-            "chat_template": template is not None, "corpus_version": CORPUS_VERSION,
-            "build_seconds": round(time.time() - t0, 2)}
+    meta = {
+        "source": data_cfg.source,
+        "format": "sft",
+        "files": [{"url": f.url, "size": f.size, "version": f.version} for f in files],
+        "vocab_size": tok.get_vocab_size(),
+        "examples": len(offsets) - 1,
+        "tokens": offsets[-1],
+        "target_tokens": targets,
+        "tokenizer": getattr(data_cfg, "tokenizer", None),
+        "eos_token": eos,
+        "chat_template": template is not None,
+        "corpus_version": CORPUS_VERSION,
+        "build_seconds": round(time.time() - t0, 2),
+    }
     (out / "meta.json").write_text(json.dumps(meta, indent=2))
 
 
@@ -373,7 +419,9 @@ def _build_once(final: Path, build, timeout_s: float) -> bool:
             if _lock_is_stale(lock):
                 lock.unlink(missing_ok=True)
             elif time.monotonic() > deadline:
-                raise TimeoutError(f"waited {timeout_s:.0f}s for another process to build {final} (lock {lock})")
+                raise TimeoutError(
+                    f"waited {timeout_s:.0f}s for another process to build {final} (lock {lock})"
+                ) from None
             else:
                 time.sleep(0.2)
             continue

@@ -35,8 +35,12 @@ class ChatTemplate:
     eos_token: str = ""
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
-        return _compiled(self.source).render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                             bos_token=self.bos_token, eos_token=self.eos_token)
+        return _compiled(self.source).render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token,
+            eos_token=self.eos_token,
+        )
 
 
 _TEMPLATES: dict[str, Any] = {}
@@ -66,8 +70,7 @@ def _compiled(source: str):
 
             return datetime.datetime.now().strftime(fmt)
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=[Generation, loopcontrols])
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])
         env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, ensure_ascii=False, indent=indent)
         env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now)
         _TEMPLATES[source] = env.from_string(source)
@@ -115,18 +118,23 @@ def assistant_spans(template: ChatTemplate, messages: list[dict]) -> tuple[str, 
         end = len(template.render(messages[: i + 1]))
         prefix = template.render(messages[: i + 1])
         if not text.startswith(prefix) or not prefix.startswith(text[:start]):
-            raise ExampleError("the tokenizer's chat template renders a conversation's first turns differently "
-                               "from the whole conversation, so its assistant turns cannot be located")
+            raise ExampleError(
+                "the tokenizer's chat template renders a conversation's first turns differently "
+                "from the whole conversation, so its assistant turns cannot be located"
+            )
         spans.append((start, end))
     return text, spans
 
 
-def encode_example(record: Any, tokenizer: Any, eos_id: int, template: Optional[ChatTemplate],
-                   where: str) -> tuple[np.ndarray, np.ndarray]:
+def encode_example(
+    record: Any, tokenizer: Any, eos_id: int, template: Optional[ChatTemplate], where: str
+) -> tuple[np.ndarray, np.ndarray]:
     """(ids, mask): mask[i] is 1 where token i is a training target."""
     if not isinstance(record, dict) or not ("messages" in record or "prompt" in record):
-        raise ExampleError(f"{where}: a fine-tuning record needs 'messages' (a chat) or 'prompt' and "
-                           f"'completion'; got {sorted(record) if isinstance(record, dict) else type(record).__name__}")
+        raise ExampleError(
+            f"{where}: a fine-tuning record needs 'messages' (a chat) or 'prompt' and "
+            f"'completion'; got {sorted(record) if isinstance(record, dict) else type(record).__name__}"
+        )
     if "messages" in record:
         messages = record["messages"]
         if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
@@ -134,9 +142,11 @@ def encode_example(record: Any, tokenizer: Any, eos_id: int, template: Optional[
         if not any(m["role"] == "assistant" for m in messages):
             raise ExampleError(f"{where}: no assistant message, so nothing to learn from this conversation")
         if template is None:
-            raise ExampleError(f"{where}: chat 'messages' need a tokenizer with a chat template: set data.tokenizer="
-                               "<Hugging Face tokenizer directory whose tokenizer_config.json has chat_template> "
-                               "(model.init_from's checkpoint usually has one), or use prompt/completion records")
+            raise ExampleError(
+                f"{where}: chat 'messages' need a tokenizer with a chat template: set data.tokenizer="
+                "<Hugging Face tokenizer directory whose tokenizer_config.json has chat_template> "
+                "(model.init_from's checkpoint usually has one), or use prompt/completion records"
+            )
         try:
             text, spans = assistant_spans(template, messages)
         except ExampleError as e:

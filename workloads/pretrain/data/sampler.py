@@ -44,11 +44,20 @@ class Batch:
         global count of targets, so their losses add up to the step's."""
         if not micro_batch_size or micro_batch_size >= self.inputs.shape[0]:
             return [self]
-        parts = [t.split(micro_batch_size) if t is not None else None
-                 for t in (self.inputs, self.targets, self.positions, self.doc_ids)]
-        return [Batch(parts[0][i], parts[1][i], self.global_targets,
-                      parts[2][i] if parts[2] else None, parts[3][i] if parts[3] else None)
-                for i in range(len(parts[0]))]
+        parts = [
+            t.split(micro_batch_size) if t is not None else None
+            for t in (self.inputs, self.targets, self.positions, self.doc_ids)
+        ]
+        return [
+            Batch(
+                parts[0][i],
+                parts[1][i],
+                self.global_targets,
+                parts[2][i] if parts[2] else None,
+                parts[3][i] if parts[3] else None,
+            )
+            for i in range(len(parts[0]))
+        ]
 
     def model_kwargs(self) -> dict:
         """The packing arguments of ``Transformer.forward`` (none for plain windows)."""
@@ -170,8 +179,15 @@ class Sampler:
     takes the contiguous slice [r * local, (r + 1) * local). ``state_dict`` is that one counter.
     """
 
-    def __init__(self, data: Union[np.ndarray, Sequences], seq_len: int, global_batch_size: int, seed: int,
-                 dp_rank: int = 0, dp_size: int = 1):
+    def __init__(
+        self,
+        data: Union[np.ndarray, Sequences],
+        seq_len: int,
+        global_batch_size: int,
+        seed: int,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+    ):
         if global_batch_size % dp_size:
             raise ValueError(f"train.batch_size={global_batch_size} is not divisible by {dp_size} data-parallel ranks")
         self.sequences = _as_sequences(data, seq_len)
@@ -212,8 +228,15 @@ class Sampler:
         self.consumed = int(state["consumed"])
 
 
-def val_batches(data: Union[np.ndarray, Sequences], seq_len: int, global_batch_size: int, n_batches: int,
-                dp_rank: int = 0, dp_size: int = 1, device="cpu") -> list[Batch]:
+def val_batches(
+    data: Union[np.ndarray, Sequences],
+    seq_len: int,
+    global_batch_size: int,
+    n_batches: int,
+    dp_rank: int = 0,
+    dp_size: int = 1,
+    device="cpu",
+) -> list[Batch]:
     """The fixed validation set: the first ``n_batches * global_batch_size`` sequences, in order.
 
     Returns this rank's slice of each batch. Fewer batches are used if the split is short.

@@ -57,7 +57,17 @@ def _format_of(path: str) -> str | None:
 
 
 def _version_stamp(info: dict) -> str:
-    for key in ("ETag", "etag", "md5Hash", "generation", "mtime", "LastModified", "last_modified", "updated", "created"):
+    for key in (
+        "ETag",
+        "etag",
+        "md5Hash",
+        "generation",
+        "mtime",
+        "LastModified",
+        "last_modified",
+        "updated",
+        "created",
+    ):
         if info.get(key) not in (None, ""):
             return f"{key}={info[key]}"
     return ""
@@ -71,8 +81,10 @@ def list_source_files(source: str) -> list[SourceFile]:
     from fsspec.core import url_to_fs
 
     if not source or not str(source).strip():
-        raise ValueError("data.source is empty: set data.source=<fsspec URL, path or glob of "
-                         ".txt/.jsonl/.parquet files> (e.g. data.source='s3://bucket/corpus/*.jsonl')")
+        raise ValueError(
+            "data.source is empty: set data.source=<fsspec URL, path or glob of "
+            ".txt/.jsonl/.parquet files> (e.g. data.source='s3://bucket/corpus/*.jsonl')"
+        )
     fs, path = url_to_fs(str(source))
     if any(c in path for c in "*?["):
         entries = fs.glob(path, detail=True)
@@ -84,15 +96,18 @@ def list_source_files(source: str) -> list[SourceFile]:
         entries = {}
     protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
     files = [
-        SourceFile(p if protocol == "file" else fs.unstrip_protocol(p),
-                   int(info.get("size") or 0), _version_stamp(info))
+        SourceFile(
+            p if protocol == "file" else fs.unstrip_protocol(p), int(info.get("size") or 0), _version_stamp(info)
+        )
         for p, info in entries.items()
         if info.get("type", "file") == "file" and _format_of(p)
     ]
     if not files:
         what = f"{len(entries)} entries, none of them" if entries else "nothing; expected"
-        raise ValueError(f"data.source={source!r} matched {what} .txt/.jsonl/.parquet files "
-                         f"(optionally .gz): check the path/glob and credentials")
+        raise ValueError(
+            f"data.source={source!r} matched {what} .txt/.jsonl/.parquet files "
+            f"(optionally .gz): check the path/glob and credentials"
+        )
     return sorted(files, key=lambda f: f.url)
 
 
@@ -121,8 +136,10 @@ def file_texts(files: list[SourceFile], text_field: str) -> Iterator[str]:
 
                 pf = pq.ParquetFile(fh)
                 if text_field not in pf.schema_arrow.names:
-                    raise ValueError(f"{f.url}: no column data.text_field={text_field!r} "
-                                     f"(columns: {', '.join(pf.schema_arrow.names)})")
+                    raise ValueError(
+                        f"{f.url}: no column data.text_field={text_field!r} "
+                        f"(columns: {', '.join(pf.schema_arrow.names)})"
+                    )
                 for i in range(pf.num_row_groups):
                     for text in pf.read_row_group(i, columns=[text_field]).column(0).to_pylist():
                         if text:
@@ -136,8 +153,10 @@ def file_records(files: list[SourceFile]) -> Iterator[tuple[str, Any]]:
     for f in files:
         fmt = _format_of(f.url)
         if fmt == ".txt":
-            raise ValueError(f"{f.url}: data.format=sft reads .jsonl (or .parquet) records of 'messages' or "
-                             f"'prompt'/'completion', not .txt files")
+            raise ValueError(
+                f"{f.url}: data.format=sft reads .jsonl (or .parquet) records of 'messages' or "
+                f"'prompt'/'completion', not .txt files"
+            )
         with fsspec.open(f.url, "rb", compression="infer") as fh:
             if fmt == ".jsonl":
                 for lineno, line in enumerate(fh, 1):

@@ -45,15 +45,19 @@ def load_pretrained(spec: str) -> tuple[Any, str, str]:
         with fsspec.open(path, "r", encoding="utf-8") as f:
             text = f.read()
     except FileNotFoundError:
-        raise ValueError(f"data.tokenizer={spec}: no tokenizer.json there (a Hugging Face tokenizer.json, a"
-                         " model directory holding one, or a tiktoken BPE file: *.tiktoken / tokenizer.model)") from None
+        raise ValueError(
+            f"data.tokenizer={spec}: no tokenizer.json there (a Hugging Face tokenizer.json, a"
+            " model directory holding one, or a tiktoken BPE file: *.tiktoken / tokenizer.model)"
+        ) from None
     tok = Tokenizer.from_str(text)
     eos = None if is_file else _configured_eos(spec)
     if eos is None:
         eos = next((t for t in KNOWN_EOS if tok.token_to_id(t) is not None), None)
     if eos is None or tok.token_to_id(eos) is None:
-        raise ValueError(f"data.tokenizer={spec}: cannot tell its end-of-text token (tokenizer_config.json has"
-                         f" no eos_token, and none of {', '.join(KNOWN_EOS)} is in its vocabulary)")
+        raise ValueError(
+            f"data.tokenizer={spec}: cannot tell its end-of-text token (tokenizer_config.json has"
+            f" no eos_token, and none of {', '.join(KNOWN_EOS)} is in its vocabulary)"
+        )
     return tok, eos, text
 
 
@@ -70,12 +74,24 @@ def _configured_eos(spec: str) -> Optional[str]:
 
 # Meta's Llama 3 tokenizer (llama_models/llama3/tokenizer.py): the pre-tokenizer pattern and the
 # 256 special tokens that follow the BPE ranks. A tiktoken file holds only the ranks.
-LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                  r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+LLAMA3_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 LLAMA3_BOS, LLAMA3_EOS = "<|begin_of_text|>", "<|end_of_text|>"
-_LLAMA3_NAMED = [LLAMA3_BOS, LLAMA3_EOS, "<|reserved_special_token_0|>", "<|reserved_special_token_1|>",
-                 "<|finetune_right_pad_id|>", "<|step_id|>", "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>",
-                 "<|eot_id|>", "<|python_tag|>"]
+_LLAMA3_NAMED = [
+    LLAMA3_BOS,
+    LLAMA3_EOS,
+    "<|reserved_special_token_0|>",
+    "<|reserved_special_token_1|>",
+    "<|finetune_right_pad_id|>",
+    "<|step_id|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eom_id|>",
+    "<|eot_id|>",
+    "<|python_tag|>",
+]
 LLAMA3_SPECIAL = _LLAMA3_NAMED + [f"<|reserved_special_token_{2 + i}|>" for i in range(256 - len(_LLAMA3_NAMED))]
 
 
@@ -123,8 +139,10 @@ def tiktoken_file(spec: str):
                         token, rank = line.split()
                         ranks[base64.b64decode(token)] = int(rank)
                     except ValueError:
-                        raise ValueError(f"data.tokenizer={spec}:{lineno}: not a tiktoken BPE file (each line: "
-                                         f"<base64 token> <rank>)") from None
+                        raise ValueError(
+                            f"data.tokenizer={spec}:{lineno}: not a tiktoken BPE file (each line: "
+                            f"<base64 token> <rank>)"
+                        ) from None
     except FileNotFoundError:
         raise ValueError(f"data.tokenizer={spec}: no such file") from None
     if sorted(ranks.values()) != list(range(len(ranks))):
@@ -136,13 +154,17 @@ def tiktoken_file(spec: str):
     merges.sort(key=lambda m: (m[2], m[0], m[1]))
     vocab = {_byte_level(t): r for t, r in ranks.items()}
     tok = Tokenizer(models.BPE(vocab, [(_byte_level(a), _byte_level(b)) for *_, a, b in merges], ignore_merges=True))
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(LLAMA3_PATTERN), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(LLAMA3_PATTERN), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in LLAMA3_SPECIAL])
     tok.post_processor = processors.TemplateProcessing(
-        single=f"{LLAMA3_BOS} $A", pair=f"{LLAMA3_BOS} $A {LLAMA3_BOS} $B",
-        special_tokens=[(LLAMA3_BOS, tok.token_to_id(LLAMA3_BOS))])
+        single=f"{LLAMA3_BOS} $A",
+        pair=f"{LLAMA3_BOS} $A {LLAMA3_BOS} $B",
+        special_tokens=[(LLAMA3_BOS, tok.token_to_id(LLAMA3_BOS))],
+    )
     return tok

@@ -34,8 +34,9 @@ class KVCache:
         return k, v
 
 
-def _cached_block(block: TransformerBlock, layer: str, x: torch.Tensor, pos: int, cos: torch.Tensor,
-                  sin: torch.Tensor, cache: KVCache) -> torch.Tensor:
+def _cached_block(
+    block: TransformerBlock, layer: str, x: torch.Tensor, pos: int, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache
+) -> torch.Tensor:
     attn = block.attention
     bs, s, _ = x.shape
     h = block.attention_norm(x)
@@ -61,8 +62,9 @@ def _next_logits_cached(model: Transformer, tokens: torch.Tensor, cache: KVCache
     return model.output(model.norm(h[:, -1:]))[:, -1].float()
 
 
-def _pick(logits: torch.Tensor, temperature: float, top_k: Optional[int],
-          generator: Optional[torch.Generator]) -> torch.Tensor:
+def _pick(
+    logits: torch.Tensor, temperature: float, top_k: Optional[int], generator: Optional[torch.Generator]
+) -> torch.Tensor:
     if temperature <= 0:
         return logits.argmax(dim=-1)
     logits = logits / temperature
@@ -73,16 +75,24 @@ def _pick(logits: torch.Tensor, temperature: float, top_k: Optional[int],
 
 
 @torch.no_grad()
-def generate(model: Transformer, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
-             top_k: Optional[int] = None, use_cache: bool = True,
-             generator: Optional[torch.Generator] = None) -> torch.Tensor:
+def generate(
+    model: Transformer,
+    prompt: torch.Tensor,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: Optional[int] = None,
+    use_cache: bool = True,
+    generator: Optional[torch.Generator] = None,
+) -> torch.Tensor:
     """Continue ``prompt`` ([batch, len] token ids) by ``max_new_tokens``; returns only the new ids.
 
     ``temperature=0`` is greedy. The total length may not exceed ``model.max_seq_len``.
     """
     if prompt.shape[1] + max_new_tokens > model.max_seq_len:
-        raise ValueError(f"prompt ({prompt.shape[1]}) + max_new_tokens ({max_new_tokens}) exceeds "
-                         f"model.max_seq_len ({model.max_seq_len})")
+        raise ValueError(
+            f"prompt ({prompt.shape[1]}) + max_new_tokens ({max_new_tokens}) exceeds "
+            f"model.max_seq_len ({model.max_seq_len})"
+        )
     was_training = model.training
     model.eval()
     tokens, new = prompt, []

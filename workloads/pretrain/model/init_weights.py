@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import zlib
+
 import torch
 
 # wrapper modules put these in parameter names; the seed must not depend on them

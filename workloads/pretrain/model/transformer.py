@@ -21,9 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workloads.pretrain.model.losses import IGNORE_INDEX, chunked_linear_cross_entropy
 from workloads.pretrain.contract.shape import hidden_dim, qkv_bias
-
+from workloads.pretrain.model.losses import IGNORE_INDEX, chunked_linear_cross_entropy
 
 
 def _value(x: Any) -> Any:
@@ -47,8 +46,13 @@ def rope_tables(head_dim: int, max_seq_len: int, theta: float, device=None, scal
     """
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
     if scaling:
-        inv_freq = _llama3_scaled(inv_freq, float(scaling["factor"]), float(scaling["low_freq_factor"]),
-                                  float(scaling["high_freq_factor"]), float(scaling["original_max_position_embeddings"]))
+        inv_freq = _llama3_scaled(
+            inv_freq,
+            float(scaling["factor"]),
+            float(scaling["low_freq_factor"]),
+            float(scaling["high_freq_factor"]),
+            float(scaling["original_max_position_embeddings"]),
+        )
     angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float32), inv_freq)
     return angles.cos(), angles.sin()
 
@@ -130,11 +134,20 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     """Causal GQA self-attention. Head counts come from tensor shapes, so TP-sharded q/k/v work."""
 
-    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, kernels: str, qkv_bias: bool = False,
-                 rope_layout: str = "interleaved"):
+    def __init__(
+        self,
+        dim: int,
+        n_heads: int,
+        n_kv_heads: int,
+        kernels: str,
+        qkv_bias: bool = False,
+        rope_layout: str = "interleaved",
+    ):
         super().__init__()
         if dim % n_heads or n_heads % n_kv_heads:
-            raise ValueError(f"need dim % n_heads == 0 and n_heads % n_kv_heads == 0 (got {dim}, {n_heads}, {n_kv_heads})")
+            raise ValueError(
+                f"need dim % n_heads == 0 and n_heads % n_kv_heads == 0 (got {dim}, {n_heads}, {n_kv_heads})"
+            )
         self.head_dim = dim // n_heads
         self.kernels = kernels
         self.rope_layout = rope_layout
@@ -153,8 +166,9 @@ class Attention(nn.Module):
             return apply_rope_complex(x, cos, sin)
         return apply_rope(x, cos, sin)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """``mask``: None for plain causal attention, else [b, 1, s, s]: bool, True where a query may
         attend (block-causal for packed examples), or for fused kernels its ``additive_mask``."""
         bs, seqlen, _ = x.shape
@@ -212,14 +226,21 @@ class TransformerBlock(nn.Module):
 
     def __init__(self, cfg: Any, kernels: str):
         super().__init__()
-        self.attention = Attention(cfg.dim, cfg.n_heads, cfg.n_kv_heads or cfg.n_heads, kernels, qkv_bias(cfg),
-                                   _value(getattr(cfg, "rope_layout", "interleaved")))
+        self.attention = Attention(
+            cfg.dim,
+            cfg.n_heads,
+            cfg.n_kv_heads or cfg.n_heads,
+            kernels,
+            qkv_bias(cfg),
+            _value(getattr(cfg, "rope_layout", "interleaved")),
+        )
         self.feed_forward = FeedForward(cfg.dim, hidden_dim(cfg))
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps, kernels)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps, kernels)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin, mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
@@ -285,11 +306,13 @@ class Transformer(nn.Module):
         """The RoPE tables (buffers ``to_empty`` leaves uninitialised; weights loaded from a
         checkpoint need only these)."""
         device = device or self.freqs_cos.device
-        self.freqs_cos, self.freqs_sin = rope_tables(self.head_dim, self.max_seq_len, self.rope_theta, device=device,
-                                                     scaling=self.rope_scaling)
+        self.freqs_cos, self.freqs_sin = rope_tables(
+            self.head_dim, self.max_seq_len, self.rope_theta, device=device, scaling=self.rope_scaling
+        )
 
-    def hidden_states(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
-                      doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def hidden_states(
+        self, tokens: torch.Tensor, positions: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Final-norm hidden states [b, s, dim], before the LM head.
 
         ``positions`` / ``doc_ids`` ([b, s], packed examples): each token's position within its
@@ -311,9 +334,15 @@ class Transformer(nn.Module):
             h = block(h, cos, sin, mask)
         return self.norm(h)
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None, *,
-                positions: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None,
-                reduction: str = "mean") -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        *,
+        positions: torch.Tensor | None = None,
+        doc_ids: torch.Tensor | None = None,
+        reduction: str = "mean",
+    ) -> torch.Tensor:
         """Logits, or with ``targets`` the cross-entropy over targets that are not IGNORE_INDEX:
         their mean, or with ``reduction="sum"`` their sum (training divides it by the global
         batch's count of targets, so the loss is exact whatever the ranks and micro-batches)."""
@@ -324,13 +353,16 @@ class Transformer(nn.Module):
             raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
         if self.kernels == "reference" or self.vocab_parallel_loss:
             logits = self.output(h)
-            return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX,
-                                   reduction=reduction)
+            return F.cross_entropy(
+                logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction=reduction
+            )
         # Reads output.weight directly (no module call): keep `output` in the root FSDP unit.
         return fused_lm_loss(h, self.output.weight, targets, reduction)
 
 
-def fused_lm_loss(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+def fused_lm_loss(
+    h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, reduction: str = "mean"
+) -> torch.Tensor:
     """LM head + CE without full logits: Liger's Triton kernel on CUDA if importable, else ours."""
     if h.is_cuda:
         liger_ce = _liger_fused_linear_ce(reduction)

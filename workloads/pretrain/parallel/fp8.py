@@ -50,8 +50,9 @@ def _torchao() -> Any:
     try:
         import torchao.float8 as float8
     except ImportError as exc:
-        raise ConfigError(f"train.fp8 needs torchao, which is not importable ({exc}). Fix: {INSTALL}, "
-                          "or train.fp8=none") from None
+        raise ConfigError(
+            f"train.fp8 needs torchao, which is not importable ({exc}). Fix: {INSTALL}, or train.fp8=none"
+        ) from None
     return float8
 
 
