@@ -31,6 +31,9 @@ BAD = [
     ("hydra.run.dir=/tmp", ["hydra"]),
     ("train.fp8=fp4", ["train.fp8", "none|tensorwise|rowwise"]),
     ("train.fp8=rowwise", ["train.fp8", "Fix: add train.dtype=bf16"]),
+    # infra=local refuses what only the SkyPilot backend reads rather than ignore it
+    ("infra.bucket=s3://ckpts/x", ["infra.bucket", "infra.kind=local does not read it", "Fix: infra.bucket=null"]),
+    ("infra.nodes=2", ["infra.nodes", "one node", "Fix: infra.nodes=1"]),
 ]
 
 

@@ -29,6 +29,7 @@ def test_wheel_carries_conf_and_finds_it(tmp_path: Path) -> None:
         "llmctl/conf/experiment/smoke.yaml",
         "workloads/pretrain/train.py",
         "llmctl/cli.py",
+        "llmctl/backends/sky/node_run.sh",  # what every SkyPilot node runs, read beside its module
     ):
         assert expected in names, expected
     site = tmp_path / "site"

@@ -148,35 +148,78 @@ def test_every_backend_implements_the_whole_interface() -> None:
             assert list(inspect.signature(impl).parameters) == want, (kind, method)
 
 
+CONTRACT = "workloads.pretrain.contract"
+
+
+def test_llmctl_imports_only_the_trainers_contract() -> None:
+    """llmctl reads the trainer through its stdlib contract package alone; everything else of the
+    trainer (torch) runs as a process (torchrun, ``python -m workloads.pretrain.<entry>``)."""
+    known = set(_modules("workloads")) | set(_modules("llmctl"))
+    reached = {
+        (name, m)
+        for name, path in _modules("llmctl").items()
+        for m in _imports(path, name, known)
+        if m.startswith("workloads")
+    }
+    assert any(m.startswith(CONTRACT + ".") for _, m in reached), "the scan sees llmctl's contract imports"
+    outside = sorted((name, m) for name, m in reached if m != CONTRACT and not m.startswith(CONTRACT + "."))
+    assert outside == [], f"llmctl imports trainer modules outside {CONTRACT}: {outside}"
+
+
+def test_the_contract_imports_no_torch_or_numpy() -> None:
+    """Anywhere in the contract's files (functions too): torch or numpy there would reach every
+    ``llmctl plan``; and the contract stays within itself and the standard library's neighbours."""
+    mods = _modules("workloads/pretrain/contract")
+    assert len(mods) >= 10, sorted(mods)
+    heavy = {
+        (name, m)
+        for name, path in mods.items()
+        for m in _imports(path, name, set(_modules("workloads")))
+        if m.split(".")[0] in ("torch", "numpy", "triton", "torchao", "transformers", "safetensors")
+    }
+    assert heavy == set()
+    inward = {
+        (name, m)
+        for name, path in mods.items()
+        for m in _imports(path, name, set(_modules("workloads")))
+        if m.startswith("workloads") and not m.startswith(CONTRACT)
+    }
+    assert inward == set(), "the contract imports the rest of the trainer"
+
+
+def test_the_contract_check_can_fail(tmp_path: Path) -> None:
+    """The scans above see a torch import inside a function and a trainer import from llmctl."""
+    src = tmp_path / "m.py"
+    src.write_text("def f():\n    import torch.nn\n    from workloads.pretrain.model import transformer\n")
+    found = _imports(src, "llmctl.x", {"workloads.pretrain.model.transformer"})
+    assert found == {"torch.nn", "workloads.pretrain.model.transformer"}
+
+
 @pytest.mark.parametrize(
-    "module",
-    [
-        "workloads.pretrain.contract.schema",
-        "workloads.pretrain.contract.hardware",
-        "workloads.pretrain.contract.shape",
-        "workloads.pretrain.contract.validate",
-        "workloads.pretrain.contract.protocol",
-        "llmctl.cli",
-    ],
+    "module", sorted(_modules("workloads/pretrain/contract")) + ["llmctl.cli", "llmctl.config.root_schema"]
 )
 def test_contract_modules_import_no_heavy_dependency(module: str) -> None:
     """What the CLI reads at start-up and what a launcher reads of the trainer's contract costs
-    no torch, hydra, mlflow or sky import."""
+    no torch, hydra, mlflow or sky import when imported."""
     code = (
         f"import sys; import {module}; "
-        "print(sorted(m for m in ('torch', 'hydra', 'mlflow', 'sky', 'omegaconf') if m in sys.modules))"
+        "print(sorted(m for m in ('torch', 'numpy', 'hydra', 'mlflow', 'sky', 'omegaconf') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
 
 
 def test_module_map_in_the_docs_matches_the_tree() -> None:
-    """docs/concepts.md lists every module once, and nothing that does not exist."""
+    """docs/concepts.md lists every folder (with a sentence on what belongs there) and every module
+    once, and nothing that does not exist."""
     text = (ROOT / "docs" / "concepts.md").read_text()
     block = text.split("## Module map", 1)[1].split("```text", 1)[1].split("```", 1)[0]
-    listed = [line.split()[0] for line in block.strip().splitlines()]
+    rows = [line.split(None, 1) for line in block.strip().splitlines()]
+    listed = [r[0] for r in rows]
     assert len(listed) == len(set(listed)), "a module is listed twice"
-    missing = [p for p in listed if not (ROOT / p).is_file()]
+    unexplained = [r[0] for r in rows if len(r) < 2 or len(r[1].split()) < 4]
+    assert unexplained == [], f"listed without a sentence: {unexplained}"
+    missing = [p for p in listed if not (ROOT / p).exists()]
     assert missing == [], f"listed but not in the tree: {missing}"
     tree = sorted(
         str(p.relative_to(ROOT))
@@ -184,4 +227,10 @@ def test_module_map_in_the_docs_matches_the_tree() -> None:
         for p in (ROOT / pkg).rglob("*.py")
         if p.name not in ("__init__.py", "__main__.py")
     )
+    folders = sorted(
+        str(p.parent.relative_to(ROOT)) + "/"
+        for pkg in ("llmctl", "workloads")
+        for p in (ROOT / pkg).rglob("__init__.py")
+    )
     assert sorted(set(tree) - set(listed)) == [], "in the tree but not in docs/concepts.md's module map"
+    assert sorted(set(folders) - set(listed)) == [], "a folder without its sentence in docs/concepts.md"

@@ -4,7 +4,8 @@ single process runs without torchrun's agent).
 Output is streamed to the terminal (under a live progress bar when it is one: ``progress.py``) and
 kept in ``llmctl-runs/<run-id>/output.log``; the exit code of torchrun is the exit code of the run.
 Ctrl-C is forwarded so workers stop cleanly; SIGTERM to the controller is a preemption notice the
-workers act on (checkpoint, exit 75).
+workers act on (checkpoint, exit 75). What it reads of ``infra`` is ``LocalSettings``, built once by
+``plan``, which refuses the keys only the SkyPilot backend reads instead of ignoring them.
 """
 
 from __future__ import annotations
@@ -16,13 +17,15 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Optional, TextIO
+from typing import Any, Mapping, Optional, TextIO
 
 from llmctl.backends.base import ENDED, JobStatus
 from llmctl.config.compose import Composed, to_yaml
 from llmctl.config.launcher_checks import resolve_layout
-from llmctl.errors import LaunchError
+from llmctl.config.root_schema import InfraCfg
+from llmctl.errors import ConfigError, LaunchError
 from llmctl.plan.devices import local_gpu_count, this_machine
 from llmctl.plan.job_plan import Plan
 from llmctl.run import progress
@@ -36,10 +39,65 @@ STOP_GRACE_S = 15.0
 PIDS_FILE = "pids.json"  # controller pid and workers' process group (and their start times), for status/down
 
 
-def _process_count(cfg: dict[str, Any], gpus: int) -> int:
-    par, infra = cfg["parallel"], cfg["infra"]
-    if infra["nproc_per_node"]:
-        return int(infra["nproc_per_node"])
+# infra keys llmctl reads whatever the backend: the label, the backend's name, the configured price
+# (llmctl.cost.estimate). Every other key is a backend's own (root_schema.InfraCfg says whose).
+LAUNCHER_INFRA_KEYS = ("name", "kind", "price_per_gpu_hour")
+
+
+@dataclass(frozen=True)
+class LocalSettings:
+    """What the local backend reads of ``infra`` (``infra.kind=local``: torchrun on this machine),
+    built once by ``LocalBackend.plan``. One node, this one: every key only the SkyPilot backend
+    reads (``llmctl.backends.sky.settings.SkySettings``: accelerators, region, bucket, ``nodes`` ...)
+    must keep its default here, else ``from_infra`` refuses it rather than ignore it."""
+
+    nproc_per_node: int = 0
+    """``infra.nproc_per_node``: processes on this machine; 0: one per local GPU, or without GPUs the
+    mesh size (``dp_replicate x dp_shard x tp``) as CPU processes with gloo."""
+
+    @classmethod
+    def from_infra(cls, infra: Mapping[str, Any]) -> "LocalSettings":
+        """The settings from a resolved ``infra`` section; ``ConfigError`` naming the first key that
+        only another backend reads, set to other than its default."""
+        own = {f.name for f in fields(cls)} | set(LAUNCHER_INFRA_KEYS)
+        defaults = InfraCfg()
+        for f in fields(InfraCfg):
+            default = getattr(defaults, f.name)
+            if f.name not in own and f.name in infra and infra[f.name] != default:
+                raise ConfigError(_foreign_key_message(f.name, infra[f.name], default))
+        return cls(nproc_per_node=int(infra.get("nproc_per_node") or 0))
+
+
+def _hydra(value: Any) -> str:
+    """A value as an override writes it: ``null``, ``true``, ``{}``, ``''``, ``'s3://b'``, ``2``."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{k}:{v}" for k, v in value.items()) + "}"
+    if isinstance(value, str):
+        return f"'{value}'"
+    return str(value)
+
+
+def _foreign_key_message(key: str, value: Any, default: Any) -> str:
+    if key == "nodes":
+        return (
+            f"Bad value for 'infra.nodes': infra.kind=local runs on this machine, one node, got {value}."
+            " Fix: infra.nodes=1, or a multi-node SkyPilot infra (infra=aws, lambda, slurm)"
+        )
+    return (
+        f"Bad value for 'infra.{key}': infra.kind=local does not read it (only SkyPilot infras do),"
+        f" got {_hydra(value)}. Fix: infra.{key}={_hydra(default)}, or a SkyPilot infra"
+        " (infra=aws, lambda, runpod, slurm)"
+    )
+
+
+def _process_count(cfg: dict[str, Any], settings: LocalSettings, gpus: int) -> int:
+    par = cfg["parallel"]
+    if settings.nproc_per_node:
+        return int(settings.nproc_per_node)
     if gpus:
         return gpus
     shard = par["dp_shard"] if par["dp_shard"] > 0 else 1
@@ -139,9 +197,10 @@ class LocalBackend:
 
     def plan(self, composed: Composed) -> Plan:
         cfg = composed.cfg
+        settings = LocalSettings.from_infra(cfg["infra"])
         hardware = this_machine()
         gpus = hardware.gpus_per_node
-        nproc = _process_count(cfg, gpus)
+        nproc = _process_count(cfg, settings, gpus)
         layout = resolve_layout(cfg, nproc)
         resolved = {**cfg, "parallel": {**cfg["parallel"], **layout}}
         device = f"{gpus} local GPU(s), nccl" if gpus else "CPU, gloo"

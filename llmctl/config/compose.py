@@ -13,7 +13,7 @@ import difflib
 import enum
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 from llmctl.config import root_schema as schema
 from llmctl.errors import ConfigError
@@ -33,7 +33,7 @@ class Composed:
 
 def conf_dir() -> Path:
     """The bundled config tree: inside the package in a wheel, beside it in a clone."""
-    here = Path(__file__).resolve().parent
+    here = Path(__file__).resolve().parent.parent  # the llmctl package
     for candidate in (here / "conf", here.parent / "conf"):
         if (candidate / "config.yaml").is_file():
             return candidate
@@ -197,10 +197,12 @@ def compose(overrides: Optional[list[str]] = None, config_dir: Optional[str] = N
     try:
         with initialize_config_dir(config_dir=str(dirs[-1]), version_base="1.3"):
             cfg = hydra_compose("config", overrides=hydra_overrides, return_hydra_config=True)
-            choices = dict(OmegaConf.to_container(cfg.hydra.runtime.choices))
+            choices = cast(dict, OmegaConf.to_container(cfg.hydra.runtime.choices))
             with open_dict(cfg):
                 del cfg["hydra"]
-            resolved = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True, enum_to_str=True)
+            resolved = cast(
+                dict[str, Any], OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True, enum_to_str=True)
+            )
     except (HydraException, OmegaConfBaseException, ValueError) as exc:
         raise _translate(exc, overrides) from None
     finally:

@@ -35,38 +35,44 @@ from workloads.pretrain.contract.schema import (  # noqa: F401 - the enums are l
 class InfraCfg:
     """Where the job runs. ``kind`` picks the backend; the rest is provider data.
 
+    One flat section of user-visible keys (``infra.*``, conf/infra/*.yaml); each backend reads its
+    own typed view of it, built once per plan: ``LocalSettings`` (``llmctl/backends/local.py``) and
+    ``SkySettings`` (``llmctl/backends/sky/settings.py``, where every key is documented). The comment
+    on each field says who reads it: ``llmctl`` (whatever the backend), ``local``, ``sky``. On
+    ``kind=local`` a sky-only key set to other than its default is refused (``LocalSettings``).
+
     What a provider can do (spot, several nodes, autostop, bucket mounts) is not configured here:
-    it comes from SkyPilot's own cloud classes (``backends/sky_rules.py``).
+    it comes from SkyPilot's own cloud classes (``llmctl/backends/sky/rules.py``).
     """
 
-    name: str = "local"
-    kind: str = "local"
-    nodes: int = 1
-    # processes per node; 0 = one per GPU, or the mesh size on CPU
+    name: str = "local"  # llmctl (run tags, cost reports), sky (messages)
+    kind: str = "local"  # llmctl: the backend (llmctl.backends.registry)
+    nodes: int = 1  # sky; local runs one node (refuses another value); llmctl: cost history matches on it
+    # local, sky: processes per node; 0 = one per GPU, or the mesh size on CPU
     nproc_per_node: int = 0
-    accelerators: Optional[str] = None
-    use_spot: bool = False
-    region: Optional[str] = None
-    disk_size: Optional[int] = None
-    autostop_minutes: Optional[int] = None
-    down: bool = True
-    managed: bool = False
-    bucket: Optional[str] = None
-    # $ per GPU-hour (per node-hour on CPU) where no catalog prices the job; None: unpriced, except
-    # this machine's own CPU, which costs nothing
+    accelerators: Optional[str] = None  # sky
+    use_spot: bool = False  # sky; llmctl: spot or on-demand price
+    region: Optional[str] = None  # sky: a cloud region; Slurm: the cluster (its ~/.slurm/config alias)
+    disk_size: Optional[int] = None  # sky
+    autostop_minutes: Optional[int] = None  # sky
+    down: bool = True  # sky
+    managed: bool = False  # sky
+    bucket: Optional[str] = None  # sky
+    # llmctl (llmctl.cost.estimate): $ per GPU-hour (per node-hour on CPU) where no catalog prices
+    # the job; None: unpriced, except this machine's own CPU, which costs nothing
     price_per_gpu_hour: Optional[float] = None
-    # kind=sky only (llmctl/backends/sky/backend.py). Provider defaults live here as data, set per conf/infra file.
-    provider: Optional[str] = None  # SkyPilot cloud: aws | lambda | runpod | slurm
-    zone: Optional[str] = None  # a zone of ``region``; Slurm: the partition (region = cluster)
-    cpus: Optional[str] = None  # SkyPilot syntax: "8", "8+"
-    memory: Optional[str] = None  # GB, SkyPilot syntax: "32+"
-    # what users write -> the provider's catalog name (RunPod: H100 -> H100-SXM)
+    # sky only, from here on. Provider defaults live here as data, set per conf/infra file.
+    provider: Optional[str] = None  # sky: SkyPilot cloud: aws | lambda | runpod | slurm
+    zone: Optional[str] = None  # sky: a zone of ``region``; Slurm: the partition (region = cluster)
+    cpus: Optional[str] = None  # sky: SkyPilot syntax: "8", "8+"
+    memory: Optional[str] = None  # sky: GB, SkyPilot syntax: "32+"
+    # sky: what users write -> the provider's catalog name (RunPod: H100 -> H100-SXM)
     accelerator_aliases: Dict[str, str] = field(default_factory=dict)
-    # the bucket as a storage mount (true) or handed to the workload as an fsspec URL (false)
+    # sky: the bucket as a storage mount (true) or handed to the workload as an fsspec URL (false)
     mount_bucket: bool = True
-    # a Python on the nodes that already has llmctl's deps (shared filesystem): skip the node install
+    # sky: a Python on the nodes that already has llmctl's deps (shared filesystem): skip the node install
     node_python: Optional[str] = None
-    # extra arguments for the node install, e.g. "--find-links /opt/wheels torch==2.13.0+cpu"
+    # sky: extra arguments for the node install, e.g. "--find-links /opt/wheels torch==2.13.0+cpu"
     pip_args: str = ""
 
 

@@ -1,10 +1,12 @@
 """SkyPilot backend: clouds (AWS, Lambda, RunPod, ...) and Slurm, as clusters or managed jobs.
 
 ``SkyBackend`` implements ``llmctl.backends.Backend``: ``preflight`` checks credentials before any
-MLflow run exists; ``status``/``logs``/``down`` work from the run alone. The task is built by
-``sky_task`` (pure) and checked by ``sky_rules`` (SkyPilot's declared capabilities and offline
-catalog). ``sky`` is imported inside functions only. Tags on the MLflow run (``llmctl.sky.*``) say
-where the run lives, so ``status``/``logs``/``down`` need nothing but the run id.
+MLflow run exists; ``status``/``logs``/``down`` work from the run alone. What it reads of ``infra``
+is ``SkySettings`` (``settings.py``), built once by ``plan`` and carried on the ``SkyPlan``. The task
+is built by ``sky_task`` (pure) and checked by ``sky_rules`` (SkyPilot's declared capabilities and
+offline catalog). ``sky`` is imported inside functions only. Tags on the MLflow run
+(``llmctl.sky.*``) say where the run lives, so ``status``/``logs``/``down`` need nothing but the
+run id.
 """
 
 from __future__ import annotations
@@ -12,13 +14,14 @@ from __future__ import annotations
 import copy
 import io
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 from llmctl.backends.base import JobStatus
 from llmctl.backends.sky import rules as sky_rules
 from llmctl.backends.sky import task as sky_task
 from llmctl.backends.sky.facts import remembered
+from llmctl.backends.sky.settings import SkySettings
 from llmctl.config.compose import Composed, to_yaml
 from llmctl.config.launcher_checks import resolve_layout
 from llmctl.errors import ConfigError, LaunchError
@@ -44,10 +47,12 @@ TERMINAL_BAD = {
 
 @dataclass
 class SkyPlan(Plan):
-    """A plan plus the SkyPilot task YAML and the catalog offers that ``llmctl plan`` prints."""
+    """A plan plus the SkyPilot task YAML and the catalog offers that ``llmctl plan`` prints, and
+    the typed ``infra`` settings it was made from."""
 
     task_yaml: str = ""
     offers_text: str = ""
+    settings: Optional[SkySettings] = None
 
     def describe(self) -> str:
         return "\n".join(
@@ -113,12 +118,18 @@ def _field(record: Any, key: str) -> Any:
     return getattr(value, "value", value)
 
 
-def _launch_cluster(task: Any, infra: dict[str, Any], handle: RunHandle, mc: Any, out: Any) -> int:
+def _settings(plan: Plan) -> SkySettings:
+    """The settings ``plan`` built (a plan made elsewhere: from its config's ``infra``)."""
+    settings = getattr(plan, "settings", None)
+    return settings if isinstance(settings, SkySettings) else SkySettings.from_cfg(plan.cfg)
+
+
+def _launch_cluster(task: Any, infra: SkySettings, handle: RunHandle, mc: Any, out: Any) -> int:
     import sky
 
     cluster = cluster_name(handle.run_id)
     mc.set_tag(handle.run_id, TAG_CLUSTER, cluster)
-    autostop = infra["autostop_minutes"]  # None where SkyPilot has no autostop (sky_rules.check)
+    autostop = infra.autostop_minutes  # None where SkyPilot has no autostop (sky_rules.check)
     job_id = None
     try:
         try:
@@ -127,7 +138,7 @@ def _launch_cluster(task: Any, infra: dict[str, Any], handle: RunHandle, mc: Any
                     task,
                     cluster_name=cluster,
                     idle_minutes_to_autostop=autostop,
-                    down=bool(infra["down"]) and autostop is not None,
+                    down=bool(infra.down) and autostop is not None,
                 ),
                 output_stream=out,
             )
@@ -145,7 +156,7 @@ def _launch_cluster(task: Any, infra: dict[str, Any], handle: RunHandle, mc: Any
             _quietly(lambda: sky.get(sky.cancel(cluster, job_ids=[job_id])))
         raise
     finally:
-        if infra["down"]:
+        if infra.down:
             _down_quietly(cluster)
 
 
@@ -216,22 +227,19 @@ class SkyBackend:
 
     def plan(self, composed: Composed) -> SkyPlan:
         cfg = composed.cfg
-        infra = cfg["infra"]
+        infra = SkySettings.from_cfg(cfg)  # the one typed view of cfg["infra"] this plan reads
         uri = resolve_uri(cfg["tracking"]["uri"])
-        sky_rules.check(cfg)
-        nproc = sky_task.nproc_per_node(cfg)
-        layout = resolve_layout(cfg, infra["nodes"] * nproc)
-        resolved = {
-            **cfg,
-            "parallel": {**cfg["parallel"], **layout},
-            "checkpoint": {**cfg["checkpoint"], "dir": sky_task.checkpoint_dir(cfg, sky_task.RUN_ID_PLACEHOLDER)},
-        }
+        sky_rules.check(cfg, infra)
+        nproc = sky_task.nproc_per_node(cfg, infra)
+        layout = resolve_layout(cfg, infra.nodes * nproc)
+        ckpt = sky_task.checkpoint_dir(cfg, sky_task.RUN_ID_PLACEHOLDER, infra)
+        resolved = {**cfg, "parallel": {**cfg["parallel"], **layout}, "checkpoint": {**cfg["checkpoint"], "dir": ckpt}}
         acc = sky_task.node_accelerators(infra)
         device = f"{acc[1]}x {acc[0]} per node, nccl" if acc else "CPU, gloo"
         if acc:
-            hardware = Hardware(f"{acc[0]}:{acc[1]}", acc[0], int(acc[1]), int(infra["nodes"]))
+            hardware = Hardware(f"{acc[0]}:{acc[1]}", acc[0], int(acc[1]), int(infra.nodes))
         else:
-            hardware = Hardware("cpu", None, 0, int(infra["nodes"]), _int_prefix(infra.get("cpus")) or 8)
+            hardware = Hardware("cpu", None, 0, int(infra.nodes), _int_prefix(infra.cpus) or 8)
         config = sky_task.task_config(
             resolved,
             run_id=sky_task.RUN_ID_PLACEHOLDER,
@@ -239,30 +247,31 @@ class SkyBackend:
             experiment_id="<experiment-id>",
             local_config="<run-dir>/config.yaml",
             workdir=str(sky_task.project_root()),
+            settings=infra,
         )
         # both modes priced (the estimate lists them), where SkyPilot says the provider sells spot
-        modes = [False] + ([True] if sky_rules.capabilities(infra["provider"]).supports("SPOT_INSTANCE") else [])
-        offers = {spot: sky_rules.offers({**infra, "use_spot": spot}) for spot in modes}
-        found = offers.get(bool(infra["use_spot"]), [])
-        mode = "managed job" if infra["managed"] else "cluster"
-        where = f"{sky_task.infra_string(infra)} via SkyPilot ({mode}{', spot' if infra['use_spot'] else ''})"
+        modes = [False] + ([True] if sky_rules.capabilities(str(infra.provider)).supports("SPOT_INSTANCE") else [])
+        offers = {spot: sky_rules.offers(replace(infra, use_spot=spot)) for spot in modes}
+        found = offers.get(bool(infra.use_spot), [])
+        mode = "managed job" if infra.managed else "cluster"
+        where = f"{sky_task.infra_string(infra)} via SkyPilot ({mode}{', spot' if infra.use_spot else ''})"
         notes = []
         if found:
             best = found[0]
             notes.append(
                 f"cheapest offer: {best.instance_type} in {best.region}, ${best.total_hour:.2f}/h"
-                f" for {infra['nodes']} node(s)"
+                f" for {infra.nodes} node(s)"
             )
         if str(resolved["checkpoint"]["dir"]).startswith("llmctl-runs/"):
             notes.append("checkpoints stay on the nodes and vanish with them; set infra.bucket=s3://... to keep them")
-        if infra["managed"] and str(resolved["checkpoint"]["dir"]).startswith("llmctl-runs/"):
+        if infra.managed and str(resolved["checkpoint"]["dir"]).startswith("llmctl-runs/"):
             notes.append("a managed job restarts from scratch after a preemption unless checkpoints go to a bucket")
         return SkyPlan(
             cfg=resolved,
             choices=composed.choices,
             backend=self.name,
             where=where,
-            nodes=infra["nodes"],
+            nodes=infra.nodes,
             nproc_per_node=nproc,
             layout=layout,
             device=device,
@@ -272,17 +281,19 @@ class SkyBackend:
             offers=offers,
             notes=notes,
             task_yaml=task_yaml(config),
-            refusals=[r for r in [sky_rules.tracking_refusal(infra["name"], uri)] if r],
+            refusals=[r for r in [sky_rules.tracking_refusal(infra.name, uri)] if r],
             offers_text=sky_rules.format_offers(found),
+            settings=infra,
         )
 
     def preflight(self, plan: Plan) -> None:
         """A store the nodes can reach, and credentials as ``sky check`` sees them, before an MLflow
         run or a cluster is created."""
-        refusal = sky_rules.tracking_refusal(plan.cfg["infra"]["name"], plan.tracking_uri)
+        infra = _settings(plan)
+        refusal = sky_rules.tracking_refusal(infra.name, plan.tracking_uri)
         if refusal:
             raise ConfigError(refusal)
-        sky_rules.check_credentials(plan.cfg["infra"]["provider"])
+        sky_rules.check_credentials(str(infra.provider))
 
     def finalize(self, plan: Plan, handle: RunHandle) -> dict[str, Any]:
         """Fill in what needs the run id: where checkpoints go."""
@@ -296,7 +307,7 @@ class SkyBackend:
         """Submit the task; follow its logs; return 0 if the job succeeded. Nothing is left idling."""
         import sky
 
-        cfg, infra = plan.cfg, plan.cfg["infra"]
+        cfg, infra = plan.cfg, _settings(plan)
         rdir = run_dir(handle.run_id)
         rdir.mkdir(parents=True, exist_ok=True)
         (rdir / "config.yaml").write_text(to_yaml(cfg))
@@ -308,12 +319,13 @@ class SkyBackend:
             local_config=str(rdir / "config.yaml"),
             workdir=str(sky_task.project_root()),
             attempt_env=handle.attempt_env,
+            settings=infra,
         )
         task = sky.Task.from_yaml_config(config)
         mc = client(handle.uri)
         with open(rdir / "output.log", "a") as log:
             out = _Tee(echo or sys.stdout, log)
-            if infra["managed"]:
+            if infra.managed:
                 return _launch_managed(task, handle, mc, out)
             return _launch_cluster(task, infra, handle, mc, out)
 

@@ -13,9 +13,10 @@ import contextlib
 import difflib
 import functools
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional, Union
 
 from llmctl.backends.sky.facts import remembered
+from llmctl.backends.sky.settings import SkySettings
 from llmctl.backends.sky.task import node_accelerators
 from llmctl.errors import ConfigError
 
@@ -59,9 +60,10 @@ def _catalog_reachable(fn: Callable[..., Any]) -> Callable[..., Any]:
     """SkyPilot downloads a provider's catalog on first use; offline, say so instead of a traceback."""
 
     @functools.wraps(fn)
-    def wrapper(infra: Mapping[str, Any], *args: Any, **kwargs: Any) -> Any:
+    def wrapper(infra: Union[SkySettings, Mapping[str, Any]], *args: Any, **kwargs: Any) -> Any:
+        settings = SkySettings.of(infra)
         try:
-            return fn(infra, *args, **kwargs)
+            return fn(settings, *args, **kwargs)
         except Exception as exc:
             import requests  # only now: a remembered answer (sky_facts) never needs it
 
@@ -69,7 +71,7 @@ def _catalog_reachable(fn: Callable[..., Any]) -> Callable[..., Any]:
                 raise
             url = getattr(getattr(exc, "request", None), "url", None) or "its catalog URL"
             raise ConfigError(
-                f"SkyPilot has no {infra['provider']} catalog on this machine and could not download"
+                f"SkyPilot has no {settings.provider} catalog on this machine and could not download"
                 f" it from {url} ({type(exc).__name__}). Fix: run `llmctl plan` once with internet"
                 " access, or copy the catalog CSVs into ~/.sky/catalogs/"
             ) from None
@@ -126,10 +128,11 @@ def tracking_refusal(infra_name: str, tracking_uri: str) -> Optional[str]:
     )
 
 
-def check(cfg: Mapping[str, Any]) -> None:
-    """Every rule a provider states in its infra config, plus the catalog's accelerator list."""
-    infra = cfg["infra"]
-    provider = infra.get("provider")
+def check(cfg: Mapping[str, Any], settings: Optional[SkySettings] = None) -> None:
+    """Every rule a provider states in its infra config, plus the catalog's accelerator list.
+    ``settings``: the plan's (default: built from ``cfg["infra"]``)."""
+    infra = settings or SkySettings.from_cfg(cfg)
+    provider = infra.provider
     if not provider or provider not in known_providers():
         raise ConfigError(
             f"Bad value for 'infra.provider': '{provider}' is not a SkyPilot provider."
@@ -138,25 +141,25 @@ def check(cfg: Mapping[str, Any]) -> None:
             f" (all: {', '.join(known_providers())})"
         )
     can = capabilities(provider)
-    if infra["nodes"] > 1 and not can.supports("MULTI_NODE"):
+    if infra.nodes > 1 and not can.supports("MULTI_NODE"):
         raise ConfigError(
             f"Bad value for 'infra.nodes': {provider} runs at most 1 node per job"
-            f" (SkyPilot: {can.why_not('MULTI_NODE')}), got {infra['nodes']}."
+            f" (SkyPilot: {can.why_not('MULTI_NODE')}), got {infra.nodes}."
             f" Fix: infra.nodes=1, or pick a multi-node infra (aws, lambda, slurm)"
         )
-    if infra["use_spot"] and not can.supports("SPOT_INSTANCE"):
+    if infra.use_spot and not can.supports("SPOT_INSTANCE"):
         raise ConfigError(
             f"Bad value for 'infra.use_spot': {provider} has no spot instances"
             f" (SkyPilot: {can.why_not('SPOT_INSTANCE')})."
             " Fix: infra.use_spot=false, or pick an infra with spot (aws, runpod)"
         )
-    if infra.get("autostop_minutes") is not None and not infra["managed"] and not can.supports("AUTOSTOP"):
+    if infra.autostop_minutes is not None and not infra.managed and not can.supports("AUTOSTOP"):
         raise ConfigError(
             f"Bad value for 'infra.autostop_minutes': {provider} has no autostop"
             f" (SkyPilot: {can.why_not('AUTOSTOP')}). Fix: infra.autostop_minutes=null"
             " (llmctl releases the nodes when the run ends when infra.down=true)"
         )
-    if infra.get("bucket") and infra.get("mount_bucket") and not can.supports("STORAGE_MOUNTING"):
+    if infra.bucket and infra.mount_bucket and not can.supports("STORAGE_MOUNTING"):
         raise ConfigError(
             f"Bad value for 'infra.mount_bucket': {provider} cannot mount a bucket"
             f" (SkyPilot: {can.why_not('STORAGE_MOUNTING')}). Fix: infra.mount_bucket=false"
@@ -172,10 +175,10 @@ def _did_you_mean(word: str, options: list[str]) -> str:
 
 
 @_catalog_reachable
-def _check_region(infra: Mapping[str, Any]) -> None:
-    if not infra.get("region") or not _has_offline_catalog(infra["provider"]):
+def _check_region(infra: SkySettings) -> None:
+    if not infra.region or not _has_offline_catalog(infra.provider):
         return
-    problem = _region_problem(infra["provider"], infra["region"], infra.get("zone"))
+    problem = _region_problem(infra.provider, infra.region, infra.zone)
     if problem:
         raise ConfigError(f"Bad value for 'infra.region'/'infra.zone': {problem}")
 
@@ -205,9 +208,9 @@ def _has_offline_catalog(provider: str) -> bool:
 
 
 @_catalog_reachable
-def _check_accelerators(infra: Mapping[str, Any]) -> None:
+def _check_accelerators(infra: SkySettings) -> None:
     acc = node_accelerators(infra)
-    provider = infra["provider"]
+    provider = infra.provider
     if acc is None or not _has_offline_catalog(provider):
         return
     name, count = acc
@@ -252,22 +255,24 @@ def accelerator_memory_gib(provider: Optional[str], gpu: str) -> Optional[float]
 
 
 @_catalog_reachable
-def offers(infra: Mapping[str, Any]) -> list[Offer]:
-    """Every instance type and region that fits, priced by SkyPilot's catalog, cheapest first."""
-    provider = infra["provider"]
+def offers(infra: SkySettings) -> list[Offer]:
+    """Every instance type and region that fits, priced by SkyPilot's catalog, cheapest first.
+    ``infra``: the plan's settings; a plain ``infra`` section works too (``_catalog_reachable``
+    types it)."""
+    provider = str(infra.provider)  # check() refused a missing one
     if not _has_offline_catalog(provider):
         return []
     acc = node_accelerators(infra)
     rows = _offer_rows(
         provider,
         list(acc) if acc else None,
-        infra.get("cpus"),
-        infra.get("memory"),
-        bool(infra["use_spot"]),
-        infra.get("region"),
-        infra.get("zone"),
+        infra.cpus,
+        infra.memory,
+        bool(infra.use_spot),
+        infra.region,
+        infra.zone,
     )
-    found = [Offer(provider, itype, reg, price, int(infra["nodes"])) for itype, reg, price in rows]
+    found = [Offer(provider, itype, reg, price, int(infra.nodes)) for itype, reg, price in rows]
     return sorted(found, key=lambda o: (o.total_hour, o.region, o.instance_type))
 
 

@@ -1,9 +1,11 @@
 """Translate a resolved llmctl config into a SkyPilot task (YAML-style dict) — pure, no sky import.
 
 The dict is what ``sky.Task.from_yaml_config`` loads and what ``llmctl plan`` prints, so the task a
-user reviews is the task that launches. Node-side behaviour lives in two shell scripts: setup
-installs this project (or checks a shared-filesystem Python), run starts torchrun from the
-``SKYPILOT_*`` environment SkyPilot gives every node.
+user reviews is the task that launches. What it reads of ``infra`` is ``SkySettings``
+(``settings.py``), built once by the backend's ``plan``. Node-side behaviour lives in two shell
+scripts: setup (``SETUP``) installs this project (or checks a shared-filesystem Python), run
+(``node_run.sh``, beside this module) starts torchrun from the ``SKYPILOT_*`` environment SkyPilot
+gives every node.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import os
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
+from llmctl.backends.sky.settings import SkySettings
 from llmctl.errors import ConfigError
 
 RUN_ID_PLACEHOLDER = "<run-id>"
@@ -49,20 +52,9 @@ else
 fi
 """
 
-# the argument part is one line of its own so tests can execute it with a fake node environment
-TORCHRUN = (
-    '"$PY" -m torch.distributed.run --nnodes="$SKYPILOT_NUM_NODES" --nproc_per_node="$NPROC"'
-    ' --node_rank="$SKYPILOT_NODE_RANK" --master_addr="$MASTER_ADDR"'
-    ' --master_port="${LLMCTL_MASTER_PORT:-29500}" -m workloads.pretrain --config "$LLMCTL_CONFIG"'
-)
-RUN = f"""\
-set -euo pipefail
-PY="${{LLMCTL_PYTHON:-$HOME/.llmctl/venv/bin/python}}"
-NPROC="${{LLMCTL_NPROC_PER_NODE:-$SKYPILOT_NUM_GPUS_PER_NODE}}"
-MASTER_ADDR="$(echo "$SKYPILOT_NODE_IPS" | head -n1)"
-LLMCTL_CONFIG="$HOME/.llmctl/runs/$LLMCTL_RUN_ID/config.yaml"
-exec {TORCHRUN}
-"""
+# what every node runs: torchrun from the SKYPILOT_* environment SkyPilot gives each node and the
+# LLMCTL_* envs of the task (a real file, so it can be read, linted and run as it is)
+RUN = Path(__file__).with_name("node_run.sh").read_text(encoding="utf-8")
 
 
 def parse_accelerators(spec: Optional[str]) -> Optional[tuple[str, int]]:
@@ -81,69 +73,69 @@ def parse_accelerators(spec: Optional[str]) -> Optional[tuple[str, int]]:
     return name, n
 
 
-def node_accelerators(infra: Mapping[str, Any]) -> Optional[tuple[str, int]]:
+def node_accelerators(settings: SkySettings) -> Optional[tuple[str, int]]:
     """The accelerators of one node, in the provider's own names (``accelerator_aliases``)."""
-    acc = parse_accelerators(infra["accelerators"])
+    acc = parse_accelerators(settings.accelerators)
     if acc is None:
         return None
-    aliases = infra.get("accelerator_aliases") or {}
-    return aliases.get(acc[0], acc[0]), acc[1]
+    return settings.accelerator_aliases.get(acc[0], acc[0]), acc[1]
 
 
-def nproc_per_node(cfg: Mapping[str, Any]) -> int:
-    """Processes per node: explicit, else one per accelerator, else the CPU mesh split over nodes."""
-    infra, par = cfg["infra"], cfg["parallel"]
-    if infra["nproc_per_node"]:
-        return int(infra["nproc_per_node"])
+def nproc_per_node(cfg: Mapping[str, Any], settings: Optional[SkySettings] = None) -> int:
+    """Processes per node: explicit, else one per accelerator, else the CPU mesh split over nodes.
+    ``settings``: the plan's (default: built from ``cfg["infra"]``)."""
+    infra, par = settings or SkySettings.from_cfg(cfg), cfg["parallel"]
+    if infra.nproc_per_node:
+        return int(infra.nproc_per_node)
     acc = node_accelerators(infra)
     if acc:
         return acc[1]
     shard = par["dp_shard"] if par["dp_shard"] > 0 else 1
-    return max(1, par["dp_replicate"] * shard * par["tp"] // max(1, infra["nodes"]))
+    return max(1, par["dp_replicate"] * shard * par["tp"] // max(1, infra.nodes))
 
 
-def infra_string(infra: Mapping[str, Any]) -> str:
+def infra_string(settings: SkySettings) -> str:
     """SkyPilot's ``infra``: ``aws/us-east-1``, ``slurm/<cluster>/<partition>``, ``lambda``."""
-    parts = [infra["provider"]]
-    if infra.get("region"):
-        parts.append(infra["region"])
-    if infra.get("zone"):
-        if not infra.get("region"):
+    parts = [str(settings.provider)]
+    if settings.region:
+        parts.append(settings.region)
+    if settings.zone:
+        if not settings.region:
             raise ConfigError(
                 "Bad value for 'infra.zone': a zone/partition needs infra.region"
                 " (Slurm: the cluster name from ~/.slurm/config)"
             )
-        parts.append(infra["zone"])
+        parts.append(settings.zone)
     return "/".join(parts)
 
 
-def checkpoint_dir(cfg: Mapping[str, Any], run_id: str) -> str:
+def checkpoint_dir(cfg: Mapping[str, Any], run_id: str, settings: Optional[SkySettings] = None) -> str:
     """Where the workload writes checkpoints: the mounted bucket, the bucket URL, or beside the run."""
-    infra, ckpt = cfg["infra"], cfg["checkpoint"]
+    infra, ckpt = settings or SkySettings.from_cfg(cfg), cfg["checkpoint"]
     if ckpt["dir"]:
         return str(ckpt["dir"])
-    if infra.get("bucket"):
-        if infra.get("mount_bucket"):
+    if infra.bucket:
+        if infra.mount_bucket:
             return f"{BUCKET_MOUNT}/{run_id}"
-        return f"{str(infra['bucket']).rstrip('/')}/{run_id}"
+        return f"{str(infra.bucket).rstrip('/')}/{run_id}"
     return f"llmctl-runs/{run_id}/checkpoints"  # relative to the node's workdir: gone with the node
 
 
-def resources(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    infra = cfg["infra"]
-    res: dict[str, Any] = {"infra": infra_string(infra)}
-    acc = node_accelerators(infra)
+def resources(settings: SkySettings) -> dict[str, Any]:
+    """The task's ``resources``: where, what each node has, spot, and recovery or autostop."""
+    res: dict[str, Any] = {"infra": infra_string(settings)}
+    acc = node_accelerators(settings)
     if acc:
         res["accelerators"] = f"{acc[0]}:{acc[1]}"
-    for key in ("cpus", "memory", "disk_size"):
-        if infra.get(key) is not None:
-            res[key] = infra[key]
-    if infra["use_spot"]:
+    for key, value in (("cpus", settings.cpus), ("memory", settings.memory), ("disk_size", settings.disk_size)):
+        if value is not None:
+            res[key] = value
+    if settings.use_spot:
         res["use_spot"] = True
-    if infra["managed"]:
+    if settings.managed:
         res["job_recovery"] = {"max_restarts_on_errors": 0}
-    elif infra.get("autostop_minutes") is not None:  # sky_rules.check refused it where SkyPilot has none
-        res["autostop"] = {"idle_minutes": int(infra["autostop_minutes"]), "down": bool(infra["down"])}
+    elif settings.autostop_minutes is not None:  # sky_rules.check refused it where SkyPilot has none
+        res["autostop"] = {"idle_minutes": int(settings.autostop_minutes), "down": bool(settings.down)}
     return res
 
 
@@ -165,34 +157,36 @@ def task_config(
     workdir: str,
     environ: Optional[Mapping[str, str]] = None,
     attempt_env: Optional[Mapping[str, str]] = None,
+    settings: Optional[SkySettings] = None,
 ) -> dict[str, Any]:
     """The SkyPilot task as a YAML-style dict (``sky.Task.from_yaml_config`` loads it).
 
-    ``attempt_env``: the attempt number and the budget guard's inputs (``RunHandle.attempt_env``)."""
-    infra = cfg["infra"]
+    ``attempt_env``: the attempt number and the budget guard's inputs (``RunHandle.attempt_env``).
+    ``settings``: the plan's (default: built from ``cfg["infra"]``)."""
+    infra = settings or SkySettings.from_cfg(cfg)
     secrets = secrets_from(os.environ if environ is None else environ, tracking_uri)
     envs = {
         "LLMCTL_RUN_ID": run_id,
         "MLFLOW_RUN_ID": run_id,
         "MLFLOW_EXPERIMENT_ID": experiment_id,
         "PYTHONUNBUFFERED": "1",
-        "LLMCTL_PIP_ARGS": str(infra.get("pip_args") or ""),
+        "LLMCTL_PIP_ARGS": str(infra.pip_args or ""),
     }
     envs.update(attempt_env or {})
     if "MLFLOW_TRACKING_URI" not in secrets:
         envs["MLFLOW_TRACKING_URI"] = tracking_uri
-    if infra["nproc_per_node"] or not infra["accelerators"]:
-        envs["LLMCTL_NPROC_PER_NODE"] = str(nproc_per_node(cfg))
-    if infra.get("node_python"):
-        envs["LLMCTL_PYTHON"] = str(infra["node_python"])
+    if infra.nproc_per_node or not infra.accelerators:
+        envs["LLMCTL_NPROC_PER_NODE"] = str(nproc_per_node(cfg, infra))
+    if infra.node_python:
+        envs["LLMCTL_PYTHON"] = str(infra.node_python)
     file_mounts: dict[str, Any] = {REMOTE_CONFIG.format(run_id=run_id): local_config}
-    if infra.get("bucket") and infra.get("mount_bucket") and str(cfg["checkpoint"]["dir"]).startswith(BUCKET_MOUNT):
-        file_mounts[BUCKET_MOUNT] = {"source": str(infra["bucket"]), "mode": "MOUNT"}
+    if infra.bucket and infra.mount_bucket and str(cfg["checkpoint"]["dir"]).startswith(BUCKET_MOUNT):
+        file_mounts[BUCKET_MOUNT] = {"source": str(infra.bucket), "mode": "MOUNT"}
     task: dict[str, Any] = {
         "name": cfg["tracking"]["run_name"] or f"llmctl-{cfg['model']['name']}",
-        "num_nodes": int(infra["nodes"]),
+        "num_nodes": int(infra.nodes),
         "workdir": workdir,
-        "resources": resources(cfg),
+        "resources": resources(infra),
         "envs": envs,
         "file_mounts": file_mounts,
         "setup": SETUP,
@@ -205,7 +199,7 @@ def task_config(
 
 def project_root() -> Path:
     """The source tree that is synced to the nodes as the workdir (a checkout with pyproject.toml)."""
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     if not (root / "pyproject.toml").is_file() or not (root / "workloads").is_dir():
         raise ConfigError(
             f"infra.kind=sky ships this project's source to the nodes, but {root} is not a"
