@@ -1,6 +1,6 @@
 """The two sides of ``gpu_vs_torchtitan``: a model, its loss and its FLOPs count, for one shape.
 
-Split from the benchmark so ``tests/test_torchtitan_side.py`` builds torchtitan's side on CPU
+Split from the benchmark so ``tests/benchmarks/test_torchtitan_side.py`` builds torchtitan's side on CPU
 through this same code: a change in torchtitan's API then fails CI, not the GPU session.
 
 torchtitan (``TORCHTITAN``, read from its 0.3.0 source): ``model_registry(flavor, attn_backend)``

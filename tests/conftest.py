@@ -29,13 +29,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 LONGEST_FIRST = (
     "tests/test_docs.py",
     "tests/sky/test_slurm_launch.py",
-    "tests/test_sweep_search_e2e.py",
-    "tests/test_lifecycle.py",
-    "tests/test_resume.py",
-    "tests/test_sweep_e2e.py",
-    "tests/test_eval_e2e.py",
-    "tests/test_runs_local.py",
-    "tests/test_schedule_extend.py",
+    "tests/e2e/test_sweep_search_e2e.py",
+    "tests/e2e/test_lifecycle.py",
+    "tests/e2e/test_resume.py",
+    "tests/e2e/test_sweep_e2e.py",
+    "tests/e2e/test_eval_e2e.py",
+    "tests/e2e/test_runs_local.py",
+    "tests/e2e/test_schedule_extend.py",
 )
 
 

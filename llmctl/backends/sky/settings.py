@@ -3,7 +3,7 @@
 The user-visible keys stay ``infra.*`` (``llmctl.config.root_schema.InfraCfg``, conf/infra/*.yaml);
 this is the SkyPilot backend's view of them, one field per key it reads, as NeMo-Run has one
 executor dataclass per backend. Stdlib only: ``llmctl plan`` builds it without importing ``sky``.
-Defaults equal ``InfraCfg``'s (tests/test_backend_settings.py holds them together).
+Defaults equal ``InfraCfg``'s (tests/llmctl/test_backend_settings.py holds them together).
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 needs_chromium = pytest.mark.skipif(
     CHROMIUM is None, reason="headless Chromium not installed (Debian: apt-get install chromium; .ci/run installs it)"
 )
-SHOTS = Path(__file__).resolve().parents[1] / ".ci" / "out"
+SHOTS = Path(__file__).resolve().parents[2] / ".ci" / "out"
 TRAIN = [
     "experiment=smoke",
     "train.steps=6",

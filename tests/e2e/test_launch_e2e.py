@@ -70,7 +70,7 @@ def test_launch_finishes_with_tracked_run(cli_env: dict[str, str], tmp_path: Pat
     uploaded = client.download_artifacts(rid, "attempts/1/output.log", str(tmp_path / "dl"))
     assert Path(uploaded).read_text() == log
     # source: MLflow's standard fields, checked against git itself; a dirty tree's diff as an artifact
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True).stdout.strip()
     assert tags["mlflow.source.git.commit"] == head and tags["mlflow.source.type"] == "PROJECT"
     assert tags["mlflow.source.name"]
