@@ -44,7 +44,8 @@ def config(cuda: bool):
         if cuda
         else ["train.seq_len=1024", "train.batch_size=4", "train.dtype=fp32"]
     )
-    return OmegaConf.merge(cfg, OmegaConf.from_dotlist(["model.kernels=fused", "model.max_seq_len=8192", *shape]))
+    merged = OmegaConf.merge(cfg, OmegaConf.from_dotlist(["model.kernels=fused", "model.max_seq_len=8192", *shape]))
+    return OmegaConf.to_object(merged)  # the trainer's typed config, as config.load returns it
 
 
 def main() -> None:
@@ -71,7 +72,7 @@ def main() -> None:
     torch.manual_seed(0)
     model = init_sharded(cfg, DistEnv(0, 1, 0, 1, device, ParallelDims(1, 1, 1, 1), None))
     opt = build_optimizer(model, tc)
-    bf16 = getattr(tc.dtype, "value", tc.dtype) == "bf16"
+    bf16 = tc.dtype == "bf16"
     autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if bf16 else nullcontext
 
     def steps(which: int) -> None:

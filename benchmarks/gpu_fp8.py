@@ -48,7 +48,7 @@ def config(recipe: str):
 
     cfg = OmegaConf.structured(TrainerCfg)
     cfg.model = OmegaConf.merge(cfg.model, OmegaConf.load(REPO / "conf/model/1b.yaml"))
-    return OmegaConf.merge(
+    merged = OmegaConf.merge(
         cfg,
         OmegaConf.from_dotlist(
             [
@@ -62,6 +62,7 @@ def config(recipe: str):
             ]
         ),
     )
+    return OmegaConf.to_object(merged)  # the trainer's typed config, as config.load returns it
 
 
 class Contender:

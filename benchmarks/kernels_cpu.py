@@ -60,7 +60,7 @@ def model_cfg(shape: str):
 
     cfg = OmegaConf.merge(OmegaConf.structured(ModelCfg), OmegaConf.load(REPO / f"conf/model/{shape}.yaml"))
     cfg.kernels = "fused"
-    return cfg
+    return OmegaConf.to_object(cfg)
 
 
 def train_cfg():
@@ -68,7 +68,9 @@ def train_cfg():
 
     from workloads.pretrain.contract.schema import TrainCfg
 
-    return OmegaConf.merge(OmegaConf.structured(TrainCfg), OmegaConf.load(REPO / "conf/train/default.yaml"))
+    return OmegaConf.to_object(
+        OmegaConf.merge(OmegaConf.structured(TrainCfg), OmegaConf.load(REPO / "conf/train/default.yaml"))
+    )
 
 
 def build_contenders(cfg) -> dict[str, tuple[torch.nn.Module, object]]:

@@ -1,10 +1,10 @@
-"""How close is the memory plan to torch's own tracker? Every case of ``memory_check.CASES``.
+"""How close is the memory plan to torch's own tracker? Every case of ``memory_tracker.CASES``.
 
     python benchmarks/memory_plan.py
 
 For each case (shape, layout: world 1 / FSDP / TP / FSDP+TP / HSDP+TP, AC mode, micro-batching,
 dtype), ``memory_plan.plan_memory`` (stdlib, from the config alone) against
-``memory_check.tracked_peak`` (``FSDPMemTracker`` / ``MemTracker`` over two real training steps of
+``memory_tracker.tracked_peak`` (``FSDPMemTracker`` / ``MemTracker`` over two real training steps of
 the real model on fake tensors and a fake process group), both on CPU rules, in MiB per device
 by part, and the relative error of the totals. Goal: every case within 15%. About a minute on a
 2-core machine (no real memory or FLOPs are spent).
@@ -26,6 +26,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))  # the oracle: tests/oracles/memory_tracker.py
 
 MIB = 2**20
 
@@ -40,8 +41,9 @@ def _row(name: str, plan: float | None, tracked: float | None) -> str:
 def main() -> None:
     import logging
 
+    from oracles.memory_tracker import CASES, TRACKER_PARTS, compare
+
     from workloads.pretrain.contract.memory_plan import PARTS
-    from workloads.pretrain.memory_check import CASES, TRACKER_PARTS, compare
 
     warnings.filterwarnings("ignore")
     logging.getLogger("torch.distributed").setLevel(logging.ERROR)  # DTensor's 2-D grad-norm notice

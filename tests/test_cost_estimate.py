@@ -15,6 +15,7 @@ from llmctl.cost import history
 from llmctl.cost.estimate import shape_key
 from llmctl.plan.make import estimate_for as for_plan
 from llmctl.plan.make import make_plan
+from workloads.pretrain.contract.config import typed
 from workloads.pretrain.contract.shape import flops_per_token, num_params
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,18 +61,18 @@ def test_param_count_equals_the_workload_model(overrides: list[str]) -> None:
 
     from workloads.pretrain.model.transformer import Transformer
 
-    m = compose(overrides).cfg["model"]
+    m = typed(compose(overrides).cfg).model  # llmctl's composed dict, as the trainer types it
     with torch.device("meta"):  # no memory, even for 8B
-        model = Transformer(type("Cfg", (), m)())
+        model = Transformer(m)
     counted = sum(p.numel() for p in model.parameters())  # tied weights once
-    embedding = 0 if m["tie_embeddings"] else model.tok_embeddings.weight.numel()
+    embedding = 0 if m.tie_embeddings else model.tok_embeddings.weight.numel()
     assert num_params(m) == counted - embedding  # N leaves the input embedding out
-    heads, layers, head_dim = m["n_heads"], m["n_layers"], m["dim"] // m["n_heads"]
+    heads, layers, head_dim = m.n_heads, m.n_layers, m.dim // m.n_heads
     assert flops_per_token(m, 512) == 6 * (counted - embedding) + 12 * layers * heads * head_dim * 512
 
 
 def test_hand_counted_shape() -> None:
-    m = compose(SHAPE).cfg["model"]
+    m = typed(compose(SHAPE).cfg).model
     assert num_params(m) == N_SHAPE == 43_655_680
     assert flops_per_token(m, 1024) == FPT_SHAPE
 
@@ -149,7 +150,7 @@ def test_local_cpu_prior(tmp_path: Path) -> None:
     if est.hw.gpus_per_node:
         pytest.skip("this machine has GPUs")
     cores = len(os.sched_getaffinity(0))
-    m = compose(["model=tiny"]).cfg["model"]
+    m = typed(compose(["model=tiny"]).cfg).model
     fpt = flops_per_token(m, 64)
     rate = 25e9 * cores  # stated CPU prior: 25 GFLOP/s per core
     wall = 15 + 40 * 8 * 64 * fpt / rate + 3 * (4 * 8 * 64 * fpt / 3 / rate)  # 15 s overhead prior; val at 0, 20, 40
@@ -249,7 +250,7 @@ def test_new_shape_transfers_flops_per_second_of_another_shape(tmp_path: Path) -
     mc = MlflowClient(uri)
     exp = mc.create_experiment("calib")
     small = compose(["experiment=smoke"]).cfg
-    small_shape, small_fpt = shape_key(small), flops_per_token(small["model"], 64)
+    small_shape, small_fpt = shape_key(small), flops_per_token(typed(small).model, 64)
     near = _finished_run(
         mc, exp, shape=small_shape, accelerator=acc, tok_s=1000.0, overhead=5.0, val_pass=0.5, flops=small_fpt
     )
@@ -279,7 +280,7 @@ def test_new_shape_transfers_flops_per_second_of_another_shape(tmp_path: Path) -
     _finished_run(mc, exp, shape=small_shape, accelerator=acc, tok_s=9e9, overhead=0.0, val_pass=0.0)  # no FLOPs tag
 
     est = for_plan(plan)
-    fpt = flops_per_token(plan.cfg["model"], 64)
+    fpt = flops_per_token(typed(plan.cfg).model, 64)
     assert fpt > 2 * small_fpt and est.flops_per_token == fpt
     assert est.throughput.kind == "transferred" and est.throughput.run_id == near
     tok_s = 1000.0 * small_fpt / fpt

@@ -184,6 +184,152 @@ def test_config_reference_covers_every_key_and_option() -> None:
     assert not absent, f"docs/config.md lacks the group option(s): {absent}"
 
 
+# A key row of docs/config.md's tables: | `section.key` | type | default | meaning |
+KEY_ROW = re.compile(r"^\|\s*`([a-z_]+\.[a-z_0-9]+)`\s*\|(.*)$", re.M)
+
+
+def _cells(rest: str) -> list[str]:
+    """The cells after the key cell; ``\\|`` (an escaped bar, in enum types) stays inside its cell."""
+    return [c.strip() for c in re.split(r"(?<!\\)\|", rest)]
+
+
+def _schema_type(hint) -> str:
+    """A schema field's type as docs/config.md writes it: int, float, bool, str, enum options
+    ``a|b``, ``list[str]``, ``map``; ``?`` appended when it may be null."""
+    import enum
+    import typing
+
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) is typing.Union and type(None) in args:
+        (inner,) = [a for a in args if a is not type(None)]
+        return _schema_type(inner) + "?"
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        return "|".join(m.value for m in hint)
+    if typing.get_origin(hint) is list:
+        return f"list[{_schema_type(args[0])}]"
+    if typing.get_origin(hint) is dict:
+        return "map"
+    return hint.__name__
+
+
+def _doc_default(text: str, hint):
+    """The default a row writes, read as the field's type (``null``, ``true``, ``1e-5``, ``""``,
+    ``["a", "b"]``, ``{}``; backticks around it are decoration)."""
+    import enum
+    import json
+    import typing
+
+    text = text.strip().strip("`")
+    if text == "null":
+        return None
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) is typing.Union and type(None) in args:
+        (hint,) = [a for a in args if a is not type(None)]
+    if hint is bool:
+        return {"true": True, "false": False}[text]
+    if hint is int:
+        return int(text)
+    if hint is float:
+        return float(text)
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        return hint(text)
+    if hint is str:
+        return json.loads(text) if text.startswith('"') else text
+    return json.loads(text)  # list, map
+
+
+def _schema_fields() -> dict:
+    """{"section.key": (type hint, default)} of every leaf of llmctl's root schema (the trainer's
+    sections, ``workloads.pretrain.contract.schema``, plus ``infra`` and ``tracking``)."""
+    import typing
+    from dataclasses import MISSING, fields
+
+    from llmctl.config.root_schema import RootCfg
+
+    out = {}
+    for section, cls in typing.get_type_hints(RootCfg).items():
+        hints = typing.get_type_hints(cls)
+        for f in fields(cls):
+            default = f.default if f.default is not MISSING else f.default_factory()
+            out[f"{section}.{f.name}"] = (hints[f.name], default)
+    return out
+
+
+def config_reference_drift(text: str) -> list[str]:
+    """Every way docs/config.md's key tables disagree with the schema: a row whose type or
+    default is not the field's, a row for no field, a field with no row (or two)."""
+    schema = _schema_fields()
+    keys_part = text.split("## Keys", 1)[1]
+    problems, seen = [], []
+    for key, rest in KEY_ROW.findall(keys_part):
+        seen.append(key)
+        if key not in schema:
+            problems.append(f"{key}: a row for a key the schema does not have")
+            continue
+        hint, default = schema[key]
+        cells = _cells(rest)
+        doc_type, doc_default = cells[0].replace("`", "").replace("\\|", "|"), cells[1]
+        if doc_type != _schema_type(hint):
+            problems.append(f"{key}: type written {doc_type!r}, the schema's is {_schema_type(hint)!r}")
+        try:
+            written = _doc_default(doc_default, hint)
+        except (ValueError, KeyError) as exc:
+            problems.append(f"{key}: default {doc_default!r} is not a {_schema_type(hint)} ({exc})")
+            continue
+        if written != default or type(written) is not type(default):
+            problems.append(f"{key}: default written {doc_default!r}, the schema's is {default!r}")
+    for key in schema:
+        if seen.count(key) != 1:
+            problems.append(f"{key}: {seen.count(key)} rows in the key tables (want 1)")
+    return problems
+
+
+def test_config_reference_types_and_defaults_are_the_schemas() -> None:
+    """Each key row of docs/config.md states the schema field's type and default, exactly."""
+    assert not config_reference_drift((ROOT / "docs" / "config.md").read_text())
+
+
+@pytest.mark.parametrize(
+    "row, broken, needle",
+    [
+        ("| `model.dim` | int | 128 |", "| `model.dim` | float | 128 |", "model.dim: type written 'float'"),
+        ("| `model.dim` | int | 128 |", "| `model.dim` | int | 256 |", "model.dim: default written '256'"),
+        ("| `train.dtype` | `fp32`\\|`bf16` |", "| `train.dtype` | `fp32`\\|`fp16` |", "train.dtype: type written"),
+        ("| `eval.top_k` | int? | 50 |", "| `eval.top_k` | int | 50 |", "eval.top_k: type written 'int'"),
+        ("| `infra.down` | bool | true |", "| `infra.down` | bool | false |", "infra.down: default written"),
+        ("| `train.lr` | float | 3e-3 |", "| `train.lr` | float | 3e-4 |", "train.lr: default written '3e-4'"),
+    ],
+)
+def test_config_reference_check_catches_a_wrong_type_or_default(row: str, broken: str, needle: str) -> None:
+    text = (ROOT / "docs" / "config.md").read_text()
+    assert row in text
+    problems = config_reference_drift(text.replace(row, broken))
+    assert any(needle in p for p in problems), problems
+
+
+def test_every_schema_field_says_what_it_means() -> None:
+    """Each field of the trainer's schema has its meaning beside it: a comment on its line or the
+    lines just above, or its name in the class docstring."""
+    import ast
+
+    path = ROOT / "workloads" / "pretrain" / "contract" / "schema.py"
+    lines = path.read_text().splitlines()
+    undocumented = []
+    for cls in ast.parse(path.read_text()).body:
+        if not (isinstance(cls, ast.ClassDef) and cls.name.endswith("Cfg")):
+            continue
+        doc = ast.get_docstring(cls) or ""
+        for node in cls.body:
+            if not isinstance(node, ast.AnnAssign):
+                continue
+            name = node.target.id
+            own = lines[node.lineno - 1 : node.end_lineno]
+            above = lines[node.lineno - 2].strip() if node.lineno > 1 else ""
+            if not (any("#" in ln for ln in own) or above.startswith("#") or f"``{name}``" in doc):
+                undocumented.append(f"{cls.name}.{name}")
+    assert not undocumented, f"schema fields without a meaning beside them: {undocumented}"
+
+
 def test_ci_workflow_is_valid_and_runs_smoke() -> None:
     import yaml
 

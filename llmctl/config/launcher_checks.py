@@ -2,8 +2,8 @@
 
 The trainer's own rules (value ranges, mesh layout) live with the trainer
 (``workloads.pretrain.contract.validate``) so it applies them under plain torchrun too; llmctl runs the same
-functions and adds the launcher's (``infra``). Either way a mistake is a ``ConfigError`` naming
-the key and the fix.
+functions, on the dict converted once by the trainer's ``config.typed``, and adds the launcher's
+(``infra``). Either way a mistake is a ``ConfigError`` naming the key and the fix.
 """
 
 from __future__ import annotations
@@ -12,12 +12,13 @@ from typing import Any
 
 from llmctl.errors import ConfigError
 from workloads.pretrain.contract import validate as trainer
+from workloads.pretrain.contract.config import typed
 
 
 def validate(cfg: dict[str, Any]) -> None:
     """Value ranges and cross-key consistency of a resolved config."""
     try:
-        trainer.validate(cfg)
+        trainer.validate(typed(cfg))
     except trainer.ConfigError as exc:
         raise ConfigError(str(exc)) from None
     if cfg["infra"]["nodes"] < 1:
@@ -32,7 +33,7 @@ def check_hardware(cfg: dict[str, Any], hardware: Any) -> None:
     real device again when it starts; a GPU whose name llmctl does not know is left to that check)."""
     from workloads.pretrain.contract.hardware import capability_for, fp8_refusal
 
-    recipe = str(getattr(cfg["train"].get("fp8"), "value", cfg["train"].get("fp8")) or "none")
+    recipe = typed(cfg).train.fp8.value
     gpu = hardware.gpu if hardware.gpus_per_node else None
     refusal = fp8_refusal(recipe, gpu, capability_for(gpu) if gpu else None)
     if refusal:
@@ -52,6 +53,6 @@ def pretrained(cfg: dict[str, Any]) -> dict[str, Any]:
 def resolve_layout(cfg: dict[str, Any], world_size: int) -> dict[str, int]:
     """Concrete mesh degrees for ``world_size`` processes (``dp_shard=-1`` filled in)."""
     try:
-        return trainer.resolve_layout(cfg, world_size)
+        return trainer.resolve_layout(typed(cfg), world_size)
     except trainer.ConfigError as exc:
         raise ConfigError(str(exc)) from None

@@ -15,7 +15,8 @@ Throughput (and overhead, val time) come from the best evidence, which the estim
 
 Pure arithmetic on plain values: the hardware and the catalog offers come with the plan (each
 backend describes what it runs on), the measured history from ``history``; ``planner`` gathers
-them. The model's arithmetic is the trainer's (``workloads.pretrain.contract.shape``). Stdlib only.
+them. The model's arithmetic is the trainer's (``workloads.pretrain.contract.shape``, on the config
+as the trainer types it: ``contract.config.typed``). Stdlib only.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping, Optional
 
 from llmctl.plan.devices import Hardware
+from workloads.pretrain.contract.config import typed
 from workloads.pretrain.contract.hardware import peak_for
 from workloads.pretrain.contract.shape import flops_per_token, hidden_dim, num_params
 
@@ -49,20 +51,16 @@ def val_passes(steps: int, val_every: int) -> int:
 def shape_key(cfg: Mapping[str, Any]) -> str:
     """What makes two runs' tokens/s comparable (tag ``llmctl.shape``): the model, T, dtype (and fp8
     recipe, as ``bf16+fp8rowwise``: no dash, so the key's fields stay put), kernels, tp, ac."""
-    m, t, p = cfg["model"], cfg["train"], cfg["parallel"]
-    hidden = hidden_dim(m)
-    fp8 = _plain(t.get("fp8") or "none")
+    tc = typed(cfg)
+    m, t, p = tc.model, tc.train, tc.parallel
+    fp8 = t.fp8.value
     return (
-        f"d{m['dim']}-L{m['n_layers']}-H{m['n_heads']}-KV{m.get('n_kv_heads') or m['n_heads']}"
-        f"-V{m['vocab_size']}-F{hidden}-tie{int(bool(m['tie_embeddings']))}-T{t['seq_len']}"
-        f"-{_plain(t['dtype'])}{'' if fp8 == 'none' else '+fp8' + fp8}"
-        f"-{_plain(m['kernels'])}{'-compiled' if m.get('compile') else ''}"
-        f"-tp{p.get('tp', 1)}-ac{_plain(p.get('ac', 'none'))}"
+        f"d{m.dim}-L{m.n_layers}-H{m.n_heads}-KV{m.n_kv_heads or m.n_heads}"
+        f"-V{m.vocab_size}-F{hidden_dim(m)}-tie{int(m.tie_embeddings)}-T{t.seq_len}"
+        f"-{t.dtype.value}{'' if fp8 == 'none' else '+fp8' + fp8}"
+        f"-{m.kernels.value}{'-compiled' if m.compile else ''}"
+        f"-tp{p.tp}-ac{p.ac.value}"
     )
-
-
-def _plain(value: Any) -> str:
-    return str(getattr(value, "value", value))
 
 
 # ----------------------------------------------------------------------------- hardware and evidence
@@ -103,7 +101,7 @@ def measured_throughput(m: Measured, cfg: Mapping[str, Any], hw: Hardware, accel
     scaled = f", scaled x{nodes_ratio:g} for {hw.nodes} node(s)" if m.nodes != hw.nodes else ""
     flops_ratio, kind, what = 1.0, "measured", "this shape"
     if m.flops_per_token:
-        fpt = flops_per_token(cfg["model"], int(t["seq_len"]))
+        fpt = flops_per_token(typed(cfg).model, int(t["seq_len"]))
         flops_ratio, kind = m.flops_per_token / fpt, "transferred"
         what = f"shape {m.shape}"
         scaled += (
@@ -125,9 +123,10 @@ def measured_throughput(m: Measured, cfg: Mapping[str, Any], hw: Hardware, accel
 
 def prior_throughput(cfg: Mapping[str, Any], hw: Hardware, backend: str) -> Throughput:
     """No measured run: a stated prior per accelerator (MFU of its peak) or per CPU core."""
-    t = cfg["train"]
-    fpt = flops_per_token(cfg["model"], int(t["seq_len"]))
-    dtype = _plain(t["dtype"])
+    tc = typed(cfg)
+    t = tc.train
+    fpt = flops_per_token(tc.model, t.seq_len)
+    dtype = t.dtype.value
     if hw.gpu:
         peak = peak_for(hw.gpu, dtype)
         peak_note = (
@@ -143,7 +142,7 @@ def prior_throughput(cfg: Mapping[str, Any], hw: Hardware, backend: str) -> Thro
             f" x {hw.nodes} node(s)"
         )
         overhead = OVERHEAD_PRIOR_S["sky" if backend == "sky" else "local-cpu"]
-    val_tokens = int(t["val_batches"]) * int(t["batch_size"]) * int(t["seq_len"])
+    val_tokens = t.val_batches * t.batch_size * t.seq_len
     return Throughput(
         tokens_per_s=flops_s / fpt,
         val_pass_s=val_tokens * fpt / 3 / flops_s,
@@ -365,15 +364,15 @@ def estimate(
     max_cost: Optional[float] = None,
 ) -> Estimate:
     """The estimate for a resolved config, from explicit evidence (pure: tests hand-compute it)."""
-    t = cfg["train"]
+    t, model = cfg["train"], typed(cfg).model
     steps, batch, seq = int(t["steps"]), int(t["batch_size"]), int(t["seq_len"])
     throughput = (
         measured_throughput(measured, cfg, hw, hw.accelerator) if measured else prior_throughput(cfg, hw, backend)
     )
     catalog = catalog or []
     return Estimate(
-        n_params=num_params(cfg["model"]),
-        flops_per_token=flops_per_token(cfg["model"], seq),
+        n_params=num_params(model),
+        flops_per_token=flops_per_token(model, seq),
         steps=steps,
         tokens=steps * batch * seq,
         val_passes=val_passes(steps, int(t["val_every"])),

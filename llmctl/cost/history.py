@@ -103,9 +103,10 @@ def _rank_same(cfg: Mapping[str, Any]) -> Any:
 def _rank_other(cfg: Mapping[str, Any], shape: str) -> Any:
     """Same dtype, kernels, tp and ac first (the shape key after ``-T<seq>-``), then the closest FLOPs
     per token (matmul efficiency grows with size), then the same nodes, then the newest."""
+    from workloads.pretrain.contract.config import typed
     from workloads.pretrain.contract.shape import flops_per_token
 
-    fpt = flops_per_token(cfg["model"], int(cfg["train"]["seq_len"]))
+    fpt = flops_per_token(typed(cfg).model, int(cfg["train"]["seq_len"]))
     regime = shape.split("-", 8)[-1]
     nodes = str(cfg["infra"]["nodes"])
 
@@ -138,7 +139,7 @@ def _measured(best: Candidate, cfg: Mapping[str, Any]) -> Measured:
 # ----------------------------------------------------------------------------- reading the history
 # ``plan`` reads this on every call, and importing mlflow costs 1.5-3 s: a sqlite store is read
 # with sqlite3 (read-only), a tracking server through its REST API, anything else through
-# MlflowClient. All three answer what ``MlflowClient.search_runs`` answers (tests/test_history_reader.py).
+# MlflowClient. All three answer what ``MlflowClient.search_runs`` answers (tests/llmctl/test_history_reader.py).
 
 
 @dataclass

@@ -137,17 +137,18 @@ def check(plan: Any) -> MemoryFit:
 
     Resolves ``parallel.grad_sync=auto`` in ``plan.cfg`` (what the trainer is given): ``step``, one
     reduction per optimizer step, unless only reducing after each micro-batch fits."""
+    from workloads.pretrain.contract.config import typed
     from workloads.pretrain.contract.memory_plan import plan_memory
 
     device = _device_type(plan)
     auto = str(plan.cfg["parallel"].get("grad_sync", "auto")) == "auto"
     if auto:
         plan.cfg = _with_grad_sync(plan.cfg, "step")
-    mem = plan_memory(plan.cfg, plan.world_size, device)
+    mem = plan_memory(typed(plan.cfg), plan.world_size, device)
     capacity, label = device_memory(plan)
     fit = MemoryFit(mem, capacity, label)
     if auto and fit.fits is False:
-        each = plan_memory(_with_grad_sync(plan.cfg, "micro_batch"), plan.world_size, device)
+        each = plan_memory(typed(_with_grad_sync(plan.cfg, "micro_batch")), plan.world_size, device)
         if each.total < mem.total:
             plan.cfg = _with_grad_sync(plan.cfg, "micro_batch")
             fit = MemoryFit(each, capacity, label)
@@ -163,6 +164,7 @@ def _candidates(cfg: dict[str, Any], world: int, gpus_per_node: int):
     import copy
     import itertools
 
+    from workloads.pretrain.contract.config import typed
     from workloads.pretrain.contract.validate import ConfigError, resolve_layout
 
     train, par, model = cfg["train"], cfg["parallel"], cfg["model"]
@@ -196,7 +198,7 @@ def _candidates(cfg: dict[str, Any], world: int, gpus_per_node: int):
             c["parallel"]["dp_shard"] = -1
             over.append("parallel.dp_shard=-1")
         try:
-            layout = resolve_layout(c, world)
+            layout = resolve_layout(typed(c), world)
         except ConfigError:
             continue
         local = train["batch_size"] // (layout["dp_replicate"] * layout["dp_shard"])
@@ -215,13 +217,14 @@ def cheapest_fix(
     cfg: dict[str, Any], world: int, device: str, usable: int, gpus_per_node: int
 ) -> Optional[tuple[list[str], Any]]:
     """(overrides, plan) of the cheapest change that brings the plan under ``usable`` bytes."""
+    from workloads.pretrain.contract.config import typed
     from workloads.pretrain.contract.memory_plan import plan_memory
 
     best = None
     for cost, overrides, candidate in _candidates(cfg, world, gpus_per_node):
         if not overrides or (best and cost >= best[0]):
             continue
-        mem = plan_memory(candidate, world, device)
+        mem = plan_memory(typed(candidate), world, device)
         if mem.total <= usable:
             best = (cost, overrides, mem)
     return (best[1], best[2]) if best else None

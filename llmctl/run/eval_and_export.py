@@ -154,7 +154,7 @@ def _env(nproc: int) -> dict[str, str]:
     env["PYTHONUNBUFFERED"] = "1"
     if nproc > 1:
         env.setdefault("OMP_NUM_THREADS", str(cpu_threads(nproc)))
-    root = str(Path(__file__).resolve().parents[1])
+    root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     return env
 

@@ -15,6 +15,7 @@ from typing import Any, Callable, Optional
 from llmctl.errors import ConfigError
 from workloads.pretrain.contract import schedule
 from workloads.pretrain.contract.checkpoint_layout import latest_complete
+from workloads.pretrain.contract.config import typed
 
 # groups whose sections are re-derived when changed; experiment/model cannot change under a checkpoint
 RESECTION = {"infra": ("infra", "parallel"), "parallel": ("parallel",), "data": ("data",), "train": ("train",)}
@@ -140,7 +141,7 @@ def resume(
         raise ConfigError(
             f"cannot list checkpoints in {tracking.redact(str(root))}: {type(exc).__name__}: {exc}"
         ) from None
-    pin, said = schedule.extension(stored.get("train", {}), composed.cfg["train"], step or 0)
+    pin, said = schedule.extension(typed(stored).train, typed(composed.cfg).train, step or 0)
     if pin is not None:
         composed.cfg["train"]["schedule_steps"] = pin
     plan = make_plan(Composed(cfg=composed.cfg, choices=choices, overrides=overrides))

@@ -36,7 +36,7 @@ def _model_cfg(name: str = "tiny", **fields):
     from workloads.pretrain.contract.schema import ModelCfg
 
     cfg = OmegaConf.merge(OmegaConf.structured(ModelCfg), OmegaConf.load(REPO / f"conf/model/{name}.yaml"))
-    return OmegaConf.merge(cfg, fields)
+    return OmegaConf.to_object(OmegaConf.merge(cfg, fields))  # a ModelCfg, as the trainer reads it
 
 
 def _tokens(vocab: int, batch: int, seq: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

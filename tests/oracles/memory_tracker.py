@@ -60,19 +60,13 @@ TRACKER_PARTS = ("params", "grads", "optimizer", "unsharded", "activations", "te
 
 
 def trainer_cfg(cfg: Any):
-    """The trainer's typed config: ``schema.TrainerCfg``'s defaults under ``cfg`` (a nested dict,
-    an OmegaConf config or a ``TrainerCfg``); sections the trainer does not read (a launcher's
-    ``infra``, ``tracking``) are dropped. What ``Transformer`` and ``parallelize`` read."""
-    from dataclasses import fields
+    """The trainer's typed config (``contract.config.typed``, the plan's converter too):
+    ``schema.TrainerCfg``'s defaults under ``cfg`` (a nested dict, an OmegaConf config or a
+    ``TrainerCfg``); a launcher's sections (``infra``, ``tracking``) are dropped. What
+    ``Transformer`` and ``parallelize`` read."""
+    from workloads.pretrain.contract.config import typed
 
-    from omegaconf import OmegaConf
-
-    from workloads.pretrain.contract.schema import TrainerCfg
-
-    if not OmegaConf.is_config(cfg) and not isinstance(cfg, dict):
-        cfg = OmegaConf.structured(cfg)
-    sections = {f.name for f in fields(TrainerCfg)}
-    return OmegaConf.merge(OmegaConf.structured(TrainerCfg), {k: v for k, v in cfg.items() if k in sections})
+    return typed(cfg)
 
 
 @contextmanager
@@ -139,7 +133,7 @@ def tracked_peak(cfg: Any, world_size: int, device: str = "cpu", steps: int = 2,
     tc = cfg.train
     dims = ParallelDims.from_config(cfg, world_size)
     local_batch, seq, vocab = int(tc.batch_size) // dims.dp, int(tc.seq_len), int(cfg.model.vocab_size)
-    if getattr(tc.dtype, "value", tc.dtype) == "bf16":
+    if tc.dtype == "bf16":
 
         def autocast():
             return torch.autocast(device, dtype=torch.bfloat16)
@@ -161,7 +155,7 @@ def tracked_peak(cfg: Any, world_size: int, device: str = "cpu", steps: int = 2,
             inputs = torch.randint(0, vocab, (local_batch, seq), device=device)
             targets = torch.randint(0, vocab, (local_batch, seq), device=device)
             packed = {}
-            if getattr(cfg.data.format, "value", cfg.data.format) == "sft" or cfg.data.document_mask:  # block mask
+            if cfg.data.format == "sft" or cfg.data.document_mask:  # block mask
                 packed = {"positions": torch.zeros_like(inputs), "doc_ids": torch.zeros_like(inputs)}
             micro_batches = Batch(inputs, targets, int(tc.batch_size) * seq, **packed).split(tc.micro_batch_size)
             if isinstance(model, FSDPModule):
@@ -188,7 +182,7 @@ def tracked_peak(cfg: Any, world_size: int, device: str = "cpu", steps: int = 2,
 def _by_part(snapshot: dict) -> dict[str, Any]:
     """The tracker's peak snapshot ({device: {category: bytes, "Total": bytes}}) by plan part."""
     (dev_snap,) = snapshot.values()
-    raw = {getattr(k, "value", str(k)): int(v) for k, v in dev_snap.items() if k != "Total"}
+    raw = {k.value: int(v) for k, v in dev_snap.items() if k != "Total"}  # the tracker's str enums
     parts = dict.fromkeys(TRACKER_PARTS, 0)
     for name, nbytes in raw.items():
         parts[_PARTS.get(name, "temporaries")] += nbytes
@@ -289,6 +283,6 @@ def compare(case: dict[str, Any]) -> tuple[Any, dict[str, Any], float]:
     """(plan, tracker's peak, relative error of the plan's total) for one of ``CASES``, on CPU."""
     from workloads.pretrain.contract.memory_plan import plan_memory
 
-    plan = plan_memory(case["cfg"], case["world_size"], device="cpu")
+    plan = plan_memory(trainer_cfg(case["cfg"]), case["world_size"], device="cpu")
     tracked = tracked_peak(case["cfg"], case["world_size"], device="cpu")
     return plan, tracked, plan.total / tracked["total"] - 1.0

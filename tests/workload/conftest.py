@@ -15,7 +15,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def tiny_cfg(**dotlist):
-    """The trainer's config with conf/model/tiny.yaml, a short schedule, and ``key=value`` overrides."""
+    """The trainer's typed config (a ``TrainerCfg``, as ``config.load`` returns it) with
+    conf/model/tiny.yaml, a short schedule, and ``key=value`` overrides."""
     from omegaconf import OmegaConf
 
     from workloads.pretrain.contract.schema import TrainerCfg
@@ -32,7 +33,7 @@ def tiny_cfg(**dotlist):
         "train.val_batches": 2,
     }
     base.update(dotlist)
-    return OmegaConf.merge(cfg, OmegaConf.from_dotlist([f"{k}={v}" for k, v in base.items()]))
+    return OmegaConf.to_object(OmegaConf.merge(cfg, OmegaConf.from_dotlist([f"{k}={v}" for k, v in base.items()])))
 
 
 @pytest.fixture()

@@ -24,7 +24,7 @@ env = DistEnv(rank, world, rank, world, torch.device("cpu"), dims, dims.build_me
 for recipe in sys.argv[1:]:
     cfg = OmegaConf.structured(TrainerCfg)
     cfg.model = OmegaConf.merge(cfg.model, OmegaConf.load(os.path.join(os.getcwd(), "conf/model/tiny.yaml")))
-    cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(["train.dtype=bf16", f"train.fp8={recipe}"]))
+    cfg = OmegaConf.to_object(OmegaConf.merge(cfg, OmegaConf.from_dotlist(["train.dtype=bf16", f"train.fp8={recipe}"])))
     torch.manual_seed(0)
     model = init_sharded(cfg, env)
     opt = build_optimizer(model, cfg.train)

@@ -22,14 +22,11 @@ REPO = Path(__file__).resolve().parents[2]
 def test_full_size_model_shards_over_the_target_world(preset: str, world: int, parallel: dict, published: int) -> None:
     from omegaconf import OmegaConf
 
-    from workloads.pretrain.contract.schema import TrainerCfg
     from workloads.pretrain.dry_run import sharded_params
 
-    cfg = OmegaConf.structured(TrainerCfg)
-    cfg.model = OmegaConf.merge(cfg.model, OmegaConf.load(REPO / "conf" / "model" / f"{preset}.yaml"))
-    cfg.parallel = OmegaConf.merge(cfg.parallel, parallel)
-    cfg.train.batch_size = world
-    r = sharded_params(cfg, world)
+    model = OmegaConf.to_container(OmegaConf.load(REPO / "conf" / "model" / f"{preset}.yaml"))
+    # a plain mapping, as llmctl hands it over: sharded_params types it (config.typed)
+    r = sharded_params({"model": model, "parallel": parallel, "train": {"batch_size": world}}, world)
     assert r["params_total"] == published
     assert r["layout"] == {"dp_replicate": 1, **parallel}
     even = published / world

@@ -201,11 +201,11 @@ def _variants() -> dict[str, dict[str, Any]]:
 
 
 def _build(fields: dict[str, Any], seed: int = 0) -> tuple[torch.nn.Module, Any]:
-    from workloads.pretrain.contract.schema import ModelCfg
+    from workloads.pretrain.contract.config import typed
     from workloads.pretrain.model.transformer import build_model
 
     torch.manual_seed(seed)
-    cfg = ModelCfg(**fields)
+    cfg = typed({"model": fields}).model
     model = build_model(cfg).eval()
     with torch.no_grad():  # biases start at zero: make them count, in the layout the export permutes
         for name, p in model.named_parameters():

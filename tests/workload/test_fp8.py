@@ -63,12 +63,10 @@ def test_the_trainer_refuses_a_cpu_device_before_importing_torchao() -> None:
     ],
 )
 def test_validate_refuses_fp8_without_bf16_or_with_tp(make_tiny_cfg, overrides: dict, needle: str) -> None:
-    from workloads.pretrain.contract.config import plain
-
     with pytest.raises(ConfigError, match="train.fp8") as info:
-        validate(plain(make_tiny_cfg(**overrides)))
+        validate(make_tiny_cfg(**overrides))
     assert needle in str(info.value)
-    validate(plain(make_tiny_cfg(**{"train.fp8": "rowwise", "train.dtype": "bf16"})))  # the fixed one passes
+    validate(make_tiny_cfg(**{"train.fp8": "rowwise", "train.dtype": "bf16"}))  # the fixed one passes
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])

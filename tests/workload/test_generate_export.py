@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from workloads.pretrain.checkpoint.hf_export import export
-from workloads.pretrain.contract.schema import ModelCfg
+from workloads.pretrain.contract.schema import ModelCfg, RopeLayout
 from workloads.pretrain.model.generate import generate
 from workloads.pretrain.model.transformer import build_model
 
@@ -25,7 +25,7 @@ def _model(tie: bool = False, kv_heads: int = 2, seed: int = 0, rope_layout: str
         max_seq_len=96,
         tie_embeddings=tie,
         rope_theta=500000.0,
-        rope_layout=rope_layout,
+        rope_layout=RopeLayout(rope_layout),
     )
     return build_model(cfg).eval(), cfg
 

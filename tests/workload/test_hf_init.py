@@ -318,7 +318,9 @@ def test_presets_are_the_published_models(preset: str, published: int) -> None:
     from workloads.pretrain.contract.schema import ModelCfg
     from workloads.pretrain.contract.shape import num_params
 
-    cfg = OmegaConf.merge(OmegaConf.structured(ModelCfg), OmegaConf.load(REPO / "conf" / "model" / f"{preset}.yaml"))
+    cfg = OmegaConf.to_object(
+        OmegaConf.merge(OmegaConf.structured(ModelCfg), OmegaConf.load(REPO / "conf" / "model" / f"{preset}.yaml"))
+    )
     spec = hf_config(cfg)
     hf_cfg = transformers.AutoConfig.for_model(**{k: v for k, v in spec.items() if k != "architectures"})
     with torch.device("meta"):

@@ -1,6 +1,7 @@
-"""The memory plan (``memory_plan``, stdlib) against torch's tracker (``memory_check``), and its contract.
+"""The memory plan (``memory_plan``, stdlib) against torch's tracker (``tests/oracles/memory_tracker.py``),
+and its contract.
 
-Every case of ``memory_check.CASES`` (the list ``benchmarks/memory_plan.py`` prints) must plan within
+Every case of ``memory_tracker.CASES`` (the list ``benchmarks/memory_plan.py`` prints) must plan within
 15% of ``FSDPMemTracker`` / ``MemTracker`` over real training steps of the real model on fake tensors
 (measured: within 0.3%). The tracker runs in this process on a fake process group it tears down
 again; a few seconds a case, no real memory.
@@ -13,9 +14,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from oracles.memory_tracker import CASES
 
+from workloads.pretrain.contract.config import typed
 from workloads.pretrain.contract.memory_plan import PARTS, MemoryPlan, plan_memory
-from workloads.pretrain.memory_check import CASES
 
 REPO = Path(__file__).resolve().parents[2]
 TOLERANCE = 0.15
@@ -29,7 +31,7 @@ TOLERANCE = 0.15
     ],
 )
 def test_plan_within_tolerance_of_tracker(case):
-    from workloads.pretrain.memory_check import compare
+    from oracles.memory_tracker import compare
 
     plan, tracked, err = compare(case)
     detail = {p: (getattr(plan, p) >> 20, tracked.get(p, 0) >> 20) for p in PARTS}
@@ -44,7 +46,7 @@ def test_plan_within_tolerance_of_tracker(case):
 def test_cases_cover_the_layouts_and_modes():
     """The benchmark/test cases span world 1, FSDP, TP, FSDP+TP, every AC mode and micro-batching."""
     assert len(CASES) >= 6
-    layouts = {plan_memory(c["cfg"], c["world_size"], device="cpu").layout["tp"] > 1 for c in CASES}
+    layouts = {plan_memory(typed(c["cfg"]), c["world_size"], device="cpu").layout["tp"] > 1 for c in CASES}
     assert layouts == {True, False}
     assert {c["cfg"]["parallel"].get("ac", "none") for c in CASES} == {"none", "selective", "full"}
     assert {c["world_size"] for c in CASES} >= {1, 2, 4, 8}
@@ -58,7 +60,8 @@ def test_plan_module_imports_no_torch():
     """llmctl imports the plan in its fast CLI: no torch, no numpy, not even indirectly."""
     code = (
         "import sys, workloads.pretrain.contract.memory_plan as m; "
-        "m.plan_memory({'model': {'dim': 256}, 'train': {'batch_size': 8}, 'parallel': {}}, 8).describe(); "
+        "from workloads.pretrain.contract.config import typed; "
+        "m.plan_memory(typed({'model': {'dim': 256}, 'train': {'batch_size': 8}, 'parallel': {}}), 8).describe(); "
         "print(sorted(k for k in sys.modules if k.split('.')[0] in ('torch', 'numpy', 'omegaconf')))"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
@@ -66,7 +69,8 @@ def test_plan_module_imports_no_torch():
 
 
 def test_config_forms_agree():
-    """Nested dicts, an OmegaConf config and a ``TrainerCfg`` plan the same; defaults fill gaps."""
+    """Nested dicts, an OmegaConf config and what ``config.load`` makes are one ``TrainerCfg`` to
+    ``typed`` (defaults fill gaps), so they plan the same."""
     from omegaconf import OmegaConf
 
     from workloads.pretrain.contract.schema import TrainerCfg
@@ -74,7 +78,10 @@ def test_config_forms_agree():
     cfg = CASES[-1]["cfg"]
     structured = OmegaConf.merge(OmegaConf.structured(TrainerCfg), cfg)
     as_object = OmegaConf.to_object(structured)
-    plans = [plan_memory(c, 2) for c in (cfg, structured, as_object)]
+    forms = [typed(c) for c in (cfg, structured, as_object)]
+    assert forms[0] == forms[1] == forms[2] and isinstance(forms[0], TrainerCfg)
+    assert typed(as_object) is as_object
+    plans = [plan_memory(c, 2) for c in forms]
     assert plans[0] == plans[1] == plans[2]
 
 
@@ -88,10 +95,10 @@ def test_parameter_shards_match_the_model_count():
     cfg = {"model": model, "train": {"batch_size": 8, "seq_len": 256}, "parallel": {}}
     n = num_params(ModelCfg(**model), exclude_embedding=False)
     rope = 4 * 1024 * 64
-    one = plan_memory(cfg, 1)
+    one = plan_memory(typed(cfg), 1)
     assert one.params == 4 * n + rope
     assert one.optimizer == pytest.approx(8 * n, rel=1e-3)  # + a scalar step count per tensor
-    eight = plan_memory(cfg, 8)
+    eight = plan_memory(typed(cfg), 8)
     assert eight.params - rope == pytest.approx((one.params - rope) / 8, rel=1e-3)
 
 
@@ -108,7 +115,7 @@ def test_plan_moves_the_right_way():
         for key, value in over.items():
             section, name = key.split("__")
             cfg[section][name] = value
-        return plan_memory(cfg, world)
+        return plan_memory(typed(cfg), world)
 
     def total(world=8, **over):
         return plan(world, **over).total
@@ -132,19 +139,21 @@ def test_plan_moves_the_right_way():
 
 def test_describe_is_a_short_table():
     plan = plan_memory(
-        {
-            "model": {
-                "dim": 4096,
-                "n_layers": 32,
-                "n_heads": 32,
-                "n_kv_heads": 8,
-                "vocab_size": 128256,
-                "hidden_dim": 14336,
-                "max_seq_len": 8192,
-            },
-            "train": {"batch_size": 64, "seq_len": 8192, "dtype": "bf16", "micro_batch_size": 1},
-            "parallel": {"ac": "full"},
-        },
+        typed(
+            {
+                "model": {
+                    "dim": 4096,
+                    "n_layers": 32,
+                    "n_heads": 32,
+                    "n_kv_heads": 8,
+                    "vocab_size": 128256,
+                    "hidden_dim": 14336,
+                    "max_seq_len": 8192,
+                },
+                "train": {"batch_size": 64, "seq_len": 8192, "dtype": "bf16", "micro_batch_size": 1},
+                "parallel": {"ac": "full"},
+            }
+        ),
         64,
     )
     assert isinstance(plan, MemoryPlan)

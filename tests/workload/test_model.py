@@ -13,6 +13,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from workloads.pretrain.contract.config import typed
 from workloads.pretrain.contract.schema import ModelCfg
 from workloads.pretrain.contract.shape import ffn_hidden_dim, flops_per_token, num_params
 from workloads.pretrain.model.transformer import Transformer, build_model
@@ -24,7 +25,7 @@ CONF = Path(__file__).resolve().parents[2] / "conf"
 def shape(**kw) -> ModelCfg:
     base = dict(name="t", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=VOCAB, multiple_of=32, max_seq_len=64)
     base.update(kw)
-    return ModelCfg(**base)
+    return typed({"model": base}).model
 
 
 def pair(**kw) -> tuple[Transformer, Transformer]:
@@ -159,7 +160,7 @@ def test_ffn_hidden_rule_matches_llama():
 
 
 def test_num_params_and_flops_per_token_by_hand():
-    cfg = OmegaConf.merge(OmegaConf.structured(ModelCfg), OmegaConf.load(CONF / "model/tiny.yaml"))
+    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelCfg), OmegaConf.load(CONF / "model/tiny.yaml")))
     model = build_model(cfg)
     d, L, V, H, Q, hidden = 64, 2, 4096, 4, 16, 192
     kv = 2 * Q
@@ -176,7 +177,9 @@ def test_num_params_and_flops_per_token_by_hand():
 
 def test_meta_model_can_be_built_without_memory():
     with torch.device("meta"):
-        big = Transformer(OmegaConf.merge(OmegaConf.structured(ModelCfg), OmegaConf.load(CONF / "model/8b.yaml")))
+        big = Transformer(
+            OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelCfg), OmegaConf.load(CONF / "model/8b.yaml")))
+        )
     assert 7.4e9 < sum(p.numel() for p in big.parameters()) < 8.1e9
 
 

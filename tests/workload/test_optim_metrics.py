@@ -10,12 +10,12 @@ import torch
 from workloads.pretrain.components.metrics import MetricSink, format_train_line, peak_memory_gb, peak_tflops
 from workloads.pretrain.components.optim import build_optimizer, lr_factor
 from workloads.pretrain.contract.hardware import cpu_threads
-from workloads.pretrain.contract.schema import TrainCfg
+from workloads.pretrain.contract.schema import Schedule, TrainCfg
 
 
 @pytest.mark.parametrize("schedule", ["cosine", "linear", "constant"])
 def test_warmup_then_decay_to_floor(schedule):
-    tc = TrainCfg(steps=100, warmup_steps=10, min_lr_ratio=0.1, schedule=schedule)
+    tc = TrainCfg(steps=100, warmup_steps=10, min_lr_ratio=0.1, schedule=Schedule(schedule))
     assert lr_factor(1, tc) == pytest.approx(0.1)
     assert lr_factor(10, tc) == pytest.approx(1.0)
     end = {"cosine": 0.1, "linear": 0.1, "constant": 1.0}[schedule]
@@ -123,7 +123,7 @@ def test_sink_batches_into_a_real_mlflow_run(tmp_path, monkeypatch):
 
 
 def test_wsd_holds_the_peak_then_decays_linearly_to_the_floor():
-    tc = TrainCfg(steps=110, warmup_steps=10, min_lr_ratio=0.1, schedule="wsd", decay_fraction=0.2)
+    tc = TrainCfg(steps=110, warmup_steps=10, min_lr_ratio=0.1, schedule=Schedule.wsd, decay_fraction=0.2)
     assert lr_factor(5, tc) == pytest.approx(0.5)
     assert [lr_factor(s, tc) for s in (10, 50, 90)] == [1.0, 1.0, 1.0]  # decay starts at 10 + 0.8 * 100
     assert lr_factor(100, tc) == pytest.approx(0.55)
@@ -138,11 +138,9 @@ def test_schedule_steps_is_the_horizon_and_the_floor_holds_after_it():
 
 
 def _train(**kw):
-    from dataclasses import asdict
-
-    d = asdict(TrainCfg(warmup_steps=5, min_lr_ratio=0.1, lr=3e-4, **kw))
-    d["schedule"] = getattr(d["schedule"], "value", d["schedule"])
-    return d
+    return TrainCfg(
+        warmup_steps=5, min_lr_ratio=0.1, lr=3e-4, **{**kw, "schedule": Schedule(kw.get("schedule", "cosine"))}
+    )
 
 
 def test_extension_pins_a_decayed_cosine_and_lets_a_stable_wsd_extend():

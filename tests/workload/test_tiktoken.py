@@ -60,22 +60,14 @@ def test_encodes_exactly_as_tiktoken(tiktoken_bpe) -> None:
 
 def test_corpus_built_with_a_tiktoken_file(tiktoken_bpe, tmp_path: Path) -> None:
     """Each document of the cached corpus is <|begin_of_text|> + tiktoken's ids + <|end_of_text|>."""
-    from types import SimpleNamespace
+    from dataclasses import replace
 
+    from workloads.pretrain.contract.schema import DataCfg
     from workloads.pretrain.data import prepare_corpus
     from workloads.pretrain.data.sources import builtin_pydoc_texts
 
     path, enc = tiktoken_bpe
-    data = SimpleNamespace(
-        name="pydoc",
-        source="builtin:pydoc",
-        text_field="text",
-        vocab_size=0,
-        val_fraction=0.05,
-        cache_dir=str(tmp_path),
-        tokenizer=str(path),
-        format="text",
-    )
+    data = DataCfg(name="pydoc", source="builtin:pydoc", vocab_size=0, cache_dir=str(tmp_path), tokenizer=str(path))
     corpus = prepare_corpus(data)
     bos, eos = (enc.encode(t, allowed_special="all")[0] for t in ("<|begin_of_text|>", "<|end_of_text|>"))
     docs = builtin_pydoc_texts()
@@ -84,4 +76,4 @@ def test_corpus_built_with_a_tiktoken_file(tiktoken_bpe, tmp_path: Path) -> None
     bad = path.with_name("bad.tiktoken")
     bad.write_text("not base64 at all\n")
     with pytest.raises(ValueError, match=r"bad.tiktoken:1: not a tiktoken BPE file"):
-        prepare_corpus(SimpleNamespace(**{**vars(data), "tokenizer": str(bad)}))
+        prepare_corpus(replace(data, tokenizer=str(bad)))

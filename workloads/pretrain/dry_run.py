@@ -15,28 +15,30 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Mapping
 from typing import Any, Optional, Sequence
 
 
-def sharded_params(cfg: Any, world_size: int) -> dict[str, Any]:
-    """Parameters per rank of ``cfg``'s model (the trainer's typed config) at ``world_size``
-    processes, built the trainer's way
-    (``Transformer`` on meta -> ``parallelize``: TP -> AC -> FSDP2)."""
+def sharded_params(cfg: Mapping[str, Any], world_size: int) -> dict[str, Any]:
+    """Parameters per rank of ``cfg``'s model at ``world_size`` processes, built the trainer's way
+    (``Transformer`` on meta -> ``parallelize``: TP -> AC -> FSDP2). ``cfg``: the trainer's typed
+    config, or a plain mapping of sections (``config.typed``, schema defaults for what is missing)."""
     import torch
     from torch.distributed.tensor import DTensor
 
+    from workloads.pretrain.contract.config import typed
     from workloads.pretrain.model.transformer import Transformer
     from workloads.pretrain.parallel.fake_world import fake_process_group
     from workloads.pretrain.parallel.parallelize import ParallelDims, parallelize
 
     t0 = time.perf_counter()
-    tc = cfg
-    dims = ParallelDims.from_config(tc, world_size)
+    cfg = typed(cfg)
+    dims = ParallelDims.from_config(cfg, world_size)
     with fake_process_group(world_size):
         mesh = dims.build_mesh("cpu") if world_size > 1 else None
         with torch.device("meta"):
-            model = Transformer(tc.model)
-        model = parallelize(model, dims, mesh, tc)
+            model = Transformer(cfg.model)
+        model = parallelize(model, dims, mesh, cfg)
         params = list(model.parameters())
         local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in params)
         total = sum(p.numel() for p in params)

@@ -57,14 +57,10 @@ from workloads.pretrain.contract.checkpoint_layout import (
 from workloads.pretrain.contract.config import parse_args
 from workloads.pretrain.contract.hardware import cpu_threads
 from workloads.pretrain.contract.protocol import EXPORT_INFO
+from workloads.pretrain.contract.schema import ModelCfg, TrainerCfg
 from workloads.pretrain.data import EOT, Corpus, Windows, load_texts, prepare_corpus, val_batches
 from workloads.pretrain.model.losses import IGNORE_INDEX
 from workloads.pretrain.model.transformer import Transformer, build_model
-
-
-def _value(x: Any) -> Any:
-    return getattr(x, "value", x)
-
 
 # ----------------------------------------------------------------------------- checkpoint
 
@@ -86,7 +82,7 @@ def resolve_step_dir(ckpt: str, step: Optional[int]) -> tuple[str, int]:
     return path, int(step)
 
 
-def load_model(model_cfg: Any, step_dir: str, device: torch.device | str = "cpu") -> Transformer:
+def load_model(model_cfg: ModelCfg, step_dir: str, device: torch.device | str = "cpu") -> Transformer:
     """A plain (unsharded) model holding the checkpoint's weights; optimizer state is not read.
 
     DCP loads only the keys asked for (``model.*``) and reshards from any saved layout. With a
@@ -143,7 +139,7 @@ def source_tokens(corpus: Corpus, source: str, text_field: str, max_tokens: Opti
     return np.asarray(ids, dtype=np.int64)
 
 
-def eval_batches(cfg: Any, corpus: Corpus, rank: int, world: int, device: torch.device):
+def eval_batches(cfg: TrainerCfg, corpus: Corpus, rank: int, world: int, device: torch.device):
     """This rank's slice of each fixed eval batch (training's val batches unless ``eval.source``)."""
     tc, ec = cfg.train, cfg.eval
     if tc.batch_size % world:
@@ -263,7 +259,7 @@ def _init() -> tuple[int, int, torch.device]:
 
 
 def run(
-    cfg: Any,
+    cfg: TrainerCfg,
     checkpoint: Optional[str] = None,
     hf_dir: Optional[str] = None,
     export_dir: Optional[str] = None,
@@ -310,11 +306,7 @@ def run(
         say(f"eval | exported step {step} to {export_dir} (transformers Llama, safetensors + tokenizer)")
         return result
 
-    autocast = (
-        (lambda: torch.autocast(device.type, dtype=torch.bfloat16))
-        if _value(cfg.train.dtype) == "bf16"
-        else nullcontext
-    )
+    autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if cfg.train.dtype == "bf16" else nullcontext
     batches = eval_batches(cfg, corpus, rank, world, device)
     byte_len = torch.from_numpy(token_byte_lengths(corpus.tokenizer))
     result["metrics"] = score_native(model, batches, byte_len, autocast)
@@ -331,7 +323,7 @@ def run(
 
 
 def export_model(
-    model: Transformer, model_cfg: Any, corpus: Corpus, out_dir: str, info: Optional[dict[str, Any]] = None
+    model: Transformer, model_cfg: ModelCfg, corpus: Corpus, out_dir: str, info: Optional[dict[str, Any]] = None
 ) -> None:
     """The checkpoint's model and the run's tokenizer as a transformers Llama (no transformers needed)."""
     from workloads.pretrain.checkpoint.hf_export import export

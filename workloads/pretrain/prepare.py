@@ -14,13 +14,13 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 from workloads.pretrain.contract.config import parse_args
+from workloads.pretrain.contract.schema import DataCfg
 from workloads.pretrain.data import prepare_corpus
 
 
-def prepare(data_cfg: Any) -> Path:
+def prepare(data_cfg: DataCfg) -> Path:
     """Build (or find) the token cache for ``data_cfg`` (a DataCfg); returns its directory."""
     return prepare_corpus(data_cfg).path
 

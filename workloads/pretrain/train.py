@@ -1,8 +1,9 @@
 """Entry point: ``python -m workloads.pretrain`` or ``torchrun --nproc_per_node=N -m workloads.pretrain``.
 
 Config: ``--config resolved.yaml`` (llmctl writes one per run; ``llmctl config show ... > run.yaml``
-writes one by hand) with optional ``key=value`` overrides after it, typed by ``schema.TrainerCfg``
-and checked by ``validate`` (``config.load``). The trainer imports nothing from llmctl and does
+writes one by hand) with optional ``key=value`` overrides after it, read once into a
+``schema.TrainerCfg`` instance and checked by ``validate`` (``config.load``); everything below reads
+that object. The trainer imports nothing from llmctl and does
 not compose presets: it runs under plain torchrun with its own dependencies.
 
 Order of work, top to bottom in ``train``: layout validation -> devices, process group and
@@ -46,6 +47,7 @@ from workloads.pretrain.contract import shape
 from workloads.pretrain.contract.config import parse_args
 from workloads.pretrain.contract.hardware import cpu_threads
 from workloads.pretrain.contract.protocol import EXIT_CONFIG, EXIT_PREEMPTED
+from workloads.pretrain.contract.schema import TrainerCfg
 from workloads.pretrain.contract.validate import ConfigError
 from workloads.pretrain.data import Sampler, prepare_corpus, val_batches
 from workloads.pretrain.model.transformer import Transformer
@@ -59,17 +61,11 @@ from workloads.pretrain.parallel.parallelize import (
     set_gradient_sync,
 )
 
-
-def _value(x: Any) -> Any:
-    """Enum member (structured config) or plain value (raw YAML) -> plain value."""
-    return getattr(x, "value", x)
-
-
 # ----------------------------------------------------------------------------- config
 
 
-def load_config(argv: list[str] | None = None):
-    """Parse ``--config PATH [key=value ...]`` into a typed, validated DictConfig (``config.load``)."""
+def load_config(argv: list[str] | None = None) -> TrainerCfg:
+    """Parse ``--config PATH [key=value ...]`` into the typed, validated config (``config.load``)."""
     parser = argparse.ArgumentParser(prog="python -m workloads.pretrain", description=__doc__.splitlines()[0])
     return parse_args(parser, argv)[1]
 
@@ -102,7 +98,7 @@ class DistEnv:
         return self.dims.dp
 
 
-def init_distributed(cfg: Any) -> DistEnv:
+def init_distributed(cfg: TrainerCfg) -> DistEnv:
     """Validate the layout, pick the device, size the CPU thread pool, join torchrun's group.
 
     Multi-node needs nothing else: torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR ...)
@@ -170,7 +166,7 @@ def step_loss(model: torch.nn.Module, batch: Any, dp_size: int) -> tuple[torch.T
     return share * dp_size, share.detach()
 
 
-def _accumulation(cfg: Any, env: DistEnv) -> str:
+def _accumulation(cfg: TrainerCfg, env: DistEnv) -> str:
     tc = cfg.train
     local = tc.batch_size // env.dp_size
     if not tc.micro_batch_size or tc.micro_batch_size >= local:
@@ -199,7 +195,7 @@ def _describe(train_seqs: Any, val_seqs: Any) -> str:
     )
 
 
-def init_sharded(cfg: Any, env: DistEnv) -> torch.nn.Module:
+def init_sharded(cfg: TrainerCfg, env: DistEnv) -> torch.nn.Module:
     """meta → parallelize → materialise empty → initial weights (``init``): the same values as one
     process would draw, for any layout, with no rank ever holding more than its shards and one
     parameter. Deterministic given ``torch.manual_seed``."""
@@ -211,7 +207,7 @@ def init_sharded(cfg: Any, env: DistEnv) -> torch.nn.Module:
     return model
 
 
-def load_pretrained(cfg: Any, env: DistEnv) -> torch.nn.Module:
+def load_pretrained(cfg: TrainerCfg, env: DistEnv) -> torch.nn.Module:
     """``model.init_from``: meta → parallelize → materialise empty → RoPE tables → the checkpoint's
     weights (``hf_checkpoint``): no rank ever holds more than its shards."""
     from workloads.pretrain.checkpoint import hf_load as hf_checkpoint
@@ -226,12 +222,12 @@ def load_pretrained(cfg: Any, env: DistEnv) -> torch.nn.Module:
     return model
 
 
-def train(cfg: Any) -> dict:
-    """Train per ``cfg`` (a RootCfg-shaped DictConfig). Returns the val losses and final speed."""
+def train(cfg: TrainerCfg) -> dict:
+    """Train per ``cfg``. Returns the val losses and final speed."""
     env = init_distributed(cfg)
     tc, mc = cfg.train, cfg.model
     say = (lambda *a: print(*a, flush=True)) if env.is_main else (lambda *a: None)
-    dtype = _value(tc.dtype)
+    dtype = tc.dtype.value
     fp8_recipe = fp8.recipe(cfg)
     fp8.check_device(fp8_recipe, env.device)  # an FP8 GPU and torchao, before data or model work
 
@@ -271,7 +267,7 @@ def train(cfg: Any) -> dict:
 
     say(
         f"pretrain | model {mc.name}: {n_params / 1e6:.2f}M params (non-embedding), {mc.n_layers} layers, "
-        f"dim {mc.dim}, {mc.n_heads}/{mc.n_kv_heads} heads, {_value(mc.kernels)} kernels, {dtype}"
+        f"dim {mc.dim}, {mc.n_heads}/{mc.n_kv_heads} heads, {mc.kernels.value} kernels, {dtype}"
         f"{f', fp8 {fp8_recipe}' if fp8_recipe != 'none' else ''}"
         f"{', compiled' if mc.compile else ''}"
     )
@@ -285,7 +281,7 @@ def train(cfg: Any) -> dict:
     d = env.dims
     say(
         f"pretrain | mesh dp_replicate {d.dp_replicate} x dp_shard {d.dp_shard} x tp {d.tp} | "
-        f"ac {_value(cfg.parallel.ac)} | checkpoints {cfg.checkpoint.dir or 'off (checkpoint.dir unset)'}"
+        f"ac {cfg.parallel.ac.value} | checkpoints {cfg.checkpoint.dir or 'off (checkpoint.dir unset)'}"
     )
     if start_step:
         say(f"pretrain | resumed from step {start_step} ({cfg.checkpoint.dir})")

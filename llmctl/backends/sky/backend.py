@@ -12,6 +12,7 @@ run id.
 from __future__ import annotations
 
 import copy
+import enum
 import io
 import sys
 from dataclasses import dataclass, replace
@@ -114,8 +115,9 @@ class _Tee(io.TextIOBase):
 
 
 def _field(record: Any, key: str) -> Any:
+    """A field of a SkyPilot job record (a dict or an object); SkyPilot's status enums as their names."""
     value = record.get(key) if isinstance(record, dict) else getattr(record, key, None)
-    return getattr(value, "value", value)
+    return value.value if isinstance(value, enum.Enum) else value
 
 
 def _settings(plan: Plan) -> SkySettings:

@@ -42,6 +42,7 @@ from workloads.pretrain.contract.checkpoint_layout import (
     list_checkpoints,
     step_dir,
 )
+from workloads.pretrain.contract.schema import TrainerCfg
 
 # a one-process run saves without a process group on purpose (no_dist=True); DCP warns on every save
 warnings.filterwarnings(
@@ -68,7 +69,9 @@ class Checkpointer:
     ``sampler`` needs ``state_dict``/``load_state_dict``; ``env`` needs ``rank``/``world_size``.
     """
 
-    def __init__(self, cfg: Any, env: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer, sampler: Any):
+    def __init__(
+        self, cfg: TrainerCfg, env: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer, sampler: Any
+    ):
         ck = cfg.checkpoint
         self.root = str(ck.dir) if ck.dir else None
         self.every, self.keep, self.async_save = int(ck.every), int(ck.keep), bool(ck.async_save)

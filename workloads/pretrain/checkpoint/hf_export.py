@@ -22,6 +22,7 @@ from typing import Any, Optional
 import torch
 
 from workloads.pretrain.checkpoint.hf_load import hf_name
+from workloads.pretrain.contract.schema import ModelCfg
 from workloads.pretrain.contract.shape import hidden_dim
 
 
@@ -32,11 +33,13 @@ def interleaved_to_halves(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
     return weight.view(n_heads, head_dim // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
 
 
-def hf_config(model_cfg: Any, bos_token_id: Optional[int] = None, eos_token_id: Optional[int] = None) -> dict[str, Any]:
-    """A ``LlamaConfig`` dict for this shape (``model_cfg`` is a ModelCfg or the same attributes)."""
+def hf_config(
+    model_cfg: ModelCfg, bos_token_id: Optional[int] = None, eos_token_id: Optional[int] = None
+) -> dict[str, Any]:
+    """A ``LlamaConfig`` (or ``Qwen2Config``) dict for this shape."""
     special = {k: v for k, v in (("bos_token_id", bos_token_id), ("eos_token_id", eos_token_id)) if v is not None}
-    qwen2 = _value(getattr(model_cfg, "arch", "llama")) == "qwen2"
-    scaling = getattr(model_cfg, "rope_scaling", None)
+    qwen2 = model_cfg.arch == "qwen2"
+    scaling = model_cfg.rope_scaling
     rope = {"rope_type": "default", "rope_theta": float(model_cfg.rope_theta)}
     if scaling:
         rope = {**dict(scaling), "rope_theta": float(model_cfg.rope_theta)}
@@ -64,12 +67,12 @@ def hf_config(model_cfg: Any, bos_token_id: Optional[int] = None, eos_token_id: 
     }
 
 
-def to_hf_state_dict(state: dict[str, torch.Tensor], model_cfg: Any) -> dict[str, torch.Tensor]:
+def to_hf_state_dict(state: dict[str, torch.Tensor], model_cfg: ModelCfg) -> dict[str, torch.Tensor]:
     """Native parameter names/layout → HF's. ``state`` is a full (unsharded) state dict. A model
     that rotates RoPE in Meta's interleaved pairs has its q/k rows (and biases) permuted per head
     into HF's halves; one already in HF's layout (loaded from HF: ``rope_layout=half``) is not."""
     n_heads, n_kv = int(model_cfg.n_heads), int(model_cfg.n_kv_heads or model_cfg.n_heads)
-    permute = _value(getattr(model_cfg, "rope_layout", "interleaved")) == "interleaved"
+    permute = model_cfg.rope_layout == "interleaved"
     out: dict[str, torch.Tensor] = {}
     for name, tensor in state.items():
         if name == "output.weight" and model_cfg.tie_embeddings:
@@ -85,10 +88,6 @@ def to_hf_state_dict(state: dict[str, torch.Tensor], model_cfg: Any) -> dict[str
             )
         out[hf_name(name) or name] = tensor
     return {k: v.detach().to("cpu").contiguous() for k, v in out.items()}
-
-
-def _value(x: Any) -> Any:
-    return getattr(x, "value", x)
 
 
 def generation_config(bos_token_id: Optional[int], eos_token_id: Optional[int]) -> dict[str, Any]:
@@ -114,7 +113,7 @@ def tokenizer_files(tokenizer_file: str | Path, eos_token: str, max_seq_len: int
 
 def export(
     state: dict[str, torch.Tensor],
-    model_cfg: Any,
+    model_cfg: ModelCfg,
     out_dir: str | Path,
     tokenizer_file: Optional[str | Path] = None,
     eos_token: Optional[str] = None,

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from workloads.pretrain.contract.schedule import lr_factor  # noqa: F401 - the trainer's import
+from workloads.pretrain.contract.schema import TrainCfg
 
 
-def build_optimizer(model: torch.nn.Module, train_cfg: Any) -> torch.optim.AdamW:
+def build_optimizer(model: torch.nn.Module, train_cfg: TrainCfg) -> torch.optim.AdamW:
     """Decay weights of matmuls/embeddings (>= 2-D); never norms' gains or biases (1-D).
 
     ``fused=True`` (one kernel for all params) where the backend supports it, else foreach.

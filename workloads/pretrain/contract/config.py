@@ -5,12 +5,20 @@ presets (``model=tiny``) is composition, the launcher's job: ``llmctl config sho
 run.yaml`` writes such a file. Sections a launcher adds (``schema.LAUNCHER_SECTIONS``) are
 skipped; any other unknown key, a wrong type or a value ``validate`` refuses is a ``ConfigError``
 naming the key. omegaconf, not Hydra: the trainer depends on neither llmctl nor Hydra.
+
+Either way in, one object out: ``load`` (the trainer's entry points) and ``typed`` (a plain mapping:
+llmctl's composed config, a test's partial dict) both return a ``schema.TrainerCfg`` instance with
+enums as members, and everything that reads config reads that.
 """
 
 from __future__ import annotations
 
 import argparse
+import enum
+import typing
+from collections.abc import Mapping
 from dataclasses import fields
+from functools import lru_cache
 from typing import Any, Optional, Sequence
 
 from workloads.pretrain.contract import hf_config
@@ -32,8 +40,9 @@ def _check_overrides(overrides: Sequence[str]) -> None:
             )
 
 
-def load(path: Optional[str], overrides: Sequence[str] = ()) -> Any:
-    """A typed (structured) DictConfig of ``TrainerCfg``, validated."""
+def load(path: Optional[str], overrides: Sequence[str] = ()) -> TrainerCfg:
+    """The config file at ``path`` (None: the schema's defaults) with ``overrides``, as one
+    validated ``TrainerCfg`` instance."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
@@ -46,33 +55,103 @@ def load(path: Optional[str], overrides: Sequence[str] = ()) -> Any:
         parts.append({k: v for k, v in raw.items() if k not in LAUNCHER_SECTIONS})
     try:
         parts.append(OmegaConf.from_dotlist(list(overrides)))
-        cfg = OmegaConf.merge(*parts)
-        if cfg.model.init_from:  # the checkpoint's config.json decides the shape (and the tokenizer)
-            done = hf_config.resolve(plain(cfg))
-            cfg = OmegaConf.merge(cfg, {"model": done["model"], "data": done["data"]})
+        merged = OmegaConf.merge(*parts)
+        if merged.model.init_from:  # the checkpoint's config.json decides the shape (and the tokenizer)
+            done = hf_config.resolve(OmegaConf.to_container(merged, resolve=True, enum_to_str=True))  # type: ignore[arg-type]
+            merged = OmegaConf.merge(merged, {"model": done["model"], "data": done["data"]})
+        cfg = OmegaConf.to_object(merged)
     except (OmegaConfBaseException, ValueError) as exc:
         if isinstance(exc, ConfigError):
             raise
         first = str(exc).splitlines()[0]
         raise ConfigError(f"{first}{f' (in {path})' if path else ''}") from None
-    validate(plain(cfg))
-    return cfg
-
-
-def plain(cfg: Any) -> dict[str, Any]:
-    """A DictConfig as a plain dict with enums as strings (what ``validate`` reads)."""
-    from omegaconf import OmegaConf
-
-    if OmegaConf.is_config(cfg):
-        return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)  # type: ignore[return-value]
+    assert isinstance(cfg, TrainerCfg)
+    validate(cfg)
     return cfg
 
 
 def parse_args(
     parser: argparse.ArgumentParser, argv: Optional[Sequence[str]] = None, config_required: bool = False
-) -> tuple[argparse.Namespace, Any]:
+) -> tuple[argparse.Namespace, TrainerCfg]:
     """Add ``--config PATH [key=value ...]`` to an entry point's parser; returns (args, config)."""
     parser.add_argument("--config", required=config_required, help="resolved config YAML (llmctl writes one per run)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.steps=50")
     args = parser.parse_args(argv)
     return args, load(args.config, args.overrides)
+
+
+# ----------------------------------------------------------------------------- a plain mapping
+
+
+def typed(cfg: Mapping[str, Any]) -> TrainerCfg:
+    """The trainer's typed config from a plain mapping of sections: llmctl's composed config (a
+    dict, enums as strings), a test's partial dict, or an OmegaConf config of the same shape.
+
+    The schema's defaults fill whatever is missing; launcher sections (``schema.LAUNCHER_SECTIONS``:
+    ``infra``, ``tracking``) are skipped. Enum fields become members, ints are accepted for floats,
+    lists and maps are copied. An unknown key or a value of the wrong type is a ``ConfigError``
+    naming the key. Not validated (``validate`` does that); no ``model.init_from`` lookup (the
+    mapping is already resolved). A ``TrainerCfg`` is returned as it is. Stdlib only.
+    """
+    if isinstance(cfg, TrainerCfg):
+        return cfg
+    if not isinstance(cfg, Mapping):
+        raise TypeError(f"typed() takes a mapping of config sections, not {type(cfg).__name__}")
+    unknown = [str(k) for k in cfg if k not in SECTIONS and k not in LAUNCHER_SECTIONS]
+    if unknown:
+        raise ConfigError(f"Unknown config section(s) {', '.join(unknown)}: the trainer reads {', '.join(SECTIONS)}")
+    sections = {}
+    for f in fields(TrainerCfg):
+        part = cfg.get(f.name)
+        section_type = _hints(TrainerCfg)[f.name]
+        if isinstance(part, section_type):
+            sections[f.name] = part
+            continue
+        if part is not None and not isinstance(part, Mapping):
+            raise ConfigError(f"Bad value for '{f.name}': a section is a mapping of keys, got {part!r}")
+        sections[f.name] = _section(section_type, f.name, part or {})
+    return TrainerCfg(**sections)
+
+
+def _section(cls: type, name: str, part: Mapping[str, Any]) -> Any:
+    hints = _hints(cls)
+    unknown = [str(k) for k in part if k not in hints]
+    if unknown:
+        raise ConfigError(f"Unknown key(s) {', '.join(f'{name}.{k}' for k in unknown)}: {name} has {', '.join(hints)}")
+    return cls(**{k: _coerce(f"{name}.{k}", hints[k], part[k]) for k in part})
+
+
+@lru_cache(maxsize=None)
+def _hints(cls: type) -> dict[str, Any]:
+    """A schema dataclass's field types, resolved (the module writes them as strings)."""
+    return typing.get_type_hints(cls)
+
+
+def _coerce(key: str, hint: Any, value: Any) -> Any:
+    """``value`` as the field type ``hint`` holds it, or a ConfigError naming ``key``."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is typing.Union:  # Optional[X]
+        if value is None:
+            return None
+        (hint,) = [a for a in args if a is not type(None)]
+        origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is Any:
+        return value
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        try:
+            return hint(value)
+        except ValueError:
+            options = "|".join(m.value for m in hint)
+            raise ConfigError(f"Bad value for '{key}': {value!r} is not one of {options}") from None
+    if origin is list and isinstance(value, Sequence) and not isinstance(value, str):
+        return list(value)
+    if origin is dict and isinstance(value, Mapping):
+        return dict(value)
+    if hint is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if hint is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if hint in (bool, str) and isinstance(value, hint):
+        return value
+    what = getattr(hint, "__name__", str(hint)) if origin is None else str(hint).replace("typing.", "")
+    raise ConfigError(f"Bad value for '{key}': expected {what}, got {value!r}")

@@ -1,7 +1,7 @@
 """Per-device memory plan of one training step, from the config alone: what to expect before paying.
 
 Stdlib only: llmctl imports this to print the plan, so neither torch nor numpy may be imported
-here. ``memory_check.tracked_peak`` (torch's own memory tracker over a real step of the real model
+here. ``memory_tracker.tracked_peak`` (torch's own memory tracker over a real step of the real model
 on fake tensors) is the oracle the plan is checked against: ``benchmarks/memory_plan.py`` and
 ``tests/workload/test_memory_plan.py`` hold it within 15% of the tracker.
 
@@ -37,12 +37,11 @@ kernel that saves less, the fused loss's chunks are 32x larger. Not modelled: ``
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
-from typing import Any
+from dataclasses import dataclass, field
 
-from workloads.pretrain.contract import schema, shape
+from workloads.pretrain.contract import shape
 from workloads.pretrain.contract.loss_chunk import default_chunk_size
+from workloads.pretrain.contract.schema import TrainerCfg
 
 # The parts of a plan, in display order. ``logits`` is the loss's share (logits, log-probs, the
 # fused loss's gradient buffers); ``temporaries`` are backward's transient gradients.
@@ -110,30 +109,6 @@ def _sync_words(lay: dict) -> str:
 
 def _gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB"
-
-
-# ----------------------------------------------------------------------------- reading the config
-
-
-def _section(cfg: Any, name: str) -> dict[str, Any]:
-    """One config section as a plain dict over the schema's defaults (enums as their values)."""
-    defaults = {
-        "model": schema.ModelCfg,
-        "train": schema.TrainCfg,
-        "parallel": schema.ParallelCfg,
-        "data": schema.DataCfg,
-    }[name]()
-    part = cfg.get(name) if isinstance(cfg, Mapping) else getattr(cfg, name, None)
-    out = {}
-    for f in fields(defaults):
-        if part is None:
-            value = getattr(defaults, f.name)
-        elif isinstance(part, Mapping):
-            value = part.get(f.name, getattr(defaults, f.name))
-        else:
-            value = getattr(part, f.name, getattr(defaults, f.name))
-        out[f.name] = getattr(value, "value", value)
-    return out
 
 
 @dataclass(frozen=True)
@@ -220,44 +195,43 @@ class Setup:
         return min(self.micro * self.seq, default_chunk_size(self.vocab, self.device))
 
 
-def setup(cfg: Any, world_size: int, device: str = "cuda") -> Setup:
-    """Resolve ``cfg`` (nested dicts or attribute objects, schema defaults for what is missing)
-    for ``world_size`` processes: the mesh degrees (``validate.resolve_layout``) and micro-batches."""
+def setup(cfg: TrainerCfg, world_size: int, device: str = "cuda") -> Setup:
+    """Resolve ``cfg`` for ``world_size`` processes: the mesh degrees (``validate.resolve_layout``)
+    and micro-batches."""
     from workloads.pretrain.contract.validate import resolve_layout
 
-    model, train, par = _section(cfg, "model"), _section(cfg, "train"), _section(cfg, "parallel")
-    data = _section(cfg, "data")
-    layout = resolve_layout({"model": model, "train": train, "parallel": par}, world_size)
+    model, train, par, data = cfg.model, cfg.train, cfg.parallel, cfg.data
+    layout = resolve_layout(cfg, world_size)
     dp = layout["dp_replicate"] * layout["dp_shard"]
-    local_batch = int(train["batch_size"]) // dp
-    micro = int(train["micro_batch_size"] or local_batch)
+    local_batch = int(train.batch_size) // dp
+    micro = int(train.micro_batch_size or local_batch)
     micro = min(micro, local_batch)
-    heads = int(model["n_heads"])
+    heads = int(model.n_heads)
     return Setup(
-        dim=int(model["dim"]),
-        layers=int(model["n_layers"]),
+        dim=int(model.dim),
+        layers=int(model.n_layers),
         heads=heads,
-        kv_heads=int(model["n_kv_heads"] or heads),
-        head_dim=int(model["dim"]) // heads,
+        kv_heads=int(model.n_kv_heads or heads),
+        head_dim=int(model.dim) // heads,
         hidden=shape.hidden_dim(model),
-        vocab=int(model["vocab_size"]),
-        tied=bool(model["tie_embeddings"]),
+        vocab=int(model.vocab_size),
+        tied=bool(model.tie_embeddings),
         qkv_bias=shape.qkv_bias(model),
-        max_seq_len=int(model["max_seq_len"]),
-        seq=int(train["seq_len"]),
+        max_seq_len=int(model.max_seq_len),
+        seq=int(train.seq_len),
         micro=micro,
         micro_batches=local_batch // micro,
         local_batch=local_batch,
         dp_replicate=layout["dp_replicate"],
         dp_shard=layout["dp_shard"],
         tp=layout["tp"],
-        ac=str(par["ac"]),
-        dtype=str(train["dtype"]),
+        ac=par.ac.value,
+        dtype=train.dtype.value,
         device=device,
-        fused_kernels=str(model["kernels"]) == "fused",
-        rope_interleaved=str(model["rope_layout"]) == "interleaved",
-        packed=str(data["format"]) == "sft" or bool(data["document_mask"]),
-        grad_sync="micro_batch" if str(par["grad_sync"]) == "micro_batch" else "step",
+        fused_kernels=model.kernels == "fused",
+        rope_interleaved=model.rope_layout == "interleaved",
+        packed=data.format == "sft" or bool(data.document_mask),
+        grad_sync="micro_batch" if par.grad_sync == "micro_batch" else "step",
     )
 
 
@@ -435,8 +409,8 @@ def loss_memory(s: Setup) -> tuple[int, int]:
 class _Peak:
     """A running ledger of bytes by part; remembers the largest moment."""
 
-    def __init__(self):
-        self.now = dict.fromkeys(PARTS, 0)
+    def __init__(self) -> None:
+        self.now: dict[str, float] = dict.fromkeys(PARTS, 0)
         self.best: dict[str, float] = dict(self.now)
         self.phase = ""
 
@@ -448,13 +422,13 @@ class _Peak:
             self.best, self.phase = snap, phase
 
 
-def plan_memory(cfg: Any, world_size: int, device: str = "cuda") -> MemoryPlan:
+def plan_memory(cfg: TrainerCfg, world_size: int, device: str = "cuda") -> MemoryPlan:
     """Per-device memory of a training step of ``cfg`` at ``world_size`` processes, by part.
 
-    ``cfg``: the trainer's resolved config (nested dicts or attribute objects with ``model``,
-    ``train``, ``parallel``; schema defaults fill the rest). ``device``: "cuda" (the trainer's GPU
-    path: bf16 FSDP compute, fused RMSNorm) or "cpu". Raises ``validate.ConfigError`` for a
-    layout that does not fit ``world_size``.
+    ``cfg``: the trainer's typed config (``config.typed`` makes one from a plain mapping, schema
+    defaults filling the rest). ``device``: "cuda" (the trainer's GPU path: bf16 FSDP compute,
+    fused RMSNorm) or "cpu". Raises ``validate.ConfigError`` for a layout that does not fit
+    ``world_size``.
     """
     s = setup(cfg, world_size, device)
     ledger = _walk_step(s)

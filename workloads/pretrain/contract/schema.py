@@ -1,10 +1,13 @@
 """The trainer's config contract: every key it reads, typed. Stdlib only.
 
 The trainer reads one resolved YAML (plus ``key=value`` overrides) shaped like ``TrainerCfg``
-(``workloads.pretrain.contract.config.load``). Whoever writes that file, llmctl or a person, needs nothing
-but this module to know what is allowed. llmctl builds its own root schema on top of this one
-(adding where the job runs and where it is tracked) and composes the YAML with Hydra; the
-trainer itself never composes config groups.
+(``workloads.pretrain.contract.config.load``) into one ``TrainerCfg`` instance, enums as members,
+which every part of the trainer reads; ``config.typed`` makes the same object from a plain
+mapping (llmctl's composed config). Whoever writes that file, llmctl or a person, needs nothing
+but this module to know what is allowed: each field's meaning is written beside it, and
+docs/config.md's key tables are checked against these types and defaults (``tests/test_docs.py``).
+llmctl builds its own root schema on top of this one (adding where the job runs and where it is
+tracked) and composes the YAML with Hydra; the trainer itself never composes config groups.
 """
 
 from __future__ import annotations
@@ -46,6 +49,9 @@ class DataFormat(str, enum.Enum):
 
 
 class ActivationCheckpointing(str, enum.Enum):
+    """What each block keeps for its backward: everything (``none``), its matmul outputs
+    (``selective``: the rest is recomputed) or only its input (``full``: the block is recomputed)."""
+
     none = "none"
     selective = "selective"
     full = "full"
@@ -65,6 +71,8 @@ class GradSync(str, enum.Enum):
 
 
 class DType(str, enum.Enum):
+    """The compute dtype: ``fp32``, or ``bf16`` autocast over fp32 master weights."""
+
     fp32 = "fp32"
     bf16 = "bf16"
 
@@ -79,6 +87,9 @@ class Fp8(str, enum.Enum):
 
 
 class Schedule(str, enum.Enum):
+    """The learning rate after warmup (``schedule.py``): cosine or linear decay to
+    ``train.min_lr_ratio`` at the horizon, ``wsd`` (warmup-stable-decay) or ``constant``."""
+
     cosine = "cosine"
     linear = "linear"
     wsd = "wsd"
@@ -89,23 +100,24 @@ class Schedule(str, enum.Enum):
 class ModelCfg:
     """Llama-style decoder shape. ``ffn_dim_multiplier``/``multiple_of`` follow Llama's rule."""
 
-    name: str = "smoke"
-    dim: int = 128
-    n_layers: int = 4
-    n_heads: int = 4
-    n_kv_heads: int = 4
-    vocab_size: int = 4096
-    multiple_of: int = 32
-    ffn_dim_multiplier: Optional[float] = None
-    norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    max_seq_len: int = 2048
-    tie_embeddings: bool = False
-    kernels: Kernels = Kernels.fused
-    compile: bool = False
-    arch: Arch = Arch.llama
+    name: str = "smoke"  # a label, recorded on the run
+    dim: int = 128  # hidden size (the residual stream's width)
+    n_layers: int = 4  # transformer blocks
+    n_heads: int = 4  # attention (query) heads; dim must be a multiple of it
+    n_kv_heads: int = 4  # key/value heads: fewer than n_heads is grouped-query attention
+    vocab_size: int = 4096  # embedding rows (and LM-head outputs); must cover the tokenizer's tokens
+    multiple_of: int = 32  # Llama's rule rounds the FFN width up to a multiple of this
+    ffn_dim_multiplier: Optional[float] = None  # Llama's FFN width multiplier (1.3 for 8B); None: 1
+    norm_eps: float = 1e-5  # RMSNorm epsilon
+    rope_theta: float = 10000.0  # RoPE base frequency (500000 for Llama 3)
+    max_seq_len: int = 2048  # RoPE table length; train.seq_len may not exceed it
+    tie_embeddings: bool = False  # the LM head shares the input embedding's weight
+    kernels: Kernels = Kernels.fused  # plain-PyTorch reference math (the oracle) or the fused fast path
+    compile: bool = False  # torch.compile each block
+    arch: Arch = Arch.llama  # the Hugging Face family the weights follow (qwen2: q/k/v biases)
     # the FFN width; None: Llama's rule from dim, multiple_of and ffn_dim_multiplier
     hidden_dim: Optional[int] = None
+    # which dimensions RoPE rotates together: Meta's pairs or Hugging Face's halves (init_from: half)
     rope_layout: RopeLayout = RopeLayout.interleaved
     # None, or Llama 3.1's {"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
     # "original_max_position_embeddings"}
@@ -119,17 +131,19 @@ class ModelCfg:
 class DataCfg:
     """Where training text comes from and how it is tokenized."""
 
-    name: str = "pydoc"
+    name: str = "pydoc"  # a label; the token cache's key includes it
     # "builtin:pydoc" (text shipped with Python) or an fsspec URL / glob of .txt/.jsonl/.parquet files
     source: str = "builtin:pydoc"
     text_field: str = "text"  # the text of a .jsonl record / .parquet row (format text)
+    # text: documents run together, loss on every token; sft: chat / prompt-completion records,
+    # loss on the answers only, examples packed without attention across them
     format: DataFormat = DataFormat.text
     # format text: attention stays inside each document (the end-of-text token closes one) and RoPE
     # positions restart at each, as Llama 3 pretrained; False lets every token see the whole window.
     # sft always keeps attention inside each example.
     document_mask: bool = False
-    vocab_size: int = 4096
-    val_fraction: float = 0.05
+    vocab_size: int = 4096  # the byte-level BPE trained on data.source (when data.tokenizer is None)
+    val_fraction: float = 0.05  # the held-out share of the tokens (the tail): val/loss and evaluate
     # None: $LLMCTL_CACHE_DIR, else ~/.cache/llmctl
     cache_dir: Optional[str] = None
     # a tokenizer.json, a Hugging Face model directory / fsspec URL holding one (its
@@ -143,41 +157,41 @@ class DataCfg:
 class TrainCfg:
     """Optimisation. ``batch_size`` is the global batch in sequences per optimizer step."""
 
-    steps: int = 200
-    batch_size: int = 16
+    steps: int = 200  # optimizer steps
+    batch_size: int = 16  # global batch in sequences per optimizer step, split over data-parallel ranks
     # sequences per device per forward/backward; the step accumulates gradients over
     # batch_size / (micro_batch_size x data-parallel ranks) of them. None: the whole local batch at once
     micro_batch_size: Optional[int] = None
-    seq_len: int = 128
-    lr: float = 3e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 10
-    schedule: Schedule = Schedule.cosine
+    seq_len: int = 128  # tokens per sequence
+    lr: float = 3e-3  # peak learning rate
+    min_lr_ratio: float = 0.1  # the learning rate at the schedule's horizon, as a fraction of lr
+    warmup_steps: int = 10  # linear warmup from 0 to lr
+    schedule: Schedule = Schedule.cosine  # the decay after warmup (schedule.py)
     # the step the decay ends at (None: train.steps); a resume that changes train.steps pins the
     # run's horizon here so the learning rate never jumps (schedule.py, docs/resume.md)
     schedule_steps: Optional[int] = None
     decay_fraction: float = 0.2  # wsd: the decay takes this fraction of the post-warmup steps
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0
-    seed: int = 0
-    dtype: DType = DType.fp32
+    weight_decay: float = 0.1  # AdamW's decoupled weight decay (not on norms and biases)
+    beta1: float = 0.9  # AdamW beta1
+    beta2: float = 0.95  # AdamW beta2
+    grad_clip: float = 1.0  # global gradient-norm clip; 0: off
+    seed: int = 0  # initial weights and data order: the same seed, the same curve at any world size
+    dtype: DType = DType.fp32  # compute dtype; bf16: autocast over fp32 master weights
     # FP8 linears on an FP8 GPU (compute capability >= 8.9), over train.dtype=bf16 (docs/scale.md)
     fp8: Fp8 = Fp8.none
-    log_every: int = 10
-    val_every: int = 50
-    val_batches: int = 4
+    log_every: int = 10  # steps between train/* metric logs
+    val_every: int = 50  # steps between val/loss passes; 0: only at the start and the end
+    val_batches: int = 4  # batches per validation pass (a fixed set: values compare across runs)
 
 
 @dataclass
 class ParallelCfg:
     """Device-mesh degrees. ``dp_shard=-1`` takes every device the other degrees leave."""
 
-    dp_replicate: int = 1
-    dp_shard: int = -1
-    tp: int = 1
-    ac: ActivationCheckpointing = ActivationCheckpointing.none
+    dp_replicate: int = 1  # replicated data-parallel groups (HSDP when > 1 with dp_shard > 1)
+    dp_shard: int = -1  # FSDP2 shard degree; -1: every process the other degrees leave
+    tp: int = 1  # tensor-parallel degree (sequence parallel, vocab-parallel loss); divides the heads
+    ac: ActivationCheckpointing = ActivationCheckpointing.none  # activation checkpointing per block
     grad_sync: GradSync = GradSync.auto  # FSDP with micro-batches: reduce per step or per micro-batch
 
 
@@ -185,10 +199,10 @@ class ParallelCfg:
 class CheckpointCfg:
     """Distributed checkpoints. ``dir`` is any fsspec URL; None (under llmctl) puts them beside the run."""
 
-    dir: Optional[str] = None
-    every: int = 0
-    keep: int = 2
-    async_save: bool = False
+    dir: Optional[str] = None  # any fsspec URL; None: no checkpoints (llmctl sets one beside the run)
+    every: int = 0  # steps between saves; 0: only the final one
+    keep: int = 2  # complete checkpoints kept; older ones go once a newer one completes
+    async_save: bool = False  # save in the background while training continues
     preempt_grace_s: float = 20.0  # SIGTERM/SIGUSR1: emergency save only if it can finish within this (docs/resume.md)
 
 
@@ -196,11 +210,12 @@ class CheckpointCfg:
 class EvalCfg:
     """``python -m workloads.pretrain.evaluate`` (``llmctl eval``): held-out metrics and samples."""
 
+    # prompts for the greedy and sampled completions
     prompts: List[str] = field(default_factory=lambda: ["The ", "def ", "Return a"])
-    max_new_tokens: int = 32
+    max_new_tokens: int = 32  # tokens generated per prompt
     temperature: float = 0.8  # the sampled completion; a greedy one is always made too
-    top_k: Optional[int] = 50
-    seed: int = 0
+    top_k: Optional[int] = 50  # top-k sampling; None: off
+    seed: int = 0  # the sampling seed
     # None: train.val_batches (the fixed set training's val/loss uses, so the numbers agree)
     val_batches: Optional[int] = None
     # None: the newest complete checkpoint
@@ -208,7 +223,7 @@ class EvalCfg:
     # Another data set (fsspec URL/glob, like data.source), tokenized with the run's tokenizer;
     # None: the held-out split. ``llmctl eval RUN data.source=...`` sets this.
     source: Optional[str] = None
-    text_field: str = "text"
+    text_field: str = "text"  # the text of a record of eval.source (like data.text_field)
 
 
 @dataclass
@@ -216,12 +231,12 @@ class TrainerCfg:
     """Everything the trainer reads. A resolved YAML may carry more sections (a launcher's own,
     see ``LAUNCHER_SECTIONS``); the trainer ignores those and refuses any other unknown key."""
 
-    model: ModelCfg = field(default_factory=ModelCfg)
-    data: DataCfg = field(default_factory=DataCfg)
-    train: TrainCfg = field(default_factory=TrainCfg)
-    parallel: ParallelCfg = field(default_factory=ParallelCfg)
-    checkpoint: CheckpointCfg = field(default_factory=CheckpointCfg)
-    eval: EvalCfg = field(default_factory=EvalCfg)
+    model: ModelCfg = field(default_factory=ModelCfg)  # the decoder's shape and kernels
+    data: DataCfg = field(default_factory=DataCfg)  # training text and its tokenizer
+    train: TrainCfg = field(default_factory=TrainCfg)  # optimisation
+    parallel: ParallelCfg = field(default_factory=ParallelCfg)  # the device mesh
+    checkpoint: CheckpointCfg = field(default_factory=CheckpointCfg)  # distributed checkpoints
+    eval: EvalCfg = field(default_factory=EvalCfg)  # evaluate.py: held-out metrics and samples
 
 
 # Sections a launcher writes beside the trainer's in the same resolved YAML (llmctl: where the job

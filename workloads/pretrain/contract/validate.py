@@ -1,13 +1,18 @@
 """Checks the schema cannot express: value ranges and how the parts of a trainer config fit.
 
-Stdlib only, on the plain resolved dict. The trainer runs them before any process-group work, so
-a bad layout fails in a second with a message naming the key and the fix, not in NCCL; llmctl
-runs the same functions when it composes a config, before anything is created.
+Stdlib only, on the typed config (``schema.TrainerCfg``: ``config.load`` makes one, ``config.typed``
+one from a plain mapping). The trainer runs them before any process-group work, so a bad layout
+fails in a second with a message naming the key and the fix, not in NCCL; llmctl runs the same
+functions when it composes a config, before anything is created.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from workloads.pretrain.contract.schema import TrainerCfg
 
 
 class ConfigError(ValueError):
@@ -19,29 +24,28 @@ def _require(ok: bool, key: str, message: str) -> None:
         raise ConfigError(f"Bad value for '{key}': {message}")
 
 
-def validate(cfg: dict[str, Any]) -> None:
-    """Value ranges and cross-key consistency of the trainer's sections of a resolved config."""
-    model, data, train = cfg["model"], cfg["data"], cfg["train"]
+def validate(cfg: TrainerCfg) -> None:
+    """Value ranges and cross-key consistency of the trainer's sections of a config."""
+    model, data, train = cfg.model, cfg.data, cfg.train
     for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "max_seq_len", "multiple_of"):
-        _require(
-            model[key] > 0, f"model.{key}", f"must be a positive integer, got {model[key]}. Fix: model.{key}=<n > 0>"
-        )
+        value = getattr(model, key)
+        _require(value > 0, f"model.{key}", f"must be a positive integer, got {value}. Fix: model.{key}=<n > 0>")
     _require(
-        model["dim"] % model["n_heads"] == 0,
+        model.dim % model.n_heads == 0,
         "model.dim",
-        f"{model['dim']} is not divisible by model.n_heads={model['n_heads']}",
+        f"{model.dim} is not divisible by model.n_heads={model.n_heads}",
     )
     _require(
-        model["n_heads"] % model["n_kv_heads"] == 0,
+        model.n_heads % model.n_kv_heads == 0,
         "model.n_kv_heads",
-        f"model.n_heads={model['n_heads']} must be a multiple of n_kv_heads={model['n_kv_heads']}",
+        f"model.n_heads={model.n_heads} must be a multiple of n_kv_heads={model.n_kv_heads}",
     )
     _require(
-        model.get("hidden_dim") is None or model["hidden_dim"] > 0,
+        model.hidden_dim is None or model.hidden_dim > 0,
         "model.hidden_dim",
         "must be a positive integer, or null for Llama's rule",
     )
-    scaling = model.get("rope_scaling")
+    scaling = model.rope_scaling
     keys = ("rope_type", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
     _require(
         not scaling or (scaling.get("rope_type") == "llama3" and all(k in scaling for k in keys)),
@@ -49,97 +53,94 @@ def validate(cfg: dict[str, Any]) -> None:
         f"only Llama 3.1's scaling is supported: null or {{{', '.join(keys)}}} with rope_type=llama3",
     )
     for key in ("steps", "batch_size", "seq_len", "log_every", "val_batches"):
-        _require(
-            train[key] > 0, f"train.{key}", f"must be a positive integer, got {train[key]}. Fix: train.{key}=<n > 0>"
-        )
-    _require(train["val_every"] >= 0, "train.val_every", "must be >= 0 (0: validate only at the start and the end)")
-    _require(train["warmup_steps"] >= 0, "train.warmup_steps", "must be >= 0")
-    _require(train["lr"] > 0, "train.lr", f"must be > 0, got {train['lr']}. Fix: train.lr=3e-4")
-    _require(0 <= train["min_lr_ratio"] <= 1, "train.min_lr_ratio", "must lie in [0, 1]")
-    _require(train["grad_clip"] >= 0, "train.grad_clip", "must be >= 0 (0 disables clipping)")
+        value = getattr(train, key)
+        _require(value > 0, f"train.{key}", f"must be a positive integer, got {value}. Fix: train.{key}=<n > 0>")
+    _require(train.val_every >= 0, "train.val_every", "must be >= 0 (0: validate only at the start and the end)")
+    _require(train.warmup_steps >= 0, "train.warmup_steps", "must be >= 0")
+    _require(train.lr > 0, "train.lr", f"must be > 0, got {train.lr}. Fix: train.lr=3e-4")
+    _require(0 <= train.min_lr_ratio <= 1, "train.min_lr_ratio", "must lie in [0, 1]")
+    _require(train.grad_clip >= 0, "train.grad_clip", "must be >= 0 (0 disables clipping)")
     _require(
-        train["seq_len"] <= model["max_seq_len"],
+        train.seq_len <= model.max_seq_len,
         "train.seq_len",
-        f"{train['seq_len']} exceeds model.max_seq_len={model['max_seq_len']} of model '{model['name']}'",
+        f"{train.seq_len} exceeds model.max_seq_len={model.max_seq_len} of model '{model.name}'",
     )
     _require(
-        bool(data["source"]),
+        bool(data.source),
         "data.source",
         "no text to train on. Fix: data.source=<fsspec URL or glob>, e.g. data.source='s3://bucket/corpus/*.jsonl'",
     )
-    _require(0 < data["val_fraction"] < 1, "data.val_fraction", f"must lie in (0, 1), got {data['val_fraction']}")
+    _require(0 < data.val_fraction < 1, "data.val_fraction", f"must lie in (0, 1), got {data.val_fraction}")
     _require(
-        getattr(data.get("format"), "value", data.get("format")) != "sft" or data["source"] != "builtin:pydoc",
+        data.format != "sft" or data.source != "builtin:pydoc",
         "data.format",
         "sft reads your fine-tuning records, not the bundled corpus. Fix: data.source=<.jsonl of "
         '{"messages": [...]} or {"prompt": ..., "completion": ...} records> (or data=sft)',
     )
-    if not data.get("tokenizer"):  # a BPE of data.vocab_size trained here (a given one is checked when loaded)
+    if not data.tokenizer:  # a BPE of data.vocab_size trained here (a given one is checked when loaded)
         _require(
-            2 <= data["vocab_size"] <= model["vocab_size"],
+            2 <= data.vocab_size <= model.vocab_size,
             "data.vocab_size",
-            f"the tokenizer's {data['vocab_size']} tokens must fit model.vocab_size={model['vocab_size']}",
+            f"the tokenizer's {data.vocab_size} tokens must fit model.vocab_size={model.vocab_size}",
         )
         _require(
-            data["vocab_size"] <= 65535 or data["source"] != "builtin:pydoc",
+            data.vocab_size <= 65535 or data.source != "builtin:pydoc",
             "data.vocab_size",
             "the bundled corpus supports at most 65535 tokens",
         )
-    fp8 = getattr(train.get("fp8"), "value", train.get("fp8")) or "none"
-    if fp8 != "none":
-        dtype = getattr(train["dtype"], "value", train["dtype"])
+    if train.fp8 != "none":
         _require(
-            dtype == "bf16",
+            train.dtype == "bf16",
             "train.fp8",
-            f"{fp8} runs the matmuls in FP8 over bf16 autocast, but train.dtype={dtype}. Fix: add train.dtype=bf16",
+            f"{train.fp8.value} runs the matmuls in FP8 over bf16 autocast, but train.dtype={train.dtype.value}."
+            " Fix: add train.dtype=bf16",
         )
         _require(
-            cfg["parallel"]["tp"] == 1,
+            cfg.parallel.tp == 1,
             "train.fp8",
-            f"FP8 with tensor parallelism (parallel.tp={cfg['parallel']['tp']}) is not supported yet. "
+            f"FP8 with tensor parallelism (parallel.tp={cfg.parallel.tp}) is not supported yet. "
             "Fix: parallel.tp=1 (FSDP shards any size), or train.fp8=none",
         )
-    ckpt = cfg["checkpoint"]
-    _require(ckpt["every"] >= 0, "checkpoint.every", "must be >= 0 (0 saves only at the end)")
-    _require(ckpt["keep"] >= 1, "checkpoint.keep", "must keep at least 1 checkpoint")
+    ckpt = cfg.checkpoint
+    _require(ckpt.every >= 0, "checkpoint.every", "must be >= 0 (0 saves only at the end)")
+    _require(ckpt.keep >= 1, "checkpoint.keep", "must keep at least 1 checkpoint")
     check_static_layout(cfg)
 
 
-def check_static_layout(cfg: dict[str, Any]) -> None:
+def check_static_layout(cfg: TrainerCfg) -> None:
     """Layout rules that hold whatever the world size."""
-    model, par, train = cfg["model"], cfg["parallel"], cfg["train"]
-    tp, rep, shard = par["tp"], par["dp_replicate"], par["dp_shard"]
+    model, par, train = cfg.model, cfg.parallel, cfg.train
+    tp, rep, shard = par.tp, par.dp_replicate, par.dp_shard
     _require(tp >= 1, "parallel.tp", f"must be >= 1, got {tp}")
     _require(rep >= 1, "parallel.dp_replicate", f"must be >= 1, got {rep}")
     _require(shard >= 1 or shard == -1, "parallel.dp_shard", f"must be >= 1 or -1 (all remaining devices), got {shard}")
     for key in ("n_heads", "n_kv_heads"):
+        heads = getattr(model, key)
         _require(
-            model[key] % tp == 0,
-            "parallel.tp",
-            f"tp={tp} must divide model.{key}={model[key]}; choose a divisor of {model[key]}",
+            heads % tp == 0, "parallel.tp", f"tp={tp} must divide model.{key}={heads}; choose a divisor of {heads}"
         )
     dp = rep * (shard if shard > 0 else 1)
     _require(
-        train["batch_size"] % dp == 0,
+        train.batch_size % dp == 0,
         "train.batch_size",
-        f"{train['batch_size']} sequences cannot be split over {dp} data-parallel ranks; use a multiple of {dp}",
+        f"{train.batch_size} sequences cannot be split over {dp} data-parallel ranks; use a multiple of {dp}",
     )
-    micro = train.get("micro_batch_size")
+    micro = train.micro_batch_size
     if micro is not None:
         _require(micro > 0, "train.micro_batch_size", f"must be a positive integer or null, got {micro}")
-        local = train["batch_size"] // dp
+        local = train.batch_size // dp
         _require(
             local % micro == 0,
             "train.micro_batch_size",
             f"{micro} does not divide the {local} sequences each of {dp} data-parallel rank(s) takes per "
-            f"step (train.batch_size={train['batch_size']}); use a divisor of {local}",
+            f"step (train.batch_size={train.batch_size}); use a divisor of {local}",
         )
 
 
-def resolve_layout(cfg: dict[str, Any], world_size: int) -> dict[str, int]:
+def resolve_layout(cfg: TrainerCfg, world_size: int) -> dict[str, int]:
     """Concrete mesh degrees for ``world_size`` processes; fills ``dp_shard=-1``."""
-    par = cfg["parallel"]
-    tp, rep, shard = par["tp"], par["dp_replicate"], par["dp_shard"]
+    par = cfg.parallel
+    tp, rep, shard = par.tp, par.dp_replicate, par.dp_shard
     if shard == -1:
         _require(
             world_size % (rep * tp) == 0,
@@ -154,5 +155,7 @@ def resolve_layout(cfg: dict[str, Any], world_size: int) -> dict[str, int]:
         f" but the job has {world_size} processes; make the product equal the process count",
     )
     layout = {"dp_replicate": rep, "dp_shard": shard, "tp": tp}
-    check_static_layout({**cfg, "parallel": {**par, **layout}})
+    check_static_layout(
+        dataclasses.replace(cfg, parallel=dataclasses.replace(par, dp_replicate=rep, dp_shard=shard, tp=tp))
+    )
     return layout

@@ -29,6 +29,7 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 
+from workloads.pretrain.contract.schema import DataCfg
 from workloads.pretrain.data.chat import ChatTemplate, ExampleError, encode_example, load_chat_template
 from workloads.pretrain.data.sources import (
     BUILTIN_SOURCE,
@@ -51,28 +52,23 @@ _ENCODE_BATCH_DOCS = 1024
 CACHE_FILES = ("tokenizer.json", "tokens.npy", "mask.npy", "offsets.npy", "meta.json")
 
 
-def cache_root(data_cfg: Any) -> Path:
+def cache_root(data_cfg: DataCfg) -> Path:
     """Local cache: ``data.cache_dir`` (a path or file:// URL), else ``$LLMCTL_CACHE_DIR``, else
     ``~/.cache/llmctl``. A remote ``data.cache_dir`` (s3://...) is a shared copy on top of it."""
-    root = getattr(data_cfg, "cache_dir", None)
+    root = data_cfg.cache_dir
     if root and _remote_root(data_cfg) is None:
         return Path(str(root).removeprefix("file://")).expanduser()
     root = os.environ.get("LLMCTL_CACHE_DIR")
     return Path(root).expanduser() if root else Path.home() / ".cache" / "llmctl"
 
 
-def _remote_root(data_cfg: Any) -> str | None:
-    root = str(getattr(data_cfg, "cache_dir", None) or "")
+def _remote_root(data_cfg: DataCfg) -> str | None:
+    root = str(data_cfg.cache_dir or "")
     return root.rstrip("/") if "://" in root and not root.startswith("file://") else None
 
 
-def _format(data_cfg: Any) -> str:
-    fmt = getattr(data_cfg, "format", "text")
-    return getattr(fmt, "value", fmt)
-
-
 def cache_key(
-    data_cfg: Any,
+    data_cfg: DataCfg,
     files: list[SourceFile] | None = None,
     pretrained: str | None = None,
     chat_template: str | None = None,
@@ -85,7 +81,7 @@ def cache_key(
     builtin = data_cfg.source == BUILTIN_SOURCE
     if not builtin and files is None:
         files = list_source_files(data_cfg.source)
-    if _format(data_cfg) == "sft":
+    if data_cfg.format == "sft":
         ident = {
             "format": "sft",
             "pretrained": pretrained,
@@ -113,7 +109,9 @@ def cache_key(
     return f"{data_cfg.name}-v{int(data_cfg.vocab_size)}-{digest}"
 
 
-def _ident_digest(data_cfg: Any, files: list[SourceFile] | None, builtin: bool, version: str, tokenizer: str) -> str:
+def _ident_digest(
+    data_cfg: DataCfg, files: list[SourceFile] | None, builtin: bool, version: str, tokenizer: str
+) -> str:
     ident = {
         "source": data_cfg.source,
         "tokenizer": tokenizer,
@@ -184,14 +182,14 @@ class Corpus:
         )
 
 
-def prepare_corpus(data_cfg: Any, *, timeout_s: float = 1800.0) -> Corpus:
+def prepare_corpus(data_cfg: DataCfg, *, timeout_s: float = 1800.0) -> Corpus:
     """Load the cached corpus for ``data_cfg``, building (or downloading) it first if needed."""
     from tokenizers import Tokenizer
 
     files = source_files(data_cfg)
-    spec = getattr(data_cfg, "tokenizer", None)
+    spec = data_cfg.tokenizer
     pretrained = load_pretrained(spec) if spec else None
-    sft = _format(data_cfg) == "sft"
+    sft = data_cfg.format == "sft"
     if sft and files is None:
         raise ValueError(
             "data.format=sft needs data.source=<.jsonl files of 'messages' or 'prompt'/'completion' "
@@ -275,7 +273,7 @@ def _batched(it: Iterable[str], n: int) -> Iterator[list[str]]:
 
 
 def _build(
-    data_cfg: Any, out: Path, files: list[SourceFile] | None = None, pretrained: tuple[Any, str, str] | None = None
+    data_cfg: DataCfg, out: Path, files: list[SourceFile] | None = None, pretrained: tuple[Any, str, str] | None = None
 ) -> None:
     """Train the BPE on the source (unless a pretrained tokenizer is given), then stream the source
     through the tokenizer into ``tokens.npy``, each document followed by the end-of-text token.
@@ -331,7 +329,7 @@ def _build(
         "chars": n_chars,
         "tokens": n_tokens,
         "tokenizer_train_chars": seen["chars"],
-        "tokenizer": getattr(data_cfg, "tokenizer", None),
+        "tokenizer": data_cfg.tokenizer,
         "eos_token": eos,
         "text_sha256": sha.hexdigest(),
         "corpus_version": CORPUS_VERSION,
@@ -341,7 +339,7 @@ def _build(
 
 
 def _build_sft(
-    data_cfg: Any,
+    data_cfg: DataCfg,
     out: Path,
     files: list[SourceFile],
     pretrained: tuple[Any, str, str] | None,
@@ -394,7 +392,7 @@ def _build_sft(
         "examples": len(offsets) - 1,
         "tokens": offsets[-1],
         "target_tokens": targets,
-        "tokenizer": getattr(data_cfg, "tokenizer", None),
+        "tokenizer": data_cfg.tokenizer,
         "eos_token": eos,
         "chat_template": template is not None,
         "corpus_version": CORPUS_VERSION,

@@ -24,6 +24,8 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 
+from workloads.pretrain.contract.schema import DataCfg
+
 BUILTIN_SOURCE = "builtin:pydoc"
 # Bump when the corpus recipe or the cache layout changes: old caches are then ignored.
 CORPUS_VERSION = 1
@@ -32,7 +34,7 @@ FILE_FORMATS = (".txt", ".jsonl", ".parquet")
 _COMPRESSIONS = (".gz",)
 
 
-def load_texts(data_cfg: Any) -> Iterable[str]:
+def load_texts(data_cfg: DataCfg) -> Iterable[str]:
     """Documents for ``data.source``, in a deterministic order (a generator for file sources)."""
     if data_cfg.source == BUILTIN_SOURCE:
         return builtin_pydoc_texts()
@@ -211,6 +213,6 @@ def _stdlib_docstrings() -> list[str]:
     return docs
 
 
-def source_files(data_cfg: Any) -> list[SourceFile] | None:
+def source_files(data_cfg: DataCfg) -> list[SourceFile] | None:
     """The listing of a file source (None for the builtin corpus)."""
     return None if data_cfg.source == BUILTIN_SOURCE else list_source_files(data_cfg.source)

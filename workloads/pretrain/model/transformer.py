@@ -21,20 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from workloads.pretrain.contract.schema import ModelCfg
 from workloads.pretrain.contract.shape import hidden_dim, qkv_bias
 from workloads.pretrain.model.losses import IGNORE_INDEX, chunked_linear_cross_entropy
-
-
-def _value(x: Any) -> Any:
-    return getattr(x, "value", x)  # an enum member (structured config) or a plain value (raw YAML)
-
-
-def _kernels(cfg: Any) -> str:
-    k = getattr(cfg, "kernels", "fused")
-    k = getattr(k, "value", k)  # Kernels enum (structured config) or plain str (raw YAML)
-    if k not in ("reference", "fused"):
-        raise ValueError(f"model.kernels must be 'reference' or 'fused', got {k!r}")
-    return k
 
 
 def rope_tables(head_dim: int, max_seq_len: int, theta: float, device=None, scaling: Any = None):
@@ -224,7 +213,7 @@ class FeedForward(nn.Module):
 class TransformerBlock(nn.Module):
     """Pre-norm residual block: h = x + attn(norm(x)); out = h + ffn(norm(h))."""
 
-    def __init__(self, cfg: Any, kernels: str):
+    def __init__(self, cfg: ModelCfg, kernels: str):
         super().__init__()
         self.attention = Attention(
             cfg.dim,
@@ -232,7 +221,7 @@ class TransformerBlock(nn.Module):
             cfg.n_kv_heads or cfg.n_heads,
             kernels,
             qkv_bias(cfg),
-            _value(getattr(cfg, "rope_layout", "interleaved")),
+            cfg.rope_layout.value,
         )
         self.feed_forward = FeedForward(cfg.dim, hidden_dim(cfg))
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps, kernels)
@@ -248,21 +237,20 @@ class TransformerBlock(nn.Module):
 class Transformer(nn.Module):
     """Causal LM. ``forward(tokens)`` -> logits; ``forward(tokens, targets)`` -> mean loss.
 
-    ``cfg`` is a ``schema.ModelCfg`` (or anything with the same attributes); its parameter count
-    and FLOPs per token are ``shape.num_params`` / ``shape.flops_per_token`` of the same cfg.
+    ``cfg`` is a ``schema.ModelCfg``; its parameter count and FLOPs per token are
+    ``shape.num_params`` / ``shape.flops_per_token`` of the same cfg.
     """
 
-    def __init__(self, cfg: Any):
+    def __init__(self, cfg: ModelCfg):
         super().__init__()
-        self.kernels = _kernels(cfg)
+        self.kernels = cfg.kernels.value  # "reference" or "fused"
         self.n_layers = cfg.n_layers
         self.n_heads = cfg.n_heads
         self.head_dim = cfg.dim // cfg.n_heads
         self.tie_embeddings = bool(cfg.tie_embeddings)
         self.max_seq_len = cfg.max_seq_len
         self.rope_theta = float(cfg.rope_theta)
-        scaling = getattr(cfg, "rope_scaling", None)
-        self.rope_scaling = dict(scaling) if scaling else None
+        self.rope_scaling = dict(cfg.rope_scaling) if cfg.rope_scaling else None
         # Set by parallelize.apply_tp: the LM head yields vocab-sharded logits (a DTensor), so the
         # loss is plain cross-entropy on them under ``loss_parallel()``, not the chunked kernel.
         self.vocab_parallel_loss = False
@@ -386,7 +374,7 @@ def _liger_fused_linear_ce(reduction: str):
     return _LIGER[reduction]
 
 
-def build_model(cfg: Any, device: torch.device | str = "cpu") -> Transformer:
+def build_model(cfg: ModelCfg, device: torch.device | str = "cpu") -> Transformer:
     """Build on ``meta``, materialise on ``device``, initialise from the current RNG state."""
     with torch.device("meta"):
         model = Transformer(cfg)

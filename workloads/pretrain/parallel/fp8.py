@@ -17,15 +17,15 @@ from typing import Any
 import torch
 
 from workloads.pretrain.contract.hardware import fp8_refusal
+from workloads.pretrain.contract.schema import TrainerCfg
 from workloads.pretrain.contract.validate import ConfigError
 
 INSTALL = "pip install 'llmctl[fp8]' (torchao)"
 
 
-def recipe(cfg: Any) -> str:
+def recipe(cfg: TrainerCfg) -> str:
     """``train.fp8`` as a plain string ('none', 'tensorwise' or 'rowwise')."""
-    value = getattr(cfg.train, "fp8", "none")
-    return getattr(value, "value", value) or "none"
+    return cfg.train.fp8.value
 
 
 def fsdp_float8_all_gather(name: str, fsdp: bool) -> bool:

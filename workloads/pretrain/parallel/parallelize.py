@@ -10,16 +10,13 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager
+from typing import Callable, ContextManager
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from workloads.pretrain.contract.schema import GradSync, TrainerCfg
 from workloads.pretrain.model.transformer import Transformer, apply_compile
-
-
-def _value(x: Any) -> Any:
-    return getattr(x, "value", x)
 
 
 @dataclass(frozen=True)
@@ -32,16 +29,14 @@ class ParallelDims:
     world_size: int
 
     @classmethod
-    def from_config(cls, cfg: Any, world_size: int) -> "ParallelDims":
+    def from_config(cls, cfg: TrainerCfg, world_size: int) -> "ParallelDims":
         """Validate the layout for ``world_size`` processes (raises ``validate.ConfigError`` with the fix).
 
         Static rules first (tp divides the head counts, the batch splits over dp), then the ones
         that need the world size, so a bad tp reads as a head-count problem, not a process count.
         """
-        from workloads.pretrain.contract.config import plain
         from workloads.pretrain.contract.validate import check_static_layout, resolve_layout
 
-        cfg = plain(cfg)
         check_static_layout(cfg)
         layout = resolve_layout(cfg, world_size)
         return cls(layout["dp_replicate"], layout["dp_shard"], layout["tp"], world_size)
@@ -69,7 +64,7 @@ class ParallelDims:
         )
 
 
-def parallelize(model: Transformer, dims: ParallelDims, mesh: DeviceMesh | None, cfg: Any) -> Transformer:
+def parallelize(model: Transformer, dims: ParallelDims, mesh: DeviceMesh | None, cfg: TrainerCfg) -> Transformer:
     """Apply the configured parallelisms in place, in this fixed order:
 
     0. FP8 (``train.fp8``) swaps eligible linears for torchao's Float8Linear before anything
@@ -87,14 +82,13 @@ def parallelize(model: Transformer, dims: ParallelDims, mesh: DeviceMesh | None,
         fp8.convert(model, fp8.recipe(cfg), fsdp=dims.dp_enabled)
     if dims.tp_enabled:
         apply_tp(model, mesh["tp"])
-    ac = _value(cfg.parallel.ac)
-    if ac != "none":
-        apply_ac(model, ac)
+    if cfg.parallel.ac != "none":
+        apply_ac(model, cfg.parallel.ac.value)
     if cfg.model.compile:
         apply_compile(model)
     if dims.dp_enabled:
         dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
-        bf16 = _value(cfg.train.dtype) == "bf16" and mesh.device_type == "cuda"
+        bf16 = cfg.train.dtype == "bf16" and mesh.device_type == "cuda"
         apply_fsdp(model, dp_mesh, param_dtype=torch.bfloat16 if bf16 else torch.float32)
     return model
 
@@ -217,11 +211,11 @@ def apply_fsdp(model: Transformer, dp_mesh: DeviceMesh, param_dtype: torch.dtype
     fully_shard(model, mesh=dp_mesh, mp_policy=mp)
 
 
-def gradient_sync_due(index: int, count: int, grad_sync: Any) -> bool:
+def gradient_sync_due(index: int, count: int, grad_sync: GradSync) -> bool:
     """Whether micro-batch ``index`` of ``count`` reduces its gradients: every one with
     ``parallel.grad_sync=micro_batch`` (they stay sharded), else only the last (``step``, and
     ``auto`` when llmctl did not resolve it: one reduction per step, full gradients kept between)."""
-    return index == count - 1 or _value(grad_sync) == "micro_batch"
+    return index == count - 1 or grad_sync == "micro_batch"
 
 
 def set_gradient_sync(model: torch.nn.Module, enabled: bool) -> None:
