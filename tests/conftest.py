@@ -27,7 +27,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 # and the many short files fill in around them; xdist's own reorder (most tests first) left the
 # Slurm file, with 3 tests and 15 minutes, for last.
 LONGEST_FIRST = (
-    "tests/test_docs.py",
+    "tests/e2e/test_docs.py",
     "tests/sky/test_slurm_launch.py",
     "tests/e2e/test_sweep_search_e2e.py",
     "tests/e2e/test_lifecycle.py",

@@ -22,7 +22,7 @@ What neither this nor the plan counts: the CUDA context, cuBLAS/NCCL workspaces 
 allocator's rounding and fragmentation (typically 0.5-2 GiB more on a GPU).
 
 ``CASES`` is the shared list of configurations the benchmark (``benchmarks/memory_plan.py``) and
-the test (``tests/workload/test_memory_plan.py``) hold the plan against; ``compare`` does one.
+the test (``tests/trainer/test_memory_plan.py``) hold the plan against; ``compare`` does one.
 """
 
 from __future__ import annotations

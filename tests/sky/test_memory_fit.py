@@ -1,7 +1,7 @@
 """``plan`` shows memory per device against the accelerator's (SkyPilot's catalog knows it), and
 ``launch`` refuses a job that will not fit before anything exists, naming the cheapest fix; the
 fixed job fits. The per-device numbers are the trainer's memory plan, itself held against torch's
-memory tracker (tests/workload/test_memory_plan.py)."""
+memory tracker (tests/trainer/test_memory_plan.py)."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 Stdlib only: llmctl imports this to print the plan, so neither torch nor numpy may be imported
 here. ``memory_tracker.tracked_peak`` (torch's own memory tracker over a real step of the real model
 on fake tensors) is the oracle the plan is checked against: ``benchmarks/memory_plan.py`` and
-``tests/workload/test_memory_plan.py`` hold it within 15% of the tracker.
+``tests/trainer/test_memory_plan.py`` hold it within 15% of the tracker.
 
 The plan walks one optimizer step the way ``train.py`` runs it and keeps the largest moment:
 

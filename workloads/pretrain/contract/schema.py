@@ -5,7 +5,7 @@ The trainer reads one resolved YAML (plus ``key=value`` overrides) shaped like `
 which every part of the trainer reads; ``config.typed`` makes the same object from a plain
 mapping (llmctl's composed config). Whoever writes that file, llmctl or a person, needs nothing
 but this module to know what is allowed: each field's meaning is written beside it, and
-docs/config.md's key tables are checked against these types and defaults (``tests/test_docs.py``).
+docs/config.md's key tables are checked against these types and defaults (``tests/e2e/test_docs.py``).
 llmctl builds its own root schema on top of this one (adding where the job runs and where it is
 tracked) and composes the YAML with Hydra; the trainer itself never composes config groups.
 """

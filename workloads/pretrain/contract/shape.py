@@ -2,7 +2,7 @@
 
 Stdlib only, over a ``schema.ModelCfg`` (``config.typed(cfg).model`` for a plain mapping), so the
 model (which builds these widths), the trainer (MFU) and llmctl's cost estimate (before anything
-runs) agree by construction. ``tests/workload/test_model.py`` holds the count against a built
+runs) agree by construction. ``tests/trainer/test_model.py`` holds the count against a built
 model's parameters.
 """
 

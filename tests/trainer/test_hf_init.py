@@ -161,7 +161,7 @@ def test_sharded_layouts_compute_what_transformers_computes(
         "torch.distributed.run",
         "--standalone",
         "--nproc_per_node=2",
-        str(REPO / "tests" / "workload" / "hf_logits_worker.py"),
+        str(REPO / "tests" / "trainer" / "hf_logits_worker.py"),
         str(batch),
         str(tmp_path / "jobs.json"),
         *OVERRIDES,

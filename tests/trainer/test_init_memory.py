@@ -35,7 +35,7 @@ def test_each_rank_peaks_at_its_shard_plus_one_layer(tmp_path: Path) -> None:
         "torch.distributed.run",
         "--standalone",
         "--nproc_per_node=4",
-        str(REPO / "tests/workload/init_memory_worker.py"),
+        str(REPO / "tests/trainer/init_memory_worker.py"),
         str(tmp_path),
         *SHAPE,
     ]

@@ -1,4 +1,4 @@
-"""torchrun worker for tests/workload/test_fp8.py: the trainer's ``init_sharded`` (FP8 conversion,
+"""torchrun worker for tests/trainer/test_fp8.py: the trainer's ``init_sharded`` (FP8 conversion,
 then FSDP2 over every rank) and 3 steps with the post-step scale hook, per ``train.fp8`` recipe,
 on CPU/gloo (torchao emulates the FP8 matmul). Rank 0 prints one JSON line per recipe."""
 

@@ -18,7 +18,7 @@ from llmctl.plan.make import make_plan
 from workloads.pretrain.contract.config import typed
 from workloads.pretrain.contract.shape import flops_per_token, num_params
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 REMOTE_URI = "http://mlflow.example:5000"
 # dim 512, 8 layers, 8 heads (head dim 64), vocab 32000, FFN round_up(int(2*4*512/3)=1365, 256) = 1536
 SHAPE = [
