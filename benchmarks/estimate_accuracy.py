@@ -16,13 +16,13 @@ Prints both ratios (predicted / actual) of every round, and last their medians o
 (goals 0.90-1.10 for (a), 0.75-1.25 for (b) on a quiet machine):
 ``estimate_accuracy: <a> (4x length), <b> (4x FLOPs/token)``.
 
-Why rounds: on these 2-core VMs a process draws its speed when it starts. Identical 60-step
-launches, one after another with nothing else running, held 4,100 and 5,260 tok/s (each flat within
-itself) while a matmul loop beside nothing held 61-68 GFLOP/s the whole time (docs/benchmarks.md):
-per-process placement, not load, and no software setting changed it (glibc malloc thresholds did
-not). So one round's ratio is mostly two draws of that noise, calibration and actual; the median
+Why rounds: on these 2-core VMs a process draws its speed when it starts. Identical launches,
+one after another with nothing else running, differ from each other while each is flat within
+itself and a matmul loop beside them holds steady (figures in docs/benchmarks.md): per-process
+placement, not load, and no software setting changed it (glibc malloc thresholds did not). So one
+round's ratio is mostly two draws of that noise, calibration and actual; the median
 of five rounds is the estimator's own error.
-Everything lives in temp dirs; takes about seventeen minutes on a 2-core machine.
+Everything lives in temp dirs; its run time is in docs/benchmarks.md.
 """
 
 from __future__ import annotations

@@ -15,8 +15,8 @@ and ``125m`` (conf/model/125m.yaml: 12 x 768, vocab 32000; batch 8 x seq 256). B
 first step's losses must agree within 1e-4 (else exit 1: the contenders would not compute the same thing).
 
 ONE intra-op thread (``KERNELS_CPU_THREADS`` to change): these 2 cores are shared, and when another
-process holds a core every 2-thread OpenMP region waits for the descheduled thread (a matmul
-measured 61 vs 7.5 GFLOP/s), so a 2-thread figure measures the neighbours' load.
+process holds a core every 2-thread OpenMP region waits for the descheduled thread (a matmul then
+runs several times slower: docs/benchmarks.md), so a 2-thread figure measures the neighbours' load.
 
 Timing: warmup steps excluded; then rounds, each timing every contender for a window of steps,
 the order rotating from round to round, so load from other processes falls on all of them. A

@@ -11,7 +11,8 @@ from __future__ import annotations
 import os
 from typing import Any, List, Optional
 
-# Plain click help renders in ~0.13 s; Rich's costs ~0.35 s. TYPER_USE_RICH=1 brings Rich back.
+# Plain click help: Rich's renderer is a slow import for every `--help` (benchmarks/plan_latency.py).
+# TYPER_USE_RICH=1 brings Rich back.
 os.environ.setdefault("TYPER_USE_RICH", "0")
 import typer
 

@@ -106,7 +106,7 @@ def _process_count(cfg: dict[str, Any], settings: LocalSettings, gpus: int) -> i
 
 def job_command(nproc: int, config_path: str) -> list[str]:
     """torchrun for several processes; one process runs the workload itself (torchrun's agent
-    would only add a second interpreter and a torch import, ~3 s, to every single-process run)."""
+    would only add a second interpreter and a torch import to every single-process run)."""
     workload = ["-m", "workloads.pretrain", "--config", config_path]
     if nproc == 1:
         return [sys.executable, "-u", *workload]

@@ -29,9 +29,9 @@ from workloads.pretrain.contract.config import typed
 from workloads.pretrain.contract.hardware import peak_for
 from workloads.pretrain.contract.shape import flops_per_token, hidden_dim, num_params
 
-MFU_PRIOR = 0.40  # torchtitan Llama-3.1-8B on 8xH100: 34-39%; Megatron-LM 41-48%
+MFU_PRIOR = 0.40  # what well-tuned open trainers reach on dense LLMs; the sources are in docs/cost.md
 UNKNOWN_GPU_TFLOPS = 100.0  # a GPU missing from the peak table: a deliberately modest guess
-CPU_GFLOPS_PER_CORE = 25.0  # measured order: ~75 GFLOP/s for the smoke model on 2 x86-64 cores
+CPU_GFLOPS_PER_CORE = 25.0  # an order of magnitude for an x86-64 core; one short run calibrates it
 # fixed time billed around the training loop, before any run of this shape was measured
 OVERHEAD_PRIOR_S = {"local-cpu": 15.0, "local-gpu": 30.0, "sky": 600.0}  # sky: provision + node install
 

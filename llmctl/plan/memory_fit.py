@@ -1,7 +1,7 @@
 """Will it fit? The workload's memory plan against the device's memory, and the cheapest fix if not.
 
 The per-device estimate is the trainer's own (``workloads.pretrain.contract.memory_plan``, stdlib only, held
-within 15% of torch's memory tracker); the device's memory comes from SkyPilot's catalog
+against torch's memory tracker by tests/trainer/test_memory_plan.py); the device's memory comes from SkyPilot's catalog
 (``device_memory``) for cloud GPUs, ``nvidia-smi`` for local GPUs, and this machine's RAM shared by
 its processes on CPU. ``launch`` and ``resume`` refuse a job whose plan exceeds the usable memory
 (``RESERVE``: CUDA context, workspaces and allocator slack that no tensor accounts for), naming

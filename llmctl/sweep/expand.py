@@ -7,7 +7,8 @@ twice keeps the last value at the first position; the trials are the cartesian p
 order the keys were given. Continuous sweeps (``interval(...)``) are refused, as the basic sweeper
 refuses them.
 
-Composing 100 trials one by one costs ~60 ms each. Trials that pick the same config-group options
+A Hydra composition per trial makes large sweeps slow to plan (benchmarks/sweep_plan.py).
+Trials that pick the same config-group options
 share one Hydra composition; each trial's value overrides are then applied to a copy of it the way
 Hydra applies command-line overrides after composing the defaults (``OmegaConf.update`` on the
 typed, struct-mode config), so every schema type check still runs. Tests compare a sample against

@@ -232,7 +232,7 @@ def make_sweep_plan(
 
 
 class _history_cache:
-    """Trials of one shape share one cost-history lookup (an MLflow query each would cost ~40 ms x trials).
+    """Trials of one shape share one cost-history lookup (an MLflow query per trial would grow with the sweep).
 
     ``planner.estimate_for`` asks ``llmctl.cost.history.find`` for earlier runs of the trial's shape; within one
     planning pass the answer for the same arguments is the same, so it is memoized here and the

@@ -2,7 +2,7 @@
 
 The controller owns the run's lifecycle (so a crashed worker still ends FAILED, never RUNNING);
 workers only append metrics to the run id they are handed in ``MLFLOW_RUN_ID``.
-mlflow is imported inside functions: it costs ~1.5 s and ``--help`` must not pay it.
+mlflow is imported inside functions: it is a slow import, and ``--help`` and ``plan`` must not pay it.
 """
 
 from __future__ import annotations

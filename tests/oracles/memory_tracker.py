@@ -10,16 +10,16 @@ one only, ``loss_parallel`` under TP, autocast for bf16, grad clipping, the trai
 ``FSDPMemTracker`` when the model is FSDP-sharded, else ``MemTracker``. The second step counts
 (AdamW's states exist by then): its peak, in bytes per category.
 
-Recipe and its pitfalls (SCALE-NOTES C): TP and ``fully_shard`` run on ``meta`` *outside* fake
+Recipe and its pitfalls: TP and ``fully_shard`` run on ``meta`` *outside* fake
 mode; ``to_empty``, the optimizer and the steps inside ``FakeTensorMode(allow_non_fake_inputs=True)``.
 And one fix of ours (``_private_propagation_fake_mode``): DTensor's sharding propagation must not
 run in *our* fake mode, or the tracker counts global-shape tensors that never exist. With it,
 fake and real tensors give byte-identical peaks (``fake=False`` runs the same step on real tensors;
 checked on TP, FSDP, FSDP+TP, micro-batches, AC, bf16) and AdamW fused / foreach / single-tensor
-all count correctly (SCALE-NOTES B's foreach inflation was this effect).
+all count correctly (an apparent foreach inflation was this effect).
 
 What neither this nor the plan counts: the CUDA context, cuBLAS/NCCL workspaces and the caching
-allocator's rounding and fragmentation (typically 0.5-2 GiB more on a GPU).
+allocator's rounding and fragmentation (the plan's RESERVE stands in for them on a GPU).
 
 ``CASES`` is the shared list of configurations the benchmark (``benchmarks/memory_plan.py``) and
 the test (``tests/trainer/test_memory_plan.py``) hold the plan against; ``compare`` does one.
@@ -144,7 +144,7 @@ def tracked_peak(cfg: Any, world_size: int, device: str = "cpu", steps: int = 2,
         mesh = dims.build_mesh(device) if world_size > 1 else None
         with torch.device("meta"):
             model = Transformer(cfg.model)
-        model = parallelize(model, dims, mesh, cfg)  # on meta, outside fake mode (SCALE-NOTES C)
+        model = parallelize(model, dims, mesh, cfg)  # on meta, outside fake mode: see the recipe above
         with FakeTensorMode(allow_non_fake_inputs=True) if fake else nullcontext(), _private_propagation_fake_mode():
             model.to_empty(device=device)
             if fake:

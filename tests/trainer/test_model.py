@@ -1,8 +1,8 @@
 """The fused kernel path against the plain-PyTorch oracle, and the FLOP/parameter accounting.
 
-Tolerances (measured on torch 2.13 CPU, see shared/research/NOTES.md):
+Tolerances (set from what torch's CPU kernels give, with a margin for rounding order):
   fp32:        logits and every parameter gradient within 1e-5 absolute + 1e-5 relative
-  bf16 autocast: loss within 1e-3 (measured ~1e-4), gradient relative L2 within 1e-2 (~5e-3)
+  bf16 autocast: loss within 1e-3, gradient relative L2 within 1e-2
 """
 
 from __future__ import annotations

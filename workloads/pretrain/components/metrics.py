@@ -5,8 +5,8 @@ Metric names are a contract with llmctl and its docs:
   perf/tokens_per_s (all devices)  perf/tokens_per_s_per_device  perf/tflops (per device)
   perf/mfu (only when the device's peak is known)  perf/peak_mem_gb
 
-Logging one MLflow call per metric per step is ~100x slower than ``log_batch`` against a sqlite
-store (10k points: 91 s vs 1.3 s), so points are buffered and flushed once per log interval.
+One MLflow call per metric per step costs a store transaction each (a sqlite store writes one
+file per call), so points are buffered and flushed with ``log_batch`` once per log interval.
 """
 
 from __future__ import annotations

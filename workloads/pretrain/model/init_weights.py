@@ -6,12 +6,11 @@ rank draws the full parameter, keeps the slice it owns (``compute_local_shape_an
 which covers Shard, Replicate and FSDP-over-TP's strided shards) and frees the rest before the
 next parameter. Peak memory per rank is its shards plus the largest single parameter (one layer's
 worth, or the embedding), never the model. Costs every rank a full draw of every parameter
-(~230 M values/s on one CPU core, far more on a GPU): for 70B on CPU, minutes; use
-``model.init_from`` or a checkpoint for those.
+(slow on CPU for the largest models; use ``model.init_from`` or a checkpoint for those).
 
 DTensor's own random ops would shard the draw, but they need CUDA (``OffsetBasedRNGTracker``)
 and in-place init on a CPU ``Shard(0)`` DTensor repeats the same values on every shard
-(measured, research/SCALE-NOTES.md §D).
+(tried on torch's CPU DTensor).
 """
 
 from __future__ import annotations

@@ -76,7 +76,8 @@ def _per_token(table: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 def apply_rope_complex(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """``apply_rope`` as one complex multiply (Meta's formulation): the fused path's RoPE.
 
-    Same pairs, same math as ``apply_rope``; 3.5x faster fwd+bwd on CPU (one kernel, not ~8).
+    Same pairs, same math as ``apply_rope``, in one kernel where the real-valued form takes several
+    (``benchmarks/kernels_cpu.py`` times the fused path).
     """
     # .float(): FSDP2's bf16 policy casts a block's floating inputs, these tables included
     freqs = torch.complex(_per_token(cos, x).float(), _per_token(sin, x).float())
