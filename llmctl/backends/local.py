@@ -25,12 +25,12 @@ from llmctl.backends.base import ENDED, JobStatus
 from llmctl.config.compose import Composed, to_yaml
 from llmctl.config.launcher_checks import resolve_layout
 from llmctl.config.root_schema import InfraCfg
+from llmctl.controller import progress
+from llmctl.controller.procs import Interrupted, note_stop_request, same_process, signal_tree, start_time
+from llmctl.controller.workdir import run_dir
 from llmctl.errors import ConfigError, LaunchError
 from llmctl.plan.devices import local_gpu_count, this_machine
 from llmctl.plan.job_plan import Plan
-from llmctl.run import progress
-from llmctl.run.procs import Interrupted, note_stop_request, same_process, signal_tree, start_time
-from llmctl.run.workdir import run_dir
 from llmctl.tracking.mlflow_run import RunHandle
 from workloads.pretrain.contract.hardware import cpu_threads
 

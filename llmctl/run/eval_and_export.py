@@ -109,7 +109,7 @@ def resolve_target(
 ) -> Target:
     from omegaconf import OmegaConf
 
-    from llmctl.run.workdir import RUNS_DIR, run_dir
+    from llmctl.controller.workdir import RUNS_DIR, run_dir
     from llmctl.tracking import runs
 
     uri = runs.tracking_uri(tracking_uri)

@@ -29,11 +29,11 @@ from typing import Any, Callable, Optional, TextIO
 from llmctl.backends import backend_for
 from llmctl.backends.base import Backend
 from llmctl.config.compose import to_yaml
+from llmctl.controller.procs import Interrupted, clear_stop_requests, raise_interrupted, stop_requested
+from llmctl.controller.workdir import run_dir
 from llmctl.cost import hooks, ledger
 from llmctl.errors import ConfigError, LaunchError
 from llmctl.plan.job_plan import Plan
-from llmctl.run.procs import Interrupted, clear_stop_requests, raise_interrupted, stop_requested
-from llmctl.run.workdir import run_dir
 from llmctl.tracking import mlflow_run as tracking
 from llmctl.tracking.mlflow_run import RunHandle
 from workloads.pretrain.contract.protocol import (

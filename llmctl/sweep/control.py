@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from llmctl.controller.procs import pid_alive
 from llmctl.errors import ConfigError
-from llmctl.run.procs import pid_alive
 from llmctl.sweep.state import (
     DOWN_GRACE_S,
     LOG_FILE,

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from llmctl.controller.procs import same_process, start_time
+from llmctl.controller.workdir import sweeps_root
 from llmctl.cost import ledger
 from llmctl.errors import ConfigError
-from llmctl.run.procs import same_process, start_time
-from llmctl.run.workdir import sweeps_root
 from llmctl.sweep import table
 from llmctl.tracking.mlflow_run import redact
 

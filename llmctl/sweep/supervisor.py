@@ -28,8 +28,8 @@ from collections import deque
 from pathlib import Path
 from typing import Any, Optional
 
+from llmctl.controller.procs import Interrupted, raise_interrupted, same_process
 from llmctl.errors import ConfigError, LaunchError
-from llmctl.run.procs import Interrupted, raise_interrupted, same_process
 from llmctl.sweep import state
 from workloads.pretrain.contract.hardware import cpu_threads
 
@@ -357,7 +357,7 @@ class Supervisor:
         self.tell(index)
 
     def save(self, done: bool = False) -> None:
-        from llmctl.run.procs import start_time
+        from llmctl.controller.procs import start_time
 
         trials = {}
         for i, rid in self.run_ids.items():

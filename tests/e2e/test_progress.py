@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from llmctl.run.progress import StepProgress, wanted
+from llmctl.controller.progress import StepProgress, wanted
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 STEP = "step  20/40 | loss 6.9214 | lr 2.93e-03 | gnorm 0.71 | 17,265 tok/s | 0.04 TFLOP/s | MFU n/a (cpu)\n"

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from helpers import mlflow_client, run_cli
 
-from llmctl.run.procs import start_time
+from llmctl.controller.procs import start_time
 
 
 def _store(tmp: Path) -> tuple[str, Any, str]:

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 
-from llmctl.run import procs
+from llmctl.controller import procs
 from llmctl.sweep import state
 
 

@@ -212,7 +212,7 @@ def test_metric_sink_retries_locked_batches(monkeypatch: pytest.MonkeyPatch) -> 
 def _pid_facts(pid: int, pid_file) -> dict:
     from pathlib import Path
 
-    from llmctl.run import procs
+    from llmctl.controller import procs
 
     def read(name: str) -> object:
         try:

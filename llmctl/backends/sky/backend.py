@@ -25,10 +25,10 @@ from llmctl.backends.sky.facts import remembered
 from llmctl.backends.sky.settings import SkySettings
 from llmctl.config.compose import Composed, to_yaml
 from llmctl.config.launcher_checks import resolve_layout
+from llmctl.controller.workdir import run_dir
 from llmctl.errors import ConfigError, LaunchError
 from llmctl.plan.devices import Hardware
 from llmctl.plan.job_plan import Plan
-from llmctl.run.workdir import run_dir
 from llmctl.tracking.mlflow_run import RunHandle, client, redact, resolve_uri
 
 TAG_CLUSTER = "llmctl.sky.cluster"
