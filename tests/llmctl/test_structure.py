@@ -131,6 +131,46 @@ def test_data_flows_one_way() -> None:
     )
 
 
+def test_folders_import_only_later_stages() -> None:
+    """By folder: the stages below a folder never import it back (config and the controller's
+    machinery are the ground floor; tracking never reaches into running or planning; backends
+    never into the run lifecycle, sweeps or the CLI)."""
+    graph = _graph("llmctl")
+    forbidden = {
+        "llmctl.config": (
+            "llmctl.plan",
+            "llmctl.run",
+            "llmctl.backends",
+            "llmctl.tracking",
+            "llmctl.sweep",
+            "llmctl.cost",
+            "llmctl.controller",
+            "llmctl.cli",
+        ),
+        "llmctl.controller": (
+            "llmctl.plan",
+            "llmctl.run",
+            "llmctl.backends",
+            "llmctl.tracking",
+            "llmctl.sweep",
+            "llmctl.cost",
+            "llmctl.cli",
+        ),
+        "llmctl.tracking": ("llmctl.plan", "llmctl.run", "llmctl.backends", "llmctl.sweep", "llmctl.cli"),
+        "llmctl.backends": ("llmctl.run", "llmctl.sweep", "llmctl.cli", "llmctl.plan.make"),
+        "llmctl.run": ("llmctl.sweep", "llmctl.cli"),
+    }
+    offenders = sorted(
+        (name, dep)
+        for name, deps in graph.items()
+        for folder, banned in forbidden.items()
+        if name.startswith(folder + ".")
+        for dep in deps
+        if dep.startswith(banned)
+    )
+    assert offenders == []
+
+
 def test_every_backend_implements_the_whole_interface() -> None:
     from llmctl.backends import registry
     from llmctl.backends.base import Backend
