@@ -31,8 +31,8 @@ SMALL = ["experiment=smoke", "train.log_every=1", "train.val_every=1000", "check
 
 
 def test_outcomes_from_what_the_controller_and_the_workload_recorded() -> None:
+    from llmctl.controller.procs import Interrupted
     from llmctl.errors import LaunchError
-    from llmctl.run.procs import Interrupted
 
     stop = json.dumps({"step": 3, "spent_usd": 1.5, "max_cost_usd": 1.0, "checkpoint": True})
     pre = json.dumps({"step": 7, "checkpoint": 7, "saved": True, "signal": "SIGTERM"})
@@ -149,7 +149,7 @@ def kill_controller(controller: int, workers: int) -> None:
     they cannot act on yet (seen pending in /proc), the second makes the controller stop them without
     waiting (SIGINT, seen pending too); then they run again and exit without a checkpoint. Each step
     waits for the effect of the last, so the order holds at any speed."""
-    from llmctl.run.procs import signal_tree
+    from llmctl.controller.procs import signal_tree
 
     signal_tree(workers, signal.SIGSTOP)
     os.kill(controller, signal.SIGTERM)
