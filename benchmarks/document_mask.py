@@ -5,19 +5,24 @@
 One model built by the trainer's code (``train.init_sharded``, fused kernels), one process, and the
 trainer's step (loss, backward, grad-norm clip, AdamW, zero_grad) on the same batches of the bundled
 pydoc corpus: plain causal attention (SDPA ``is_causal``) against the block-causal mask (one additive
-mask per forward, shared by the layers; SDPA cannot use its flash kernel with a mask). The two
-alternate window by window (these machines are noisy) and each keeps the median tokens/s.
+mask per forward, shared by the layers; torch picks the attention kernel per call: on an H100 with
+torch 2.11, cuDNN for both). The two alternate window by window (these machines are noisy) and each
+keeps the median tokens/s.
 
 - CPU: ``model=smoke`` at seq 1024, batch 4, fp32, one intra-op thread (the cores are shared; see
   kernels_cpu in docs/benchmarks.md).
-- CUDA: ``model=1b`` at seq 8192, batch 1, bf16 autocast, per-block compile; also each side's peak
-  memory.
+- CUDA: ``model=1b`` at seq 8192, batch 1, bf16 (FSDP2 on a 1-rank mesh, as the trainer), per-block
+  compile; also each side's peak memory.
+- ``DOCUMENT_MASK_SHAPE=tiny``: ``model=smoke`` at seq 256, batch 2, 2 windows of 1 step, on CPU
+  only: a few seconds, so ``tests/benchmarks/test_gpu_agenda.py`` can run the script through
+  ``gpu_agenda.sh C``; its figure means nothing.
 
 Last line: ``document_mask: <masked / plain tokens/s>x`` (below 1 = the mask is slower).
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 import time
@@ -29,9 +34,18 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 ROUNDS, STEPS, WARMUP = 6, 3, 2
+SHAPES = ("default", "tiny")
 
 
-def config(cuda: bool):
+def shape() -> str:
+    value = os.environ.get("DOCUMENT_MASK_SHAPE", "default")
+    if value not in SHAPES:
+        print(f"DOCUMENT_MASK_SHAPE must be one of {SHAPES}, got {value!r}", file=sys.stderr)
+        sys.exit(3)
+    return value
+
+
+def config(cuda: bool, tiny: bool = False):
     from omegaconf import OmegaConf
 
     from workloads.pretrain.contract.schema import TrainerCfg
@@ -39,28 +53,32 @@ def config(cuda: bool):
     cfg = OmegaConf.structured(TrainerCfg)
     model = "1b" if cuda else "smoke"
     cfg.model = OmegaConf.merge(cfg.model, OmegaConf.load(REPO / f"conf/model/{model}.yaml"))
-    shape = (
-        ["train.seq_len=8192", "train.batch_size=1", "train.dtype=bf16", "model.compile=true"]
-        if cuda
-        else ["train.seq_len=1024", "train.batch_size=4", "train.dtype=fp32"]
-    )
-    merged = OmegaConf.merge(cfg, OmegaConf.from_dotlist(["model.kernels=fused", "model.max_seq_len=8192", *shape]))
+    if cuda:
+        dims = ["train.seq_len=8192", "train.batch_size=1", "train.dtype=bf16", "model.compile=true"]
+    elif tiny:
+        dims = ["train.seq_len=256", "train.batch_size=2", "train.dtype=fp32"]
+    else:
+        dims = ["train.seq_len=1024", "train.batch_size=4", "train.dtype=fp32"]
+    merged = OmegaConf.merge(cfg, OmegaConf.from_dotlist(["model.kernels=fused", "model.max_seq_len=8192", *dims]))
     return OmegaConf.to_object(merged)  # the trainer's typed config, as config.load returns it
 
 
 def main() -> None:
-    from contextlib import nullcontext
-
     from workloads.pretrain.components.optim import build_optimizer
     from workloads.pretrain.data import prepare_corpus
-    from workloads.pretrain.parallel.parallelize import ParallelDims
-    from workloads.pretrain.train import DistEnv, init_sharded
+    from workloads.pretrain.parallel.parallelize import autocast_context
+    from workloads.pretrain.train import init_distributed, init_sharded
 
-    cuda = torch.cuda.is_available()
+    global ROUNDS, STEPS, WARMUP
+    tiny = shape() == "tiny"
+    cuda = torch.cuda.is_available() and not tiny
+    if tiny:
+        ROUNDS, STEPS, WARMUP = 2, 1, 1
     device = torch.device("cuda" if cuda else "cpu")
+    cfg = config(cuda, tiny)
+    env = init_distributed(cfg)  # the trainer's 1-rank group and mesh: its FSDP bf16 recipe
     if not cuda:
         torch.set_num_threads(1)
-    cfg = config(cuda)
     tc = cfg.train
     corpus = prepare_corpus(cfg.data)
     plain, masked = (corpus.sequences(float(cfg.data.val_fraction), tc.seq_len, mask)[0] for mask in (False, True))
@@ -70,10 +88,9 @@ def main() -> None:
     ]
     docs = [float(d) + 1 for _, b in batches for d in b.doc_ids.max(dim=1).values]
     torch.manual_seed(0)
-    model = init_sharded(cfg, DistEnv(0, 1, 0, 1, device, ParallelDims(1, 1, 1, 1), None))
+    model = init_sharded(cfg, env)
     opt = build_optimizer(model, tc)
-    bf16 = tc.dtype == "bf16"
-    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if bf16 else nullcontext
+    autocast = autocast_context(model, cfg, device.type)  # none under FSDP, as in train.py
 
     def steps(which: int) -> None:
         for pair in batches:

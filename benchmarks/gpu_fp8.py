@@ -3,7 +3,7 @@
 Each contender is built by the trainer's own code (``train.init_sharded``: meta -> ``parallelize``,
 which converts to Float8Linear and compiles each block -> materialise -> init) from
 conf/model/1b.yaml with ``model.kernels=fused``, ``model.compile=true``, ``train.dtype=bf16`` and
-``train.fp8`` = none | tensorwise | rowwise, and runs the trainer's step: bf16 autocast, loss,
+``train.fp8`` = none | tensorwise | rowwise, and runs the trainer's step: FSDP2 bf16 parameters on a 1-rank mesh, loss,
 backward, grad-norm clip 1.0, the trainer's AdamW, the FP8 post-step hook, zero_grad.
 
 Two models at a time (bf16 stays, each FP8 recipe is built, measured and freed in turn), so three
@@ -12,8 +12,9 @@ included), ``ROUNDS`` windows of ``STEPS`` steps alternate between bf16 and the 
 (``gpu_timing.alternate``); tokens/s is the median over windows, the ratio is against the bf16
 windows of the same alternation. TFLOP/s and MFU use FLOPs/token = 6N + 12·L·H·Q·T and the
 **bf16** dense peak (workloads/pretrain/contract/hardware.py), as torchtitan reports FP8 MFU, so FP8's MFU
-can be read as "fraction of the bf16 roofline". Memory: what the contender keeps resident (weights,
-AdamW state) plus the most one step adds.
+can be read as "fraction of the bf16 roofline". Memory, in GiB: what the contender keeps resident
+(weights, AdamW state) plus the most one timed step adds (the peak is reset after warm-up, so build
+and compile buffers do not count).
 
 Needs a GPU with FP8 tensor cores (compute capability >= 8.9) and ``pip install 'llmctl[fp8]'``.
 Without CUDA it prints why and exits 0. ``GPU_BENCH_BATCH`` changes the batch (default 2).
@@ -71,30 +72,32 @@ class Contender:
     def __init__(self, recipe: str, device: torch.device, x: torch.Tensor, y: torch.Tensor):
         from workloads.pretrain.components.optim import build_optimizer
         from workloads.pretrain.parallel import fp8
-        from workloads.pretrain.parallel.parallelize import ParallelDims
-        from workloads.pretrain.train import DistEnv, init_sharded
+        from workloads.pretrain.parallel.parallelize import autocast_context
+        from workloads.pretrain.train import init_distributed, init_sharded
 
         self.recipe, self.cfg = recipe, config(recipe)
         fp8.check_device(recipe, device)  # the trainer's refusal: no FP8 tensor cores, or no torchao
         before = torch.cuda.memory_allocated(device)
-        env = DistEnv(0, 1, 0, 1, device, ParallelDims(1, 1, 1, 1), None)
+        env = init_distributed(self.cfg)  # the trainer's 1-rank group and mesh: its FSDP bf16 recipe
         torch.manual_seed(0)
         self.model = init_sharded(self.cfg, env)
+        self.autocast = autocast_context(self.model, self.cfg, device.type)  # none under FSDP, as in train.py
+        self.fsdp_fp8 = env.dims.dp_enabled
         self.opt = build_optimizer(self.model, self.cfg.train)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.x, self.y, self.device, self.fp8 = x, y, device, fp8
         self.converted = sum(type(m).__name__ == "Float8Linear" for m in self.model.modules())
         warm = __import__("gpu_timing").warm_up(recipe, self.step, WARMUP, device, TAG)
-        self.resident_gb = (torch.cuda.memory_allocated(device) - before) / 1e9
+        self.resident_gib = (torch.cuda.memory_allocated(device) - before) / 2**30
         self.warm_loss = warm
 
     def step(self) -> torch.Tensor:
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with self.autocast():
             loss = self.model(self.x, self.y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.params, 1.0)
         self.opt.step()
-        self.fp8.after_optimizer_step(self.model, self.recipe, fsdp=False)
+        self.fp8.after_optimizer_step(self.model, self.recipe, fsdp=self.fsdp_fp8)
         self.opt.zero_grad(set_to_none=True)
         return loss
 
@@ -124,7 +127,7 @@ def main() -> int:
     flops = flops_per_token(config("none").model, SEQ_LEN)
     print(
         f"{TAG} | {name} (cc {'.'.join(map(str, torch.cuda.get_device_capability(device)))}) | torch "
-        f"{torch.__version__} | Llama-3.2-1B shape, batch {BATCH} x seq {SEQ_LEN}, bf16 autocast, per-block "
+        f"{torch.__version__} | Llama-3.2-1B shape, batch {BATCH} x seq {SEQ_LEN}, FSDP bf16 params, per-block "
         f"compile | FLOPs/token {flops / 1e9:.2f} G | bf16 peak {peak or 'unknown'} TFLOP/s",
         flush=True,
     )
@@ -145,9 +148,9 @@ def main() -> int:
             continue
         pair = alternate({"bf16": bf16.step, recipe: other.step}, BATCH * SEQ_LEN, ROUNDS, STEPS, device)
         bf16_windows += pair["bf16"]["windows"]
-        results.setdefault("bf16", {**pair["bf16"], "resident_gb": bf16.resident_gb, "linears": bf16.converted})
-        results["bf16"]["step_peak_gb"] = max(results["bf16"]["step_peak_gb"], pair["bf16"]["step_peak_gb"])
-        results[recipe] = {**pair[recipe], "resident_gb": other.resident_gb, "linears": other.converted}
+        results.setdefault("bf16", {**pair["bf16"], "resident_gib": bf16.resident_gib, "linears": bf16.converted})
+        results["bf16"]["step_peak_gib"] = max(results["bf16"]["step_peak_gib"], pair["bf16"]["step_peak_gib"])
+        results[recipe] = {**pair[recipe], "resident_gib": other.resident_gib, "linears": other.converted}
         ratios[recipe] = pair[recipe]["tok_s"] / pair["bf16"]["tok_s"]
         other.free()
     if "bf16" in results:
@@ -160,8 +163,8 @@ def main() -> int:
         vs = f" | {ratios[side]:.2f}x bf16 (same alternation)" if side in ratios else ""
         print(
             f"{side:>10}: {r['tok_s']:,.0f} tok/s | {tflops:.1f} TFLOP/s | MFU {mfu} (of bf16 peak) | peak mem "
-            f"{r['resident_gb'] + r['step_peak_gb']:.1f} GB (resident {r['resident_gb']:.1f} + step "
-            f"{r['step_peak_gb']:.1f}) | {r['linears']} Float8Linear{vs}"
+            f"{r['resident_gib'] + r['step_peak_gib']:.1f} GiB (resident {r['resident_gib']:.1f} + step "
+            f"{r['step_peak_gib']:.1f}, timed steps only) | {r['linears']} Float8Linear{vs}"
         )
     if not ratios:
         print(f"{TAG}: failed (no FP8 recipe ran)")

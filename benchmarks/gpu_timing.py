@@ -4,7 +4,7 @@ median tokens/s of each, plus the transient memory a step adds on top of what st
 
 Used by benchmarks/gpu_fp8.py (``warm_up`` and ``alternate``) and benchmarks/gpu_vs_torchtitan.py
 (``warm_up``; its sides run one after the other, since two 1B models with AdamW state do not both
-fit beside each other comfortably, and it reports each side's whole peak, not the per-step one).
+fit beside each other comfortably, and it reports each side's whole peak over its timed steps).
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ def alternate(
 ) -> dict[str, dict[str, float]]:
     """``rounds`` windows of ``steps`` steps per contender, taken in turn (ABAB...).
 
-    Per contender: ``tok_s`` (median over windows), ``windows`` (all of them) and ``step_peak_gb``
-    (the most a step allocated above what was allocated when its window began)."""
+    Per contender: ``tok_s`` (median over windows), ``windows`` (all of them) and ``step_peak_gib``
+    (the most a step allocated above what was allocated when its window began, in GiB)."""
     rates: dict[str, list[float]] = {n: [] for n in steps_by_name}
     peaks: dict[str, float] = {n: 0.0 for n in steps_by_name}
     for _ in range(rounds):
@@ -49,5 +49,5 @@ def alternate(
                 step()
             torch.cuda.synchronize(device)
             rates[name].append(steps * tokens_per_step / (time.perf_counter() - t0))
-            peaks[name] = max(peaks[name], (torch.cuda.max_memory_allocated(device) - base) / 1e9)
-    return {n: {"tok_s": statistics.median(r), "windows": r, "step_peak_gb": peaks[n]} for n, r in rates.items()}
+            peaks[name] = max(peaks[name], (torch.cuda.max_memory_allocated(device) - base) / 2**30)
+    return {n: {"tok_s": statistics.median(r), "windows": r, "step_peak_gib": peaks[n]} for n, r in rates.items()}

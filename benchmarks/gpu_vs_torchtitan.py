@@ -23,10 +23,13 @@ trainer does on one GPU) for both sides.
 Figures per side: tokens/s (median of ``ROUNDS`` windows of ``STEPS`` steps after ``WARMUP``
 steps that include compilation), TFLOP/s and MFU from each side's own FLOPs/token count (6N +
 12·L·H·Q·T; the two counts must agree, else the run stops) against the bf16 peak in
-``workloads/pretrain/components/metrics.py``, and ``torch.cuda.max_memory_allocated``. Sides run one after
+``workloads/pretrain/components/metrics.py``, and ``torch.cuda.max_memory_allocated`` in GiB over the
+timed steps only (reset after warm-up, so build and compile buffers do not count). Sides run one after
 the other, each freed before the next. A side that fails prints its error; the other still runs.
 
-Needs a CUDA GPU and ``pip install -e ".[bench,gpu]"`` (torchtitan; Liger for llmctl's loss).
+Needs a CUDA GPU and ``pip install -e ".[bench,gpu]"`` (torchtitan; Liger for llmctl's loss), or
+on the offline GPU machine the wheels ``benchmarks/gpu_wheels.sh`` builds (``gpu_agenda.sh B``).
+On torch < 2.13 both sides run ``autocast`` (``titan_sides.runnable_precision`` says why).
 Without CUDA it prints why and exits 0.
 Run: ``python benchmarks/gpu_vs_torchtitan.py``.
 Last line: ``gpu_vs_torchtitan: <llmctl/torchtitan tokens/s on the 1B shape>x``.
@@ -66,7 +69,7 @@ def settings() -> dict:
     s = {
         "batch": _positive_int("GPU_BENCH_BATCH", "2"),
         "layers_8b": _positive_int("GPU_BENCH_8B_LAYERS", "10"),
-        "precision": os.environ.get("GPU_BENCH_PRECISION", "fsdp"),
+        "precision": ts.runnable_precision(os.environ.get("GPU_BENCH_PRECISION", "fsdp")),
         "tt_attn": os.environ.get("GPU_BENCH_TT_ATTN", "flex"),
         "compile_loss": os.environ.get("GPU_BENCH_COMPILE_LOSS", "0") == "1",
         "shapes": os.environ.get("GPU_BENCH_SHAPES", "1b,8b").split(","),
@@ -111,6 +114,10 @@ def measure(side: ts.Side, device, x, y) -> dict:
         return loss.detach()
 
     warm_up(side.name, step, WARMUP, device, "gpu_vs_torchtitan")
+    # The peak over the timed steps only: build, init and compile/autotune buffers are behind us.
+    torch.cuda.synchronize(device)
+    resident = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
     rates = []
     for _ in range(ROUNDS):
         torch.cuda.synchronize(device)
@@ -121,7 +128,8 @@ def measure(side: ts.Side, device, x, y) -> dict:
         rates.append(STEPS * x.numel() / (time.perf_counter() - t0))
     return {
         "tok_s": statistics.median(rates),
-        "peak_gb": torch.cuda.max_memory_allocated(device) / 1e9,
+        "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30,
+        "resident_gib": resident / 2**30,
         "loss": float(loss),
         "flops": side.flops_per_token,
     }
@@ -164,7 +172,8 @@ def run_shape(shape: str, s: dict, device, peak) -> dict:
         mfu = f"{100 * tflops / peak:.1f}%" if peak else "n/a (unknown peak)"
         print(
             f"gpu_vs_torchtitan |   {shape} {name:>10}: {r['tok_s']:>9,.0f} tok/s | {tflops:6.1f} TFLOP/s | "
-            f"MFU {mfu} | peak mem {r['peak_gb']:.1f} GB | loss {r['loss']:.3f} | "
+            f"MFU {mfu} | peak mem {r['peak_gib']:.1f} GiB over steps (resident {r['resident_gib']:.1f}) | "
+            f"loss {r['loss']:.3f} | "
             f"{r['flops'] / 1e9:.2f} GFLOP/token",
             flush=True,
         )

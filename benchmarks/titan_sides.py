@@ -35,6 +35,9 @@ REPO = Path(__file__).resolve().parents[1]
 SHAPES = {"1b": ("1b", "1B"), "8b": ("8b", "8B")}
 PRECISIONS = ("fsdp", "autocast", "fp32")
 TT_ATTENTION = ("flex", "flex_flash", "varlen", "sdpa")
+# torchtitan 0.3.0 is written against torch 2.13: older torch (the GPU machine's 2.11) lacks
+# ``torch.distributed.fsdp.DataParallelMeshDims``, which it imports, and its FSDP side then fails.
+TITAN_TORCH = (2, 13)
 
 
 @dataclass
@@ -57,6 +60,44 @@ def one_rank_mesh(device: torch.device):
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     return init_device_mesh(device.type, (1,), mesh_dim_names=("fsdp",))
+
+
+def torch_predates_titan(version: str | None = None) -> bool:
+    """Whether ``version`` (default: this torch) is older than the torch torchtitan 0.3.0 is written for."""
+    from torch.torch_version import TorchVersion
+
+    return TorchVersion(version or torch.__version__) < TITAN_TORCH
+
+
+def titan_import_shim() -> None:
+    """Let torchtitan 0.3.0 import on torch < 2.13: a stand-in ``DataParallelMeshDims`` (only its
+    import is needed: the 1-device sides never construct one). Without it the import chain
+    ``torchtitan.models.llama3 -> parallelize -> distributed/fsdp.py`` fails before any model is built."""
+    import torch.distributed.fsdp as fsdp
+
+    if hasattr(fsdp, "DataParallelMeshDims"):
+        return
+
+    class DataParallelMeshDims:
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            raise NotImplementedError(f"{TORCHTITAN} needs torch >= 2.13 for this, not {torch.__version__}")
+
+    fsdp.DataParallelMeshDims = DataParallelMeshDims
+
+
+def runnable_precision(precision: str, version: str | None = None) -> str:
+    """``precision``, or ``autocast`` in place of ``fsdp`` on torch < 2.13, with a line saying why:
+    there torchtitan's FSDP side dies in backward ("The tensor has a non-zero number of elements,
+    but its data is not allocated yet") while its autocast side trains, and both sides must run the
+    same recipe for the comparison to mean anything."""
+    if precision == "fsdp" and torch_predates_titan(version):
+        print(
+            f"precision: autocast instead of fsdp on both sides: torch {version or torch.__version__} < "
+            f"{'.'.join(map(str, TITAN_TORCH))}, where {TORCHTITAN}'s FSDP side fails in backward",
+            flush=True,
+        )
+        return "autocast"
+    return precision
 
 
 def _autocast(device: torch.device, precision: str) -> Callable[[], Any]:
@@ -125,6 +166,7 @@ def titan_config(flavor: str, n_layers: int | None = None, attn: str = "flex"):
     priority) in every block; its registry refuses "sdpa" for LMs only because packed documents
     need masks, and this benchmark has none.
     """
+    titan_import_shim()
     from torchtitan.models.llama3 import model_registry
 
     check_settings("fsdp", attn)
@@ -160,6 +202,7 @@ def titan_side(
 ) -> Side:
     """torchtitan as its trainer sets it up for one device: RoPE cache cut to ``seq_len``, meta
     build, per-block compile, FSDP2 bf16 policy, chunked lm_head + (compiled) CE."""
+    titan_import_shim()
     from torchtitan.components.loss import IGNORE_INDEX, ChunkedLossWrapper, CrossEntropyLoss
     from torchtitan.config import CompileConfig
     from torchtitan.distributed import ParallelDims

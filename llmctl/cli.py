@@ -101,6 +101,15 @@ PruneOpt = typer.Option(
     "--prune",
     help="Sweep with --search random|tpe: stop bad trials early at their val steps: none, median or asha.",
 )
+IgnoreMemoryPlanOpt = typer.Option(
+    False,
+    "--ignore-memory-plan",
+    help=(
+        "Launch even where the memory plan says the job will not fit its devices (its CUDA rules are not yet"
+        " measured on a GPU: docs/scale.md). For this launch only; not stored with the run. Sweeps are not held"
+        " against the memory plan."
+    ),
+)
 SeedOpt = typer.Option(
     None, "--seed", help="Sweep with --search random|tpe: the sampler's seed (default: a random one, recorded)."
 )
@@ -175,6 +184,7 @@ def launch(
     ),
     metric: str = typer.Option("val/loss", "--metric", help="Sweep: metric that picks the best trial."),
     mode: str = typer.Option("min", "--mode", help="Sweep: min or max of --metric."),
+    ignore_memory_plan: bool = IgnoreMemoryPlanOpt,
 ) -> None:
     """Train where the config says (default: here), tracked in MLflow. With -m, a sweep."""
     if multirun:
@@ -204,7 +214,7 @@ def launch(
     from llmctl.run import lifecycle
 
     try:
-        code = lifecycle.launch(the_plan, max_cost=max_cost, say=typer.echo)
+        code = lifecycle.launch(the_plan, max_cost=max_cost, say=typer.echo, ignore_memory_plan=ignore_memory_plan)
     except ConfigError as exc:  # preflight or --max-cost: refused before anything exists
         raise _fail(str(exc), EXIT_CONFIG) from None
     except KeyboardInterrupt:
@@ -234,6 +244,7 @@ def resume(
             "left would pass it."
         ),
     ),
+    ignore_memory_plan: bool = IgnoreMemoryPlanOpt,
 ) -> None:
     """Continue a run from its last checkpoint, in the same MLflow run.
 
@@ -255,7 +266,9 @@ def resume(
     from llmctl.run import resume as resume_mod
 
     try:
-        code = resume_mod.resume(run_id, overrides or [], config_dir, tracking_uri, max_cost, typer.echo)
+        code = resume_mod.resume(
+            run_id, overrides or [], config_dir, tracking_uri, max_cost, typer.echo, ignore_memory_plan
+        )
     except ConfigError as exc:
         raise _fail(str(exc), EXIT_CONFIG) from None
     except KeyboardInterrupt:
@@ -312,8 +325,11 @@ def status(
         from llmctl.run import lifecycle
 
         outcome = lifecycle.Outcome.FINISHED if job.ok else lifecycle.Outcome.FAILED
-        lifecycle.close_run(uri, run_id, outcome, f"job {job.ended}")
-        lines.append(f"mlflow:      run closed as {lifecycle.RULES[outcome].mlflow_status}")
+        closed = lifecycle.close_ended(uri, run, outcome, f"job {job.ended}", job.ended_at)
+        if closed is None:
+            lines.append("mlflow:      its controller is closing the run")
+        else:
+            lines.append(f"mlflow:      run closed as {lifecycle.RULES[closed].mlflow_status}")
     from llmctl.cost import hooks as cost
 
     lines += cost.status_lines(uri, runs.get_run(run_id, uri))  # estimate vs ledger; refreshes cost/*
@@ -351,6 +367,7 @@ def down(
     uri, run, backend = _run_and_backend(run_id, tracking_uri)
     run_id = run.info.run_id  # the full id, when a prefix was given
     from llmctl.backends.base import ENDED
+    from llmctl.tracking import runs
 
     try:
         what = backend.down(run, uri)  # an ended run: no process is signalled (a kept cluster is released)
@@ -364,8 +381,9 @@ def down(
         return
     from llmctl.run import lifecycle
 
-    # its controller closes the run when it outlives the stop; if the run is still open, nobody will
-    lifecycle.close_run(uri, run_id, lifecycle.Outcome.KILLED, "llmctl down")
+    # a live controller closes the run itself (one closer per run); if none is left, nobody else will
+    if lifecycle.close_ended(uri, runs.get_run(run_id, uri), lifecycle.Outcome.KILLED, "llmctl down") is None:
+        what += "; its controller closes the run"
     typer.echo(f"llmctl: {what}")
 
 

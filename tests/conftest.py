@@ -22,20 +22,37 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
-# Test files that take minutes, longest first (CI's durations). With addopts' `--dist loadfile
-# --no-loadscope-reorder` the xdist workers take files in this collection order, so these start first
-# and the many short files fill in around them; xdist's own reorder (most tests first) left the
-# Slurm file, with 3 tests and 15 minutes, for last.
+# Test files that take a minute or more, longest first (CI's durations, per file). With addopts'
+# `--dist loadfile --no-loadscope-reorder` the xdist workers take files in this collection order,
+# so these start first and the many short files fill in around them at the end, where they even out
+# when the workers finish; xdist's own reorder (most tests first) left the Slurm file, with 3 tests
+# and 15 minutes, for last. Keep it current when a file's share changes (`--durations` of a CI run).
 LONGEST_FIRST = (
     "tests/e2e/test_docs.py",
     "tests/sky/test_slurm_launch.py",
-    "tests/e2e/test_sweep_search_e2e.py",
+    "tests/e2e/test_sweep_e2e.py",
     "tests/e2e/test_lifecycle.py",
     "tests/e2e/test_resume.py",
-    "tests/e2e/test_sweep_e2e.py",
+    "tests/e2e/test_sweep_search_e2e.py",
     "tests/e2e/test_eval_e2e.py",
     "tests/e2e/test_runs_local.py",
-    "tests/e2e/test_schedule_extend.py",
+    "tests/trainer/test_hf_init.py",
+    "tests/e2e/test_mlflow_ui.py",
+    "tests/e2e/test_launch_e2e.py",
+    "tests/e2e/test_concurrent_launch.py",
+    "tests/trainer/test_parallel.py",
+    "tests/trainer/test_checkpoint.py",
+    "tests/e2e/test_run_ids.py",
+    "tests/llmctl/test_history_reader.py",
+    "tests/e2e/test_smoke.py",
+    "tests/sky/test_plan_and_rules.py",
+    "tests/sky/test_unpriced.py",
+    "tests/e2e/test_cost_ledger.py",
+    "tests/trainer/test_train_e2e.py",
+    "tests/sky/test_sky_facts.py",
+    "tests/trainer/test_grad_accum.py",
+    "tests/trainer/test_memory_plan.py",
+    "tests/llmctl/test_bad_overrides.py",
 )
 
 
@@ -69,15 +86,6 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture()
 def cli_env(cache_dir: Path, tmp_path: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "LLMCTL_"))}
-    env.update(
-        {
-            "LLMCTL_CACHE_DIR": str(cache_dir),
-            "PYTHONUNBUFFERED": "1",
-            "HOME": str(tmp_path / "home"),
-            "SKYPILOT_DISABLE_USAGE_COLLECTION": "1",
-            "DO_NOT_TRACK": "1",
-        }
-    )
-    (tmp_path / "home").mkdir(exist_ok=True)
-    return env
+    from helpers import cli_env_at
+
+    return cli_env_at(tmp_path / "home", cache_dir)

@@ -24,12 +24,14 @@ class JobStatus:
 
     ``ended`` is None while the job runs (or when the backend cannot tell), else the job's final
     state in the backend's words (SkyPilot's ``SUCCEEDED``, ``FAILED_SETUP`` ...), ``ok`` whether
-    that is success: a RUNNING MLflow run whose job ended is then closed by the lifecycle.
+    that is success, ``ended_at`` when: a RUNNING MLflow run whose job ended is then closed by the
+    lifecycle and billed to that time, not to when someone looked.
     """
 
     lines: list[str] = field(default_factory=list)
     ended: Optional[str] = None
     ok: bool = False
+    ended_at: Optional[float] = None  # when it ended (epoch seconds), as far as the backend knows
 
 
 @runtime_checkable

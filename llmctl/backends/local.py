@@ -25,9 +25,9 @@ from llmctl.backends.base import ENDED, JobStatus
 from llmctl.config.compose import Composed, to_yaml
 from llmctl.config.launcher_checks import resolve_layout
 from llmctl.config.root_schema import InfraCfg
-from llmctl.controller import progress
+from llmctl.controller import progress, test_hooks
 from llmctl.controller.procs import Interrupted, note_stop_request, same_process, signal_tree, start_time
-from llmctl.controller.workdir import run_dir
+from llmctl.controller.workdir import JOB_END_FILE, read_json, run_dir, update_json
 from llmctl.errors import ConfigError, LaunchError
 from llmctl.plan.devices import local_gpu_count, this_machine
 from llmctl.plan.job_plan import Plan
@@ -41,7 +41,7 @@ PIDS_FILE = "pids.json"  # controller pid and workers' process group (and their 
 
 # infra keys llmctl reads whatever the backend: the label, the backend's name, the configured price
 # (llmctl.cost.estimate). Every other key is a backend's own (root_schema.InfraCfg says whose).
-LAUNCHER_INFRA_KEYS = ("name", "kind", "price_per_gpu_hour")
+LAUNCHER_INFRA_KEYS = ("name", "kind", "price_per_gpu_hour", "device_memory_gib")
 
 
 @dataclass(frozen=True)
@@ -148,8 +148,10 @@ def _stop(proc: subprocess.Popen[Any]) -> None:
 
 def _forward_sigterm(proc: subprocess.Popen[Any], grace_s: float) -> Any:
     """SIGTERM to the controller (``llmctl down``) = preemption: pass it to torchrun and the workers,
-    which checkpoint and exit 75 (docs/resume.md); keep teeing their output. Past the grace period
-    (or on a second SIGTERM) stop them the hard way: the run then ends killed, not preempted."""
+    which checkpoint and exit 75 (docs/resume.md); keep teeing their output. SIGHUP (the SSH session
+    or terminal llmctl ran in is gone) is taken the same way: the workers, in sessions of their own,
+    never see it, and get the SIGTERM. Past the grace period (or on a second stop signal) stop them
+    the hard way: the run then ends killed, not preempted."""
     import threading
 
     state: dict[str, Any] = {}
@@ -157,7 +159,7 @@ def _forward_sigterm(proc: subprocess.Popen[Any], grace_s: float) -> Any:
     def handler(signum: int, frame: Any) -> None:
         note_stop_request(signum)
         if state:
-            raise Interrupted(signal.SIGTERM)
+            raise Interrupted(signum)
         # before anything else: a second SIGTERM can run this handler again inside this call, and
         # must then find the first one recorded (else it only repeats the forward)
         state["forwarded"] = True
@@ -257,25 +259,40 @@ class LocalBackend:
             pids.update({f"{k}_start": t for k, t in ((k, start_time(p)) for k, p in pids.items()) if t is not None})
             (rdir / PIDS_FILE).write_text(json.dumps(pids))
             grace = float(plan.cfg["checkpoint"].get("preempt_grace_s") or 0)
-            previous = signal.signal(signal.SIGTERM, _forward_sigterm(proc, grace))
+            forward = _forward_sigterm(proc, grace)
+            stops = [signal.SIGTERM]
+            if signal.getsignal(signal.SIGHUP) != signal.SIG_IGN:  # nohup: told to outlive the terminal
+                stops.append(signal.SIGHUP)
+            previous = {sig: signal.signal(sig, forward) for sig in stops}
+            echo_on = True
             try:
                 assert proc.stdout is not None
                 for line in proc.stdout:
-                    if bar is not None:
-                        bar.feed(line)
-                    else:
-                        out.write(line)
-                        out.flush()
                     log.write(line)
                     log.flush()
-                return proc.wait()
+                    if echo_on:
+                        try:
+                            if bar is not None:
+                                bar.feed(line)
+                            else:
+                                out.write(line)
+                                out.flush()
+                        except OSError:  # the terminal is gone (SIGHUP follows): keep the log, drop the echo
+                            echo_on = False
+                    test_hooks.check_line(line)
+                code = proc.wait()
+                update_json(handle.run_id, JOB_END_FILE, time=time.time(), code=code)  # the workers' exit
+                return code
             except KeyboardInterrupt:
                 _stop(proc)
                 raise
             finally:
-                signal.signal(signal.SIGTERM, previous)
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
                 if proc.poll() is None:
                     _stop(proc)
+                if proc.returncode is not None and "code" not in read_json(handle.run_id, JOB_END_FILE):
+                    update_json(handle.run_id, JOB_END_FILE, time=time.time(), code=proc.returncode)
 
     def status(self, run: Any, uri: str) -> JobStatus:
         """Whether the run's processes are alive (runs are looked up in ``./llmctl-runs``)."""
@@ -287,12 +304,24 @@ class LocalBackend:
                     " run llmctl from where you launched)"
                 ]
             )
-        return JobStatus(
-            [
-                f"process:     {'alive' if _alive(pids) else 'exited'} (controller pid"
-                f" {pids.get('controller')}, workers pgid {pids.get('workers')})"
-            ]
-        )
+        alive = _alive(pids)
+        lines = [
+            f"process:     {'alive' if alive else 'exited'} (controller pid"
+            f" {pids.get('controller')}, workers pgid {pids.get('workers')})"
+        ]
+        if alive or run.info.status != "RUNNING":
+            return JobStatus(lines)
+        # nothing of it runs, and its controller did not close it (killed, or the store was down then)
+        rec = read_json(run.info.run_id, JOB_END_FILE)
+        code = rec.get("code")
+        try:  # when the workers exited, if someone saw it; else when the job last wrote output
+            ended_at = (
+                float(rec["time"]) if "time" in rec else (run_dir(run.info.run_id) / "output.log").stat().st_mtime
+            )
+        except (OSError, TypeError, ValueError):
+            ended_at = None
+        ended = f"exited with code {code}" if isinstance(code, int) else "exited (its controller is gone)"
+        return JobStatus(lines, ended, code == 0, ended_at)
 
     def alive(self, run: Any, uri: str) -> bool:
         return _alive(_pids(run.info.run_id))

@@ -25,19 +25,32 @@ def validate(cfg: dict[str, Any]) -> None:
         raise ConfigError("Bad value for 'infra.nodes': must be >= 1")
     if cfg["infra"]["nproc_per_node"] < 0:
         raise ConfigError("Bad value for 'infra.nproc_per_node': must be >= 0 (0 = automatic)")
+    gib = cfg["infra"].get("device_memory_gib")
+    if gib is not None and not float(gib) > 0:
+        raise ConfigError(
+            f"Bad value for 'infra.device_memory_gib': {gib} (GiB per device, > 0). Fix: drop it to look the"
+            " memory up, or infra.device_memory_gib=<GiB per device>"
+        )
 
 
 def check_hardware(cfg: dict[str, Any], hardware: Any) -> None:
     """What the config asks of the devices the plan targets (``llmctl.plan.devices.Hardware``): FP8
-    matmuls need an FP8 GPU, refused here rather than after a cluster is up (the trainer checks the
-    real device again when it starts; a GPU whose name llmctl does not know is left to that check)."""
+    matmuls need an FP8 GPU and ``model.loss_kernel=liger`` a GPU, refused here rather than after a
+    cluster is up (the trainer checks the real device again when it starts; a GPU whose name llmctl
+    does not know is left to that check)."""
     from workloads.pretrain.contract.hardware import capability_for, fp8_refusal
 
-    recipe = typed(cfg).train.fp8.value
+    tc = typed(cfg)
+    recipe = tc.train.fp8.value
     gpu = hardware.gpu if hardware.gpus_per_node else None
     refusal = fp8_refusal(recipe, gpu, capability_for(gpu) if gpu else None)
     if refusal:
         raise ConfigError(refusal)
+    if tc.model.loss_kernel == "liger" and not gpu:  # the trainer would refuse it at start
+        raise ConfigError(
+            "Bad value for 'model.loss_kernel': liger runs on CUDA only, and this plan runs on CPU."
+            " Fix: model.loss_kernel=chunked (or auto), or a GPU infra"
+        )
 
 
 def pretrained(cfg: dict[str, Any]) -> dict[str, Any]:

@@ -61,6 +61,9 @@ class InfraCfg:
     # llmctl (llmctl.cost.estimate): $ per GPU-hour (per node-hour on CPU) where no catalog prices
     # the job; None: unpriced, except this machine's own CPU, which costs nothing
     price_per_gpu_hour: Optional[float] = None
+    # llmctl (llmctl.plan.memory_fit): GiB per device the memory plan holds the job against; None: the
+    # catalog's (cloud GPUs), nvidia-smi's (local GPUs), this machine's RAM shared by its processes (CPU)
+    device_memory_gib: Optional[float] = None
     # sky only, from here on. Provider defaults live here as data, set per conf/infra file.
     provider: Optional[str] = None  # sky: SkyPilot cloud: aws | lambda | runpod | slurm
     zone: Optional[str] = None  # sky: a zone of ``region``; Slurm: the partition (region = cluster)

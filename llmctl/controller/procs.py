@@ -160,3 +160,40 @@ def signal_tree(pid: int, sig: int) -> None:
             os.kill(child, sig)
         except (ProcessLookupError, PermissionError):
             pass
+
+
+def record_controller(run_id: str) -> None:
+    """This process is the run's controller now (``controller.json`` in its folder: pid, start time)."""
+    from llmctl.controller.workdir import CONTROLLER_FILE, update_json
+
+    update_json(run_id, CONTROLLER_FILE, pid=os.getpid(), start=start_time(os.getpid()))
+
+
+def live_controller(run_id: str) -> Optional[int]:
+    """The pid of the run's controller when it is alive on this machine (and not this process): it
+    closes the run itself, so nobody else may (one closer per run). None when there is none."""
+    from llmctl.controller.workdir import CONTROLLER_FILE, read_json
+
+    rec = read_json(run_id, CONTROLLER_FILE)
+    pid = rec.get("pid")
+    if not isinstance(pid, int) or pid == os.getpid():
+        return None
+    return pid if same_process(pid, rec.get("start")) else None
+
+
+def stop_controller(run_id: str, wait_s: float) -> Optional[int]:
+    """SIGTERM to the run's live controller (it stops the job its own way and closes the run), then
+    wait up to ``wait_s`` for it to exit. Returns its pid if it is still alive after that, else None."""
+    import time
+
+    pid = live_controller(run_id)
+    if pid is None:
+        return None
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return None
+    deadline = time.monotonic() + wait_s
+    while live_controller(run_id) is not None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return live_controller(run_id)

@@ -48,16 +48,18 @@ def val_passes(steps: int, val_every: int) -> int:
     return 1 + steps // val_every + (1 if steps % val_every else 0)
 
 
-def shape_key(cfg: Mapping[str, Any]) -> str:
+def shape_key(cfg: Mapping[str, Any], gpu: bool = False) -> str:
     """What makes two runs' tokens/s comparable (tag ``llmctl.shape``): the model, T, dtype (and fp8
-    recipe, as ``bf16+fp8rowwise``: no dash, so the key's fields stay put), kernels, tp, ac."""
+    recipe, as ``bf16+fp8rowwise``: no dash, so the key's fields stay put), kernels, tp, ac. The
+    dtype as it runs (``train.dtype=auto`` resolved for a GPU target or not), so an ``auto`` run
+    and an explicit one of the same dtype compare."""
     tc = typed(cfg)
     m, t, p = tc.model, tc.train, tc.parallel
     fp8 = t.fp8.value
     return (
         f"d{m.dim}-L{m.n_layers}-H{m.n_heads}-KV{m.n_kv_heads or m.n_heads}"
         f"-V{m.vocab_size}-F{hidden_dim(m)}-tie{int(m.tie_embeddings)}-T{t.seq_len}"
-        f"-{t.dtype.value}{'' if fp8 == 'none' else '+fp8' + fp8}"
+        f"-{t.dtype.on('cuda' if gpu else 'cpu')}{'' if fp8 == 'none' else '+fp8' + fp8}"
         f"-{m.kernels.value}{'-compiled' if m.compile else ''}"
         f"-tp{p.tp}-ac{p.ac.value}"
     )
@@ -126,7 +128,7 @@ def prior_throughput(cfg: Mapping[str, Any], hw: Hardware, backend: str) -> Thro
     tc = typed(cfg)
     t = tc.train
     fpt = flops_per_token(tc.model, t.seq_len)
-    dtype = t.dtype.value
+    dtype = t.dtype.on("cuda" if hw.gpu else "cpu")  # auto: what the trainer will run
     if hw.gpu:
         peak = peak_for(hw.gpu, dtype)
         peak_note = (

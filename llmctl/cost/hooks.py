@@ -70,7 +70,7 @@ def record_estimate(mc: Any, run_id: str, plan: Any, max_cost: Optional[float], 
 
     try:
         est = plan.estimate
-        tags = {TAG_ACCELERATOR: plan.hardware.accelerator, TAG_SHAPE: shape_key(plan.cfg)}
+        tags = {TAG_ACCELERATOR: plan.hardware.accelerator, TAG_SHAPE: shape_key(plan.cfg, bool(plan.hardware.gpu))}
         metrics = {}
         if est:
             tags.update(
@@ -92,13 +92,16 @@ def record_estimate(mc: Any, run_id: str, plan: Any, max_cost: Optional[float], 
         _warn("recording the cost estimate", exc)
 
 
-def close(mc: Any, run_id: str, cfg: Optional[dict[str, Any]], est: Any, status: str) -> str:
-    """Bill the attempt(s) to now, calibrate (a run of one clean attempt, when ``cfg`` is given),
-    refresh ``cost/*``. Returns one line for the terminal ("" if nothing was billed)."""
+def close(
+    mc: Any, run_id: str, cfg: Optional[dict[str, Any]], est: Any, status: str, end: Optional[float] = None
+) -> str:
+    """Bill the attempt(s) to ``end`` (when the job ended; default now), calibrate (a run of one clean
+    attempt, when ``cfg`` is given), refresh ``cost/*``. Returns one line for the terminal ("" if
+    nothing was billed)."""
     from llmctl.cost import history, ledger
 
     try:
-        end = time.time()
+        end = time.time() if end is None else end
         ledger.reconcile(mc, run_id)
         ledger.close_open(mc, run_id, end, status)
         done = ledger.attempts(mc.get_run(run_id).data.tags)

@@ -269,14 +269,17 @@ def reconcile(mc: Any, run_id: str) -> Optional[int]:
     from mlflow.entities import RunTag
 
     tags = mc.get_run(run_id).data.tags
-    done = {tags[k] for k in tags if k.startswith(PREFIX) and k.endswith(".start_seq")}
+    done = {tags[k]: k[: -len(".start_seq")] for k in tags if k.startswith(PREFIX) and k.endswith(".start_seq")}
     by_attempt: dict[int, list[tuple[int, dict[str, Any]]]] = {}
     for k, start in workload_starts(tags):
         by_attempt.setdefault(int(start.get("attempt", 1)), []).append((k, start))
     opened = None
     for launcher_n in sorted(by_attempt):
         for k, start in by_attempt[launcher_n][1:]:
-            if str(k) in done:
+            if str(k) in done:  # billed already; its from_step may have been unknown then (still loading)
+                key = f"{done[str(k)]}.from_step"
+                if tags.get(key) == "?" and start.get("from_step") is not None:
+                    mc.set_tag(run_id, key, str(start["from_step"]))
                 continue
             found = {a.n: a for a in attempts(tags)}
             prev = found.get(max(found)) if found else None
@@ -292,7 +295,7 @@ def reconcile(mc: Any, run_id: str) -> Optional[int]:
                     "devices": str(prev.devices),
                     "infra": tags.get(f"{PREFIX}{prev.n}.infra") or tags.get("llmctl.infra", "?"),
                     "world_size": str(start.get("world_size", "")),
-                    "from_step": str(start.get("from_step", 0)),
+                    "from_step": "?" if start.get("from_step", 0) is None else str(start.get("from_step", 0)),
                     "start_seq": str(k),
                 }.items()
             }
@@ -300,7 +303,7 @@ def reconcile(mc: Any, run_id: str) -> Optional[int]:
                 new[f"{PREFIX}{prev.n}.end"] = stamp(t)
             new[f"{PREFIX}{prev.n}.status"] = "preempted (recovered by its supervisor)"
             new[TAG_CURRENT] = str(n)
-            new["llmctl.status"] = f"recovered: attempt {n} from step {start.get('from_step', 0)}"
+            new["llmctl.status"] = f"recovered: attempt {n} from step {start.get('from_step', 0) or 0}"
             mc.log_batch(run_id, tags=[RunTag(key, value) for key, value in new.items()])
             tags = {**tags, **new}
             opened = n

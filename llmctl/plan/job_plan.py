@@ -15,6 +15,35 @@ from llmctl.plan.devices import Hardware
 from llmctl.tracking.mlflow_run import redact
 
 
+def kernel_lines(cfg: dict[str, Any], gpu: bool) -> list[str]:
+    """The compute dtype, loss kernel and attention the trainer will run, from the config and the
+    target alone (the plan imports no torch): what ``train.dtype=auto`` and ``model.loss_kernel``
+    resolve to. The trainer's first lines name the kernels it actually got."""
+    from workloads.pretrain.contract.config import typed
+
+    tc = typed(cfg)
+    m, dtype = tc.model, tc.train.dtype
+    compute = dtype.on("cuda" if gpu else "cpu")
+    why = " (train.dtype=auto" + (", TF32 for fp32 matmuls)" if gpu else ")") if dtype == "auto" else ""
+    if m.kernels == "reference":
+        loss, attention = "full logits + F.cross_entropy (reference kernels)", "explicit softmax (reference kernels)"
+    else:
+        if tc.parallel.tp > 1:
+            loss = "vocab-parallel F.cross_entropy (tensor parallel)"
+        elif m.loss_kernel == "liger" or (m.loss_kernel == "auto" and gpu):
+            loss = "liger (Triton fused linear-CE)"
+            if m.loss_kernel == "auto":
+                loss += " if liger-kernel imports on the nodes, else chunked"
+        else:
+            loss = "chunked (PyTorch fused linear-CE)"
+        attention = (
+            "SDPA; torch picks cuDNN or flash on CUDA at start, the trainer logs which"
+            if gpu
+            else "SDPA (CPU: its flash kernel)"
+        )
+    return [f"dtype:       {compute}{why}", f"loss kernel: {loss}", f"attention:   {attention}"]
+
+
 @dataclass
 class Plan:
     cfg: dict[str, Any]
@@ -52,6 +81,7 @@ class Plan:
             f"where:       {self.where}",
             f"processes:   {self.nodes} node(s) x {self.nproc_per_node} = {self.world_size} on {self.device}",
             f"mesh:        dp_replicate={lay['dp_replicate']} dp_shard={lay['dp_shard']} tp={lay['tp']}",
+            *kernel_lines(self.cfg, bool(self.hardware.gpus_per_node)),
             f"tokens:      {train['steps'] * train['batch_size'] * train['seq_len']:,}"
             f" ({train['steps']} steps x {train['batch_size']} x {train['seq_len']})",
             f"command:     {redact(shlex.join(self.command))}",

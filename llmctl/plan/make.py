@@ -33,7 +33,41 @@ def make_plan(composed: Composed) -> Plan:
         plan.estimate = estimate_for(plan)
     except Exception as exc:
         plan.notes.append(f"no cost estimate: {type(exc).__name__}: {exc}")
+    warning = checkpoint_warning(plan.cfg, plan.estimate)
+    if warning:
+        plan.notes.append(warning)
     return plan
+
+
+CHECKPOINT_INTERVAL_S = 1800.0  # the periodic checkpoint a spot or managed run is advised to have
+FALLBACK_EVERY = 500  # the suggestion when the plan has no step time
+
+
+def checkpoint_warning(cfg: dict[str, Any], est: Any = None) -> Optional[str]:
+    """A spot or managed run with ``checkpoint.every=0`` (the default) keeps, when preempted, only
+    what its emergency save writes within ``checkpoint.preempt_grace_s``, and restarts from step 0
+    when that save is skipped (too little grace for the state's size): say so, and what to set,
+    sized for a checkpoint about every 30 minutes by the estimate's step time when there is one."""
+    infra, ck = cfg["infra"], cfg["checkpoint"]
+    what = "spot" if infra.get("use_spot") else "managed" if infra.get("managed") else None
+    if what is None or int(ck.get("every") or 0) > 0:
+        return None
+    steps = int(cfg["train"]["steps"])
+    if est is not None and steps > 0 and est.train_s > 0:
+        step_s = est.train_s / steps
+        every = max(1, round(CHECKPOINT_INTERVAL_S / step_s))
+        if every >= steps:
+            every = max(1, steps // 2)
+            sized = f"halfway: the estimate puts the whole run at {est.train_s:.0f} s of training"
+        else:
+            sized = f"about every {CHECKPOINT_INTERVAL_S / 60:.0f} min at the estimated {step_s:.2g} s/step"
+    else:
+        every, sized = min(FALLBACK_EVERY, max(1, steps // 2)), "no step-time estimate: size it to ~30 min of steps"
+    return (
+        f"warning: a {what} run with checkpoint.every=0 (no periodic checkpoints) depends on the emergency save"
+        f" alone: a preemption whose save does not fit checkpoint.preempt_grace_s={ck.get('preempt_grace_s')}s"
+        f" restarts from the previous emergency save, or step 0. Set checkpoint.every={every} ({sized})"
+    )
 
 
 def estimate_for(
@@ -46,7 +80,9 @@ def estimate_for(
     cfg = cfg or plan.cfg
     measured = None
     if lookup:
-        measured = history.find(plan.tracking_uri, estimate.shape_key(cfg), plan.hardware.accelerator, cfg)
+        measured = history.find(
+            plan.tracking_uri, estimate.shape_key(cfg, bool(plan.hardware.gpu)), plan.hardware.accelerator, cfg
+        )
     return estimate.estimate(
         cfg,
         plan.hardware,

@@ -3,10 +3,11 @@
 The per-device estimate is the trainer's own (``workloads.pretrain.contract.memory_plan``, stdlib only, held
 against torch's memory tracker by tests/trainer/test_memory_plan.py); the device's memory comes from SkyPilot's catalog
 (``device_memory``) for cloud GPUs, ``nvidia-smi`` for local GPUs, and this machine's RAM shared by
-its processes on CPU. ``launch`` and ``resume`` refuse a job whose plan exceeds the usable memory
-(``RESERVE``: CUDA context, workspaces and allocator slack that no tensor accounts for), naming
-the cheapest change that fits. ``parallel.grad_sync=auto`` is decided here: gradients reduced once
-per step where that fits, else after every micro-batch (FSDP keeps them sharded).
+its processes on CPU, unless ``infra.device_memory_gib`` says. ``launch`` and ``resume`` refuse a job
+whose plan exceeds the usable memory (``RESERVE``: CUDA context, workspaces and allocator slack that
+no tensor accounts for), naming the cheapest change that fits, unless told ``--ignore-memory-plan``.
+``parallel.grad_sync=auto`` is decided here: gradients reduced once per step where that fits, else
+after every micro-batch (FSDP keeps them sharded).
 """
 
 from __future__ import annotations
@@ -77,6 +78,9 @@ class MemoryFit:
 def device_memory(plan: Any) -> tuple[Optional[int], str]:
     """(bytes one process may use, label): a GPU's memory, or this machine's RAM shared by its processes."""
     hw = plan.hardware
+    given = plan.cfg["infra"].get("device_memory_gib")
+    if given is not None:  # the user's figure (a MIG slice, a GPU the catalog lacks, a shared machine)
+        return int(float(given) * GIB), f"{hw.gpu or 'CPU process'} (infra.device_memory_gib)"
     if hw.gpu:
         gib = _catalog_gib(plan) or _local_gpu_gib(plan) or _gib_in_name(hw.gpu)
         return (int(gib * GIB) if gib else None), hw.gpu

@@ -29,8 +29,15 @@ from typing import Any, Callable, Optional, TextIO
 from llmctl.backends import backend_for
 from llmctl.backends.base import Backend
 from llmctl.config.compose import to_yaml
-from llmctl.controller.procs import Interrupted, clear_stop_requests, raise_interrupted, stop_requested
-from llmctl.controller.workdir import run_dir
+from llmctl.controller.procs import (
+    Interrupted,
+    clear_stop_requests,
+    live_controller,
+    raise_interrupted,
+    record_controller,
+    stop_requested,
+)
+from llmctl.controller.workdir import JOB_END_FILE, read_json, run_dir, update_json
 from llmctl.cost import hooks, ledger
 from llmctl.errors import ConfigError, LaunchError
 from llmctl.plan.job_plan import Plan
@@ -43,11 +50,15 @@ from workloads.pretrain.contract.protocol import (
     ENV_PRICE,
     ENV_SPENT,
     TAG_BUDGET_STOP,
+    TAG_COMPLETED,
     TAG_PREEMPTED,
 )
 
 TAG_BACKEND = "llmctl.backend"  # backend of the latest attempt (params keep the first attempt's infra.kind)
 TERMINAL = ("FINISHED", "FAILED", "KILLED")
+# the stop requests the controller acts on: Ctrl-C, SIGTERM (llmctl down, a scheduler) and SIGHUP
+# (the SSH session or terminal it ran in is gone); SIGTERM and SIGHUP are passed to the workers
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 Say = Callable[..., None]  # typer.echo's shape: say(text, err=False)
 
 
@@ -85,10 +96,15 @@ RULES: dict[Outcome, Rule] = {
     Outcome.KILLED: Rule(
         "KILLED",
         143,
-        "SIGTERM to llmctl that did not end in the workers' checkpoint"
+        "SIGTERM or SIGHUP to llmctl that did not end in the workers' checkpoint"
         " (before they started, a second SIGTERM, or workers that did not stop in time)",
     ),
-    Outcome.FAILED: Rule("FAILED", 1, "the workload exited non-zero without a preemption tag, or could not start"),
+    Outcome.FAILED: Rule(
+        "FAILED",
+        1,
+        "the workload exited non-zero without a preemption tag, could not start, or llmctl itself failed"
+        " (the error is re-raised after the run is closed)",
+    ),
 }
 
 
@@ -103,20 +119,31 @@ class Attempt:
 # ----------------------------------------------------------------------------- entry points
 
 
-def check_memory(plan: Plan) -> None:
-    """Refuse (ConfigError, before anything exists) a job whose memory plan exceeds its devices."""
+IGNORE_MEMORY_PLAN = "--ignore-memory-plan"
+
+
+def check_memory(plan: Plan, ignore: bool = False, say: Optional[Say] = None) -> None:
+    """Refuse (ConfigError, before anything exists) a job whose memory plan exceeds its devices,
+    unless ``ignore`` (``--ignore-memory-plan``): the plan's CUDA rules are not yet measured on a GPU
+    (docs/scale.md), so a user who knows better can go past it, and is told what was overridden."""
     fit = plan.memory
-    if fit is not None and fit.fits is False:
-        fix = f" Fix: add {' '.join(fit.fix)} to the command." if fit.fix else ""
-        raise ConfigError(
-            f"the job would run out of memory: {fit.verdict()}.{fix} (`llmctl plan` shows the memory by part)"
-        )
+    if fit is None or fit.fits is not False:
+        return
+    if ignore:
+        if say is not None:
+            say(f"llmctl: launching past the memory plan ({IGNORE_MEMORY_PLAN}): {fit.verdict()}")
+        return
+    fix = f" Fix: add {' '.join(fit.fix)} to the command." if fit.fix else ""
+    raise ConfigError(
+        f"the job would run out of memory: {fit.verdict()}.{fix} (`llmctl plan` shows the memory by part;"
+        f" {IGNORE_MEMORY_PLAN} launches anyway: the plan's CUDA rules are not yet measured on a GPU, docs/scale.md)"
+    )
 
 
-def launch(plan: Plan, *, max_cost: Optional[float], say: Say) -> int:
+def launch(plan: Plan, *, max_cost: Optional[float], say: Say, ignore_memory_plan: bool = False) -> int:
     """``llmctl launch``: preflight and budget (ConfigError, before anything exists), then a new run."""
     backend = backend_for(plan.backend)
-    check_memory(plan)
+    check_memory(plan, ignore_memory_plan, say)
     hooks.check_budget(plan.estimate, max_cost)  # before preflight: the plan alone decides it
     backend.preflight(plan)
     handle = tracking.create_run(plan.cfg, plan.choices)
@@ -161,18 +188,19 @@ def resume(
     max_cost: Optional[float],
     say: Say,
     where: str,
+    ignore_memory_plan: bool = False,
 ) -> int:
     """``llmctl resume``: attempt n+1 of ``run`` (found in the store ``uri``). ``remaining`` is the
     estimate of the steps left; ``max_cost`` (else the run's stored budget) covers the whole run,
     earlier attempts included."""
     backend = backend_for(plan.backend)
-    check_memory(plan)
+    check_memory(plan, ignore_memory_plan, say)
     backend.preflight(plan)
     rid = run.info.run_id
     mc = tracking.client(uri)
     ledger.reconcile(mc, rid)  # a managed job's recoveries are attempts before this one is numbered
     run = mc.get_run(rid)
-    previous_end = (run.info.end_time or time.time() * 1000) / 1000
+    previous_end = ended_at_of(run) or time.time()  # when its job ended, not when it was looked at
     spent = ledger.compute(run.data.tags, now=previous_end).actual_usd
     stored = run.data.tags.get(hooks.TAG_MAX_COST)
     budget = max_cost if max_cost is not None else (float(stored) if stored else None)
@@ -181,7 +209,7 @@ def resume(
     # the previous attempt ends where its controller left it; what it was stays on its tags
     status = (run.data.tags.get("llmctl.status") or run.info.status.lower())[:500]
     ledger.close_open(mc, rid, previous_end, status)
-    for tag in (TAG_PREEMPTED, TAG_BUDGET_STOP):  # facts about the previous attempt, not this one
+    for tag in (TAG_PREEMPTED, TAG_BUDGET_STOP, TAG_COMPLETED):  # facts about the previous attempt, not this one
         if tag in run.data.tags:
             mc.delete_tag(rid, tag)
     if max_cost is not None:
@@ -201,14 +229,68 @@ def resume(
     )
 
 
-def close_run(uri: str, run_id: str, outcome: Outcome, reason: str) -> None:
-    """Close a run nobody is running any more: bill its open attempts to now, set its status."""
+def close_run(uri: str, run_id: str, outcome: Outcome, reason: str, end: Optional[float] = None) -> None:
+    """Close a run nobody is running any more: bill its open attempts to ``end`` (when its job ended,
+    as the backend or the controller's record says; else now), set its status."""
     mc = tracking.client(uri)
     run = mc.get_run(run_id)
     if run.info.status in TERMINAL:
         return
-    hooks.close(mc, run_id, None, None, reason)
-    tracking.end_run(RunHandle(uri, run_id, run.info.experiment_id), RULES[outcome].mlflow_status, reason)
+    hooks.close(mc, run_id, None, None, reason, end=end)
+    tracking.end_run(RunHandle(uri, run_id, run.info.experiment_id), RULES[outcome].mlflow_status, reason, end)
+
+
+def ended_at_of(run: Any, ended_at: Optional[float] = None) -> Optional[float]:
+    """When a run's job ended: the run's own end time once closed; else what was recorded when the
+    job ended (``job_end.json``), else the backend's word (``ended_at``), else the job's last sign of
+    life (its newest metric; the system metrics keep coming while any worker runs); None: unknown."""
+    if run.info.end_time:
+        return run.info.end_time / 1000
+    rec = job_end(run.info.run_id, run).get("time")
+    if isinstance(rec, (int, float)):
+        return float(rec)
+    if ended_at is not None:
+        return ended_at
+    seen = [m.timestamp for m in getattr(run.data, "_metric_objs", None) or [] if m.timestamp]
+    return max(seen) / 1000 if seen else None
+
+
+def job_end(run_id: str, run: Any = None) -> dict[str, Any]:
+    """What this machine recorded about the run's job end (``job_end.json``: time, exit code, and the
+    controller's outcome when it got that far), {} if nothing. With ``run``: {} too when the record is
+    of an earlier attempt than the run's newest (one a launcher opened; a managed job's recoveries,
+    numbered after it by ``ledger.reconcile``, belong to the same launch)."""
+    rec = read_json(run_id, JOB_END_FILE)
+    if run is None or not rec:
+        return rec
+    n, tags = rec.get("attempt"), run.data.tags
+    if not isinstance(n, int):
+        return {}
+    later = [a.n for a in ledger.attempts(tags) if a.n > n and f"{ledger.PREFIX}{a.n}.start_seq" not in tags]
+    return {} if later else rec
+
+
+def close_ended(
+    uri: str, run: Any, outcome: Outcome, reason: str, ended_at: Optional[float] = None
+) -> Optional[Outcome]:
+    """Close a RUNNING run whose job has ended or was stopped (``llmctl status`` when its backend reports
+    the end, ``llmctl down``): with ``outcome`` and ``reason``, billed to ``ended_at`` (the backend's
+    word on when), unless its controller is alive here and closes it itself (one closer per run).
+    What the controller recorded wins: its outcome, the exit code it saw, its end time. Returns the
+    outcome it was closed with, or None when it was left to its controller."""
+    rid = run.info.run_id
+    if live_controller(rid) is not None:
+        return None
+    rec = job_end(rid, run)
+    end = ended_at_of(run, ended_at)
+    if rec.get("outcome") in {o.value for o in Outcome}:
+        outcome, reason = Outcome(rec["outcome"]), str(rec.get("reason") or rec["outcome"])
+        if not rec.get("tags_read", True) and isinstance(rec.get("code"), int):  # the store was down then
+            outcome, reason = classify(rec["code"], None, run.data.tags, rid, rec.get("stop"), rec.get("attempt"))
+    elif isinstance(rec.get("code"), int):  # the workers' exit was seen, the controller did not close
+        outcome, reason = classify(rec["code"], None, run.data.tags, rid, rec.get("stop"), rec.get("attempt"))
+    close_run(uri, rid, outcome, reason, end)
+    return outcome
 
 
 # ----------------------------------------------------------------------------- one attempt
@@ -279,13 +361,21 @@ def _run(
     banner: str,
     workload_out: Optional[TextIO] = None,
 ) -> int:
+    """Run the attempt and close it, whatever happens: a stop request, an error starting, or any other
+    exception (a cloud API's, MLflow's, a backend bug) ends in a closed attempt and a terminal run; an
+    unexpected exception is re-raised only after that (its traceback still shows; exit code 1)."""
     mc = tracking.client(handle.uri)
     clear_stop_requests()
-    previous = {sig: signal.signal(sig, raise_interrupted) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = _install(raise_interrupted)
     started = time.monotonic()
     code: Optional[int] = None
     error: Optional[BaseException] = None
+    unexpected: Optional[BaseException] = None
     cfg: Optional[dict[str, Any]] = None
+    rdir = run_dir(handle.run_id)
+    (rdir / JOB_END_FILE).unlink(missing_ok=True)  # an earlier attempt's end is not this one's
+    update_json(handle.run_id, JOB_END_FILE, attempt=attempt.n)
+    record_controller(handle.run_id)
     try:
         cfg = backend.finalize(plan, handle)
         if new_run:
@@ -299,22 +389,101 @@ def _run(
         error = exc
     except KeyboardInterrupt:
         error = Interrupted(signal.SIGINT)
-    except (LaunchError, OSError) as exc:
+    except Exception as exc:  # LaunchError: could not start; anything else: closed as FAILED, then re-raised
         error = exc
+        if not isinstance(exc, LaunchError):
+            unexpected = exc
     finally:  # closing takes a second: a stop request now must not leave the run half-closed
-        for sig in previous:
-            signal.signal(sig, _note_late_stop)
+        _install(_note_late_stop, previous)
     try:
-        outcome, reason = classify(code, error, mc.get_run(handle.run_id).data.tags, handle.run_id, stop_requested())
-        cost_line = hooks.close(mc, handle.run_id, plan.cfg, plan.estimate, reason)
-        _upload_log(mc, handle.run_id, attempt.n)
-        _log_models(mc, handle, cfg)
-        tracking.end_run(handle, RULES[outcome].mlflow_status, reason)
+        outcome, reason, cost_line = _close(plan, handle, attempt, cfg, code, error, mc)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     _report(outcome, reason, handle, time.monotonic() - started, cost_line, say)
+    if unexpected is not None:
+        raise unexpected
     return RULES[outcome].exit_code
+
+
+def _install(handler: Any, only: Optional[dict[int, Any]] = None) -> dict[int, Any]:
+    """``handler`` for each stop signal (or those in ``only``); returns the handlers it replaced. A
+    SIGHUP ignored by whoever started llmctl (``nohup``) stays ignored: they asked it to outlive the
+    terminal."""
+    replaced = {}
+    for sig in STOP_SIGNALS if only is None else only:
+        if sig == signal.SIGHUP and only is None and signal.getsignal(sig) == signal.SIG_IGN:
+            continue
+        replaced[sig] = signal.signal(sig, handler)
+    return replaced
+
+
+def _close(
+    plan: Plan,
+    handle: RunHandle,
+    attempt: Attempt,
+    cfg: Optional[dict[str, Any]],
+    code: Optional[int],
+    error: Optional[BaseException],
+    mc: Any,
+) -> tuple[Outcome, str, str]:
+    """Classify, bill, upload and set the terminal status: each step runs whatever became of the one
+    before (a tracking server that went away mid-close fails one step, not the rest). What the
+    controller made of the attempt is kept in ``job_end.json`` first, so when the terminal status
+    cannot be written, ``llmctl status`` closes the run later with this outcome, billed to this end."""
+    from llmctl.controller import test_hooks
+
+    rid = handle.run_id
+    ended = job_end(rid).get("time")
+    ended = float(ended) if isinstance(ended, (int, float)) else time.time()  # the backend's word, else now
+    test_hooks.before_close()
+    tags_read = True
+    try:
+        tags = mc.get_run(rid).data.tags
+    except Exception as exc:  # the store is unreachable: classify on what the controller saw alone
+        _warn_close("reading the run's tags", exc)
+        tags, tags_read = {}, False
+    stop = stop_requested()
+    outcome, reason = classify(code, error, tags, rid, stop, attempt.n)
+    update_json(
+        rid,
+        JOB_END_FILE,
+        time=ended,
+        code=code,
+        stop=stop,
+        attempt=attempt.n,
+        outcome=outcome.value,
+        reason=reason,
+        tags_read=tags_read,
+    )
+    cost_line = hooks.close(mc, rid, plan.cfg, plan.estimate, reason, end=ended)  # best-effort inside
+    for what, step in (
+        ("uploading output.log", lambda: _upload_log(mc, rid, attempt.n)),
+        ("logging checkpoints as models", lambda: _log_models(mc, handle, cfg)),
+    ):
+        try:
+            step()
+        except Exception as exc:
+            _warn_close(what, exc)
+    try:
+        tracking.end_run(handle, RULES[outcome].mlflow_status, reason, ended)
+    except Exception as exc:
+        print(
+            f"error: run {rid} ended {RULES[outcome].mlflow_status} ({reason[:300]}) but MLflow could not"
+            f" record it ({type(exc).__name__}: {tracking.redact(str(exc))[:300]}); `llmctl status {rid}`"
+            " closes it once the tracking store is reachable",
+            file=sys.stderr,
+            flush=True,
+        )
+    return outcome, reason, cost_line
+
+
+def _warn_close(what: str, exc: BaseException) -> None:
+    print(
+        f"warning: closing the run: {what} failed ({type(exc).__name__}: {tracking.redact(str(exc))[:300]})",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 MAX_LOG_BYTES = 5_000_000
@@ -347,32 +516,85 @@ def _log_models(mc: Any, handle: RunHandle, cfg: Optional[dict[str, Any]]) -> No
 
 
 def _note_late_stop(signum: int, frame: Any) -> None:
-    """SIGINT/SIGTERM while the attempt is being closed: the job has already ended; finish closing."""
+    """A stop request while the attempt is being closed: the job has already ended; finish closing."""
+
+
+def current_fact(tags: dict[str, str], key: str, attempt: Optional[int] = None) -> Optional[str]:
+    """The workload's fact ``key`` (preempted, budget stop, completed) if the start that is running now
+    wrote it, else None. A fact names its start (``start``: k of ``llmctl.workload_start.<k>``;
+    ``attempt``): one left by an earlier start (a managed job preempted, recovered by SkyPilot, then
+    crashed) says nothing about how the newest one ended. A fact without either (a trainer from before
+    this) is taken as it is."""
+    from llmctl.cost.ledger import workload_starts
+
+    raw = tags.get(key)
+    if not raw:
+        return None
+    try:
+        info = json.loads(raw)
+    except ValueError:
+        return raw
+    if not isinstance(info, dict):
+        return raw
+    starts = workload_starts(tags)
+    if info.get("start") is not None and starts:
+        return raw if str(info["start"]) == str(starts[-1][0]) else None
+    if info.get("attempt") is not None and attempt is not None:
+        return raw if str(info["attempt"]) == str(attempt) else None
+    return raw
 
 
 def classify(
-    code: Optional[int], error: Optional[BaseException], tags: dict[str, str], run_id: str, stop: Optional[int] = None
+    code: Optional[int],
+    error: Optional[BaseException],
+    tags: dict[str, str],
+    run_id: str,
+    stop: Optional[int] = None,
+    attempt: Optional[int] = None,
 ) -> tuple[Outcome, str]:
     """The outcome of an attempt and its ``llmctl.status``, from what the controller saw (exit code,
-    an error starting, ``stop``: a stop request it received) and what the workload recorded (its tags)."""
-    killed = (
-        Outcome.KILLED,
-        f"killed: SIGTERM to llmctl stopped the job without its checkpoint"
-        f" — resume from the last one with: llmctl resume {run_id}",
-    )
+    an error, ``stop``: a stop request it received) and what the workload recorded (its tags, those of
+    its current start only; ``attempt``: the controller's attempt number)."""
+
+    def killed(signum: Optional[int]) -> tuple[Outcome, str]:
+        name = signal.Signals(signum).name if signum else "SIGTERM"
+        return (
+            Outcome.KILLED,
+            f"killed: {name} to llmctl stopped the job without its checkpoint"
+            f" — resume from the last one with: llmctl resume {run_id}",
+        )
+
+    completed = current_fact(tags, TAG_COMPLETED, attempt)
+    if completed and (isinstance(error, Interrupted) or (error is None and code != 0)):
+        # every step ran and the final checkpoint is written: a stop (or the launcher's non-zero exit
+        # because of it: torchrun exits 1 when it is signalled) after that is not a failure
+        return Outcome.FINISHED, _completed_reason(completed, code)
     if isinstance(error, Interrupted):
-        return killed if error.signum == signal.SIGTERM else (Outcome.INTERRUPTED, "interrupted (Ctrl-C)")
-    if error is not None:
+        return killed(error.signum) if error.signum != signal.SIGINT else (Outcome.INTERRUPTED, "interrupted (Ctrl-C)")
+    if isinstance(error, LaunchError):
         return Outcome.FAILED, f"failed to start: {error}"
+    if error is not None:  # llmctl's own error (a cloud API, the tracking store, a bug): re-raised after closing
+        return Outcome.FAILED, tracking.redact(f"failed: {type(error).__name__}: {error}")[:2000]
     if code == 0:
-        stop = tags.get(TAG_BUDGET_STOP)
-        return (Outcome.BUDGET_STOP, hooks.budget_reason(stop)) if stop else (Outcome.FINISHED, "finished")
-    preempted = tags.get(TAG_PREEMPTED)
+        budget = current_fact(tags, TAG_BUDGET_STOP, attempt)
+        return (Outcome.BUDGET_STOP, hooks.budget_reason(budget)) if budget else (Outcome.FINISHED, "finished")
+    preempted = current_fact(tags, TAG_PREEMPTED, attempt)
     if preempted:
         return Outcome.PREEMPTED, _preempted_reason(preempted, run_id)
-    if stop == signal.SIGTERM:  # passed on to the workers, which ended without saving (hung past the grace)
-        return killed
+    if stop in (signal.SIGTERM, signal.SIGHUP):  # passed on to the workers, which ended without saving
+        return killed(stop)
     return Outcome.FAILED, f"workload exited with code {code}"
+
+
+def _completed_reason(raw: str, code: Optional[int]) -> str:
+    try:
+        info = json.loads(raw)
+    except ValueError:
+        info = {}
+    ck = info.get("checkpoint") if isinstance(info, dict) else None
+    saved = f"final checkpoint step-{ck}" if ck is not None else "no checkpoint.dir"
+    after = f"; stopped after its last step (exit code {code})" if code else "; stopped after its last step"
+    return f"finished: all {info.get('step', '?')} steps ({saved}){after}"
 
 
 def _preempted_reason(raw: str, run_id: str) -> str:
@@ -386,6 +608,18 @@ def _preempted_reason(raw: str, run_id: str) -> str:
 
 
 def _report(outcome: Outcome, reason: str, handle: RunHandle, elapsed: float, cost_line: str, say: Say) -> None:
+    """The closing lines; the run is closed already, so a terminal that is gone (SIGHUP) or a store
+    that cannot be read for the summary only loses them."""
+    try:
+        _say_outcome(outcome, reason, handle, elapsed, cost_line, say)
+    except Exception as exc:
+        try:
+            print(f"warning: run {handle.run_id} closed {outcome.value}; report not shown ({exc})", file=sys.stderr)
+        except OSError:
+            pass
+
+
+def _say_outcome(outcome: Outcome, reason: str, handle: RunHandle, elapsed: float, cost_line: str, say: Say) -> None:
     rid = handle.run_id
     if outcome in (Outcome.FINISHED, Outcome.BUDGET_STOP):
         say(tracking.summary(handle, elapsed))

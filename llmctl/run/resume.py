@@ -117,6 +117,7 @@ def resume(
     tracking_uri: Optional[str],
     max_cost: Optional[float],
     echo: Callable[..., None],
+    ignore_memory_plan: bool = False,
 ) -> int:
     """The whole command; returns the exit code. ConfigError (→ 3) before anything is changed."""
     from llmctl.config.compose import Composed
@@ -149,7 +150,11 @@ def resume(
     if step is not None and step >= total and run.info.status != "FINISHED":
         # the work is done (e.g. killed after its last checkpoint): close the run, nothing to rerun
         lifecycle.close_run(
-            uri, run_id, lifecycle.Outcome.FINISHED, f"finished: complete checkpoint at step {step} of {total}"
+            uri,
+            run_id,
+            lifecycle.Outcome.FINISHED,
+            f"finished: complete checkpoint at step {step} of {total}",
+            lifecycle.ended_at_of(run),  # billed to when its job ended, not to now
         )
         echo(f"llmctl: run {run_id} already has its final checkpoint (step {step} of {total}); marked FINISHED")
         return 0
@@ -169,5 +174,13 @@ def resume(
         " within the same MLflow run"
     )
     return lifecycle.resume(
-        plan, uri, run, from_step=step, remaining=remaining, max_cost=max_cost, say=echo, where=where
+        plan,
+        uri,
+        run,
+        from_step=step,
+        remaining=remaining,
+        max_cost=max_cost,
+        say=echo,
+        where=where,
+        ignore_memory_plan=ignore_memory_plan,
     )

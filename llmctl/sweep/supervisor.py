@@ -120,7 +120,8 @@ class _Followed:
         job = self.backend.status(self.run, self.uri)
         if job.ended:
             outcome = lifecycle.Outcome.FINISHED if job.ok else lifecycle.Outcome.FAILED
-            lifecycle.close_run(self.uri, self.run.info.run_id, outcome, f"job {job.ended}")
+            if lifecycle.close_ended(self.uri, self.run, outcome, f"job {job.ended}", job.ended_at) is None:
+                return None  # its controller is alive and closes it
             return -1
         return None if self.backend.alive(self.run, self.uri) else -1  # its exit code went to init
 

@@ -247,12 +247,32 @@ def describe_run(handle: RunHandle, cfg: dict[str, Any], resolved_yaml: str) -> 
     mc.log_text(handle.run_id, redact(resolved_yaml), "config.yaml")
 
 
-def end_run(handle: RunHandle, status: str, reason: str = "") -> None:
-    """Close the run as FINISHED, FAILED or KILLED (never leave it RUNNING)."""
+def end_run(handle: RunHandle, status: str, reason: str = "", end: Optional[float] = None) -> None:
+    """Close the run as FINISHED, FAILED or KILLED (never leave it RUNNING), ending at ``end`` (epoch
+    seconds: when its job ended; default now). The terminal status is set whatever became of the
+    status tag or the loss curve; the first error is raised after everything was tried."""
+    import sys
+
     mc = client(handle.uri)
-    mc.set_tag(handle.run_id, "llmctl.status", redact(reason or status.lower())[:5000])
-    log_loss_curve(handle, mc)
-    mc.set_terminated(handle.run_id, status=status)
+    tag_error: Optional[Exception] = None
+
+    def status_tag() -> None:
+        mc.set_tag(handle.run_id, "llmctl.status", redact(reason or status.lower())[:5000])
+
+    try:
+        status_tag()
+    except Exception as exc:
+        tag_error = exc
+    try:
+        log_loss_curve(handle, mc)
+    except Exception as exc:  # a picture: never a reason to leave the run open
+        print(f"warning: loss_curve.svg not logged ({type(exc).__name__}: {exc})", file=sys.stderr, flush=True)
+    mc.set_terminated(handle.run_id, status=status, end_time=int(end * 1000) if end is not None else None)
+    if tag_error is not None:  # terminal now; its reason once more, so the tag does not say "running"
+        try:
+            status_tag()
+        except Exception:
+            raise tag_error from None
 
 
 def log_loss_curve(handle: RunHandle, mc: Any = None) -> None:

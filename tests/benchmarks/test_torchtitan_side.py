@@ -158,7 +158,8 @@ def test_both_sides_count_the_same_flops(titan: str, shape: str, layers: int | N
 def test_benchmark_knobs_are_checked_up_front(monkeypatch: pytest.MonkeyPatch) -> None:
     import gpu_vs_torchtitan as bench
 
-    assert bench.settings()["precision"] == "fsdp" and bench.settings()["tt_attn"] == "flex"
+    default = "autocast" if ts.torch_predates_titan() else "fsdp"  # torch < 2.13: see the next test
+    assert bench.settings()["precision"] == default and bench.settings()["tt_attn"] == "flex"
     for key, bad in (
         ("GPU_BENCH_TT_ATTN", "flash"),
         ("GPU_BENCH_PRECISION", "fp16"),
@@ -170,3 +171,26 @@ def test_benchmark_knobs_are_checked_up_front(monkeypatch: pytest.MonkeyPatch) -
             m.setenv(key, bad)
             with pytest.raises(ValueError, match=key):
                 bench.settings()
+
+
+def test_torch_before_2_13_runs_both_sides_under_autocast(capsys: pytest.CaptureFixture[str]) -> None:
+    """torchtitan 0.3.0's FSDP side dies in backward on torch 2.11 (the GPU machine's): both sides
+    switch to autocast there, and say why."""
+    assert ts.runnable_precision("fsdp", "2.11.0+cu130") == "autocast"
+    assert "autocast instead of fsdp on both sides: torch 2.11.0+cu130 < 2.13" in capsys.readouterr().out
+    assert ts.runnable_precision("fsdp", "2.13.0+cpu") == "fsdp"
+    assert ts.runnable_precision("fp32", "2.11.0") == "fp32"
+    assert capsys.readouterr().out == ""
+
+
+def test_import_shim_stands_in_only_for_what_torch_lacks(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.distributed.fsdp as fsdp
+
+    if hasattr(fsdp, "DataParallelMeshDims"):  # torch >= 2.13: left alone
+        real = fsdp.DataParallelMeshDims
+        ts.titan_import_shim()
+        assert fsdp.DataParallelMeshDims is real
+        monkeypatch.delattr(fsdp, "DataParallelMeshDims")  # now as on torch 2.11
+    ts.titan_import_shim()
+    with pytest.raises(NotImplementedError, match="needs torch >= 2.13"):
+        fsdp.DataParallelMeshDims()

@@ -1,4 +1,4 @@
-"""Eight ``llmctl launch`` at once in a new directory: one fresh sqlite store, nothing lost.
+"""Several ``llmctl launch`` at once in a new directory: one fresh sqlite store, nothing lost.
 
 MLflow creates a new store's schema on first open; eight processes doing that at once used to die
 with ``table alembic_version already exists``. Real CLI processes, a real sqlite store."""
@@ -13,12 +13,14 @@ import pytest
 from helpers import mlflow_client, mlflow_runs
 
 pytestmark = pytest.mark.slow
-N, STEPS = 8, 3
+# Started together, the launches reach the store within moments of each other, and creating its
+# schema (dozens of migrations) takes far longer than that: two are enough to race for it, and four
+# collided on every try with the lock on the store taken out of llmctl. They then log their points
+# into the one file side by side.
+N, STEPS = 4, 3
 
 
-def test_eight_launches_at_once_on_a_fresh_store_all_finish_with_every_point(
-    cli_env: dict[str, str], tmp_path: Path
-) -> None:
+def test_launches_at_once_on_a_fresh_store_all_finish_with_every_point(cli_env: dict[str, str], tmp_path: Path) -> None:
     assert not (tmp_path / "mlflow.db").exists()
     procs = [
         subprocess.Popen(

@@ -294,7 +294,11 @@ def test_config_reference_types_and_defaults_are_the_schemas() -> None:
     [
         ("| `model.dim` | int | 128 |", "| `model.dim` | float | 128 |", "model.dim: type written 'float'"),
         ("| `model.dim` | int | 128 |", "| `model.dim` | int | 256 |", "model.dim: default written '256'"),
-        ("| `train.dtype` | `fp32`\\|`bf16` |", "| `train.dtype` | `fp32`\\|`fp16` |", "train.dtype: type written"),
+        (
+            "| `train.dtype` | `auto`\\|`fp32`\\|`bf16` |",
+            "| `train.dtype` | `fp32`\\|`bf16` |",
+            "train.dtype: type written",
+        ),
         ("| `eval.top_k` | int? | 50 |", "| `eval.top_k` | int | 50 |", "eval.top_k: type written 'int'"),
         ("| `infra.down` | bool | true |", "| `infra.down` | bool | false |", "infra.down: default written"),
         ("| `train.lr` | float | 3e-3 |", "| `train.lr` | float | 3e-4 |", "train.lr: default written '3e-4'"),

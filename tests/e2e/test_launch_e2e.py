@@ -25,12 +25,21 @@ def _sqlite(tmp: Path) -> str:
 
 
 def test_launch_finishes_with_tracked_run(cli_env: dict[str, str], tmp_path: Path) -> None:
-    # MLflow's system metrics sample every second (default 10 s: longer than this run's training)
-    out = run_cli(["launch", *TINY], tmp_path, {**cli_env, "MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL": "1"})
+    # MLflow's system metrics sample every second (default 10 s: longer than this run's training).
+    # tracking.uri and $MLFLOW_TRACKING_URI both set: the config's store wins (the first half of
+    # test_tracking_uri_precedence, checked on this run rather than on a launch of its own)
+    uri = f"sqlite:///{tmp_path / 'from-config.db'}"
+    env = {
+        **cli_env,
+        "MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL": "1",
+        "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'from-env.db'}",
+    }
+    out = run_cli(["launch", *TINY, f"tracking.uri={uri}"], tmp_path, env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "FINISHED" in out.stdout and "mlflow ui --backend-store-uri" in out.stdout
+    assert not (tmp_path / "from-env.db").exists() and not (tmp_path / "mlflow.db").exists()
 
-    runs = mlflow_runs(_sqlite(tmp_path))
+    runs = mlflow_runs(uri)
     assert len(runs) == 1
     run = runs[0]
     assert run.info.status == "FINISHED"
@@ -47,7 +56,7 @@ def test_launch_finishes_with_tracked_run(cli_env: dict[str, str], tmp_path: Pat
     # metrics: the contract names, val loss measured at step 0, midway and at the end
     from mlflow.tracking import MlflowClient
 
-    client = MlflowClient(tracking_uri=_sqlite(tmp_path))
+    client = MlflowClient(tracking_uri=uri)
     for name in ("train/loss", "val/loss", "train/lr", "perf/tokens_per_s"):
         assert client.get_metric_history(run.info.run_id, name), name
     val = sorted(client.get_metric_history(run.info.run_id, "val/loss"), key=lambda m: m.step)
@@ -63,7 +72,7 @@ def test_launch_finishes_with_tracked_run(cli_env: dict[str, str], tmp_path: Pat
     # the closing line is last: the UI command for this store and the run page to open on it
     rid, eid = run.info.run_id, run.info.experiment_id
     assert out.stdout.strip().splitlines()[-1] == (
-        f"llmctl: open it: mlflow ui --backend-store-uri {_sqlite(tmp_path)}, then "
+        f"llmctl: open it: mlflow ui --backend-store-uri {uri}, then "
         f"http://127.0.0.1:5000/#/experiments/{eid}/runs/{rid}?workflowType=machine_learning"
     )
     # the attempt's output.log, uploaded as it is on disk
@@ -91,16 +100,9 @@ def test_launch_finishes_with_tracked_run(cli_env: dict[str, str], tmp_path: Pat
 
 
 def test_tracking_uri_precedence(cli_env: dict[str, str], tmp_path: Path) -> None:
+    """$MLFLOW_TRACKING_URI beats the default ./mlflow.db; tracking.uri beats both (checked by
+    test_launch_finishes_with_tracked_run, whose launch sets the two)."""
     env_uri = f"sqlite:///{tmp_path / 'from-env.db'}"
-    cfg_uri = f"sqlite:///{tmp_path / 'from-config.db'}"
-    out = run_cli(
-        ["launch", *TINY, "train.steps=2", "train.val_every=2", f"tracking.uri={cfg_uri}"],
-        tmp_path,
-        {**cli_env, "MLFLOW_TRACKING_URI": env_uri},
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert len(mlflow_runs(cfg_uri)) == 1
-    assert not (tmp_path / "from-env.db").exists() and not (tmp_path / "mlflow.db").exists()
     out = run_cli(
         ["launch", *TINY, "train.steps=2", "train.val_every=2"], tmp_path, {**cli_env, "MLFLOW_TRACKING_URI": env_uri}
     )

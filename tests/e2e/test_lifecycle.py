@@ -144,14 +144,43 @@ def _wait_pending(pid: int, sig: int, timeout: float = 120) -> None:
         time.sleep(0.02)
 
 
+def _wait_stopped(pids: list[int], timeout: float = 120) -> None:
+    """Until every thread of ``pids`` is stopped (state T) or gone. SIGSTOP takes effect only when a
+    process next runs, and a SIGTERM that arrives before then is taken first (the kernel delivers
+    the lower signal number first): the workers would note the preemption, then freeze, and the
+    SIGTERM would never show as pending (the controller's grace timer, not the second SIGTERM,
+    would then be what stopped them)."""
+
+    def running(pid: int) -> bool:
+        try:
+            tasks = list(Path(f"/proc/{pid}/task").iterdir())
+        except FileNotFoundError:
+            return False
+        for task in tasks:
+            try:
+                state = (task / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            except (FileNotFoundError, IndexError):
+                continue
+            if state not in ("T", "t", "Z", "X"):
+                return True
+        return False
+
+    deadline = time.monotonic() + timeout
+    while any(running(p) for p in pids):
+        assert time.monotonic() < deadline, f"SIGSTOP never stopped {pids}"
+        time.sleep(0.02)
+
+
 def kill_controller(controller: int, workers: int) -> None:
     """Two SIGTERMs to a controller whose workers are frozen: the first is passed on as a preemption
     they cannot act on yet (seen pending in /proc), the second makes the controller stop them without
     waiting (SIGINT, seen pending too); then they run again and exit without a checkpoint. Each step
     waits for the effect of the last, so the order holds at any speed."""
-    from llmctl.controller.procs import signal_tree
+    from llmctl.controller.procs import descendants, signal_tree
 
+    frozen = [workers, *descendants(workers)]
     signal_tree(workers, signal.SIGSTOP)
+    _wait_stopped(frozen)
     os.kill(controller, signal.SIGTERM)
     _wait_pending(workers, signal.SIGTERM)
     os.kill(controller, signal.SIGTERM)

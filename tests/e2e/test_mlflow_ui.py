@@ -17,16 +17,22 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
-from helpers import mlflow_server, run_cli
+from helpers import mlflow_server, run_cli, skip_or_fail_in_ci
 
 from llmctl.cost.ledger import FIGURES
 
 pytestmark = pytest.mark.slow
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-needs_chromium = pytest.mark.skipif(
-    CHROMIUM is None, reason="headless Chromium not installed (Debian: apt-get install chromium; .ci/run installs it)"
-)
+
+
+@pytest.fixture
+def needs_chromium() -> None:
+    """The page checks need headless Chromium: skipped without it here, failed without it in CI."""
+    if CHROMIUM is None:
+        skip_or_fail_in_ci("headless Chromium not installed (Debian: apt-get install chromium; .ci/run installs it)")
+
+
 SHOTS = Path(__file__).resolve().parents[2] / ".ci" / "out"
 TRAIN = [
     "experiment=smoke",
@@ -103,13 +109,14 @@ def _page(url: str, shot: str, tmp: Path) -> str:
         "--virtual-time-budget=20000",
         "--window-size=1400,2200",
     ]
-    subprocess.run([*base, f"--screenshot={SHOTS / f'mlflow-ui-{shot}.png'}", url], capture_output=True, timeout=300)
-    dom = subprocess.run([*base, "--dump-dom", url], capture_output=True, text=True, timeout=300).stdout
+    # one page load for both: headless Chromium runs every command given (the DOM, then the screenshot)
+    shot_arg = f"--screenshot={SHOTS / f'mlflow-ui-{shot}.png'}"
+    dom = subprocess.run([*base, "--dump-dom", shot_arg, url], capture_output=True, text=True, timeout=300).stdout
     text = re.sub(r"<script.*?</script>|<style.*?</style>", " ", dom, flags=re.S)
     return html.unescape(re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", text)))
 
 
-@needs_chromium
+@pytest.mark.usefixtures("needs_chromium")
 def test_printed_address_opens_the_run_with_its_source_dataset_and_cost_tags(
     launched: dict[str, Any], server: str, tmp_path: Path
 ) -> None:
@@ -132,7 +139,7 @@ def test_printed_address_opens_the_run_with_its_source_dataset_and_cost_tags(
     assert not set(FIGURES) & set(mc.get_run(rid).data.metrics), sorted(mc.get_run(rid).data.metrics)
 
 
-@needs_chromium
+@pytest.mark.usefixtures("needs_chromium")
 def test_model_metrics_chart_the_losses_and_no_cost_figures(
     launched: dict[str, Any], server: str, tmp_path: Path
 ) -> None:
@@ -149,7 +156,7 @@ def test_model_metrics_chart_the_losses_and_no_cost_figures(
     assert "cost" not in names, sections  # before: eight one-value cost charts ahead of the loss curves
 
 
-@needs_chromium
+@pytest.mark.usefixtures("needs_chromium")
 def test_models_tab_lists_the_checkpoints(launched: dict[str, Any], server: str, tmp_path: Path) -> None:
     run, mc = launched["run"], launched["mc"]
     models = mc.search_logged_models(
@@ -163,7 +170,7 @@ def test_models_tab_lists_the_checkpoints(launched: dict[str, Any], server: str,
         assert m.name in text, text[:3000]
 
 
-@needs_chromium
+@pytest.mark.usefixtures("needs_chromium")
 def test_sweep_trials_are_named_by_what_varies(
     swept: list[Any], launched: dict[str, Any], server: str, tmp_path: Path
 ) -> None:

@@ -18,7 +18,7 @@ from datetime import datetime
 from pathlib import Path
 
 import pytest
-from helpers import mlflow_runs, run_cli
+from helpers import cli_env_at, mlflow_runs, run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -56,26 +56,23 @@ def _assert_same_losses(got: dict[int, float], ref: dict[int, float], tol: float
 
 @pytest.fixture(scope="module")
 def base_env(cache_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    home = tmp_path_factory.mktemp("home")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "LLMCTL_"))}
-    env.update(
-        {
-            "LLMCTL_CACHE_DIR": str(cache_dir),
-            "PYTHONUNBUFFERED": "1",
-            "HOME": str(home),
-            "SKYPILOT_DISABLE_USAGE_COLLECTION": "1",
-            "DO_NOT_TRACK": "1",
-        }
-    )
-    return env
+    return cli_env_at(tmp_path_factory.mktemp("home"), cache_dir)
 
 
 @pytest.fixture(scope="module")
-def reference(base_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
+def reference_run(base_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """The uninterrupted run: where it was launched from (its store and run directory) and its id."""
     tmp = tmp_path_factory.mktemp("reference")
     out = run_cli(["launch", *RUN], tmp, _env(base_env, tmp / "losses.jsonl"))
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
-    return _losses(tmp / "losses.jsonl")
+    (run,) = mlflow_runs(f"sqlite:///{tmp / 'mlflow.db'}")
+    return tmp, run.info.run_id
+
+
+@pytest.fixture(scope="module")
+def reference(reference_run: tuple[Path, str]) -> dict[int, float]:
+    """Its per-step train losses, what every resumed run must reproduce."""
+    return _losses(reference_run[0] / "losses.jsonl")
 
 
 def _start(args: list[str], cwd: Path, env: dict[str, str]) -> subprocess.Popen[str]:
@@ -189,7 +186,11 @@ def test_sigterm_at_a_random_step_then_resume_is_exact(seed: int, reference, bas
 def test_sigkill_during_a_checkpoint_write_resumes_from_the_previous_one(reference, base_env, tmp_path: Path) -> None:
     loss_file = tmp_path / "losses.jsonl"
     env = _env(base_env, loss_file)
-    proc = _start(RUN, tmp_path, {**env, "LLMCTL_CKPT_PAUSE_S": "60"})
+    # Every commit pauses, step-5's too, so the pause is paid once in full before step-10's. It only
+    # has to outlast what follows the "step-10 written" line here: the controller passing the line on,
+    # this loop reading it, a pgrep and a kill, a few process wake-ups. The asserts after the kill
+    # (step-10 written, not marked) say so if it ever did not.
+    proc = _start(RUN, tmp_path, {**env, "LLMCTL_CKPT_PAUSE_S": "15"})
     assert proc.stdout is not None
     deadline = time.monotonic() + 240
     for line in proc.stdout:  # step-5 is committed after its pause; kill inside step-10's
@@ -236,19 +237,17 @@ def test_resume_from_s3_on_one_process(reference, base_env, moto_s3, tmp_path: P
     _assert_one_run_two_attempts(f"sqlite:///{tmp_path / 'mlflow.db'}", run_id, ("2", "1"))
 
 
-def test_resume_refuses_bad_overrides_and_finished_runs(base_env, tmp_path: Path) -> None:
-    out = run_cli(["launch", "experiment=smoke", "train.steps=3", "train.val_every=3"], tmp_path, base_env)
-    assert out.returncode == 0, out.stderr[-2000:]
-    (run,) = mlflow_runs(f"sqlite:///{tmp_path / 'mlflow.db'}")
-    rid = run.info.run_id
-    bad = run_cli(["resume", rid, "train.lrr=1"], tmp_path, base_env)
+def test_resume_refuses_bad_overrides_and_finished_runs(reference_run: tuple[Path, str], base_env) -> None:
+    # the reference run: finished, and each refusal must leave it as it was (checked last)
+    cwd, rid = reference_run
+    bad = run_cli(["resume", rid, "train.lrr=1"], cwd, base_env)
     assert bad.returncode == 3 and "train.lrr" in bad.stderr, bad.stderr
-    typed = run_cli(["resume", rid, "train.steps=abc"], tmp_path, base_env)
+    typed = run_cli(["resume", rid, "train.steps=abc"], cwd, base_env)
     assert typed.returncode == 3 and "train.steps" in typed.stderr, typed.stderr
-    done = run_cli(["resume", rid], tmp_path, base_env)
+    done = run_cli(["resume", rid], cwd, base_env)
     assert done.returncode == 3 and "train.steps=<N>" in done.stderr, done.stderr
-    model = run_cli(["resume", rid, "model=smoke"], tmp_path, base_env)
+    model = run_cli(["resume", rid, "model=smoke"], cwd, base_env)
     assert model.returncode == 3 and "keeps its model" in model.stderr
-    assert run_cli(["resume", "nosuchrun"], tmp_path, base_env).returncode == 3
-    (run,) = mlflow_runs(f"sqlite:///{tmp_path / 'mlflow.db'}")  # untouched by the refusals
+    assert run_cli(["resume", "nosuchrun"], cwd, base_env).returncode == 3
+    (run,) = mlflow_runs(f"sqlite:///{cwd / 'mlflow.db'}")  # untouched by the refusals
     assert run.info.status == "FINISHED" and run.data.tags["llmctl.attempt"] == "1"

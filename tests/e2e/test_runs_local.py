@@ -1,4 +1,4 @@
-"""``status``, ``logs`` and ``down`` by MLflow run id for local runs."""
+"""``status``, ``logs`` and ``down`` by MLflow run id for local runs, and ``runs`` of a resumed one."""
 
 from __future__ import annotations
 
@@ -8,24 +8,49 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
-from helpers import mlflow_runs, run_cli
+from helpers import cli_env_at, mlflow_runs, run_cli
 
 pytestmark = pytest.mark.slow
 
 TINY = ["experiment=smoke", "train.steps=4", "train.val_every=4", "train.log_every=2", "checkpoint.every=0"]
+RESUMED = [
+    "experiment=smoke",
+    "train.steps=2",
+    "train.log_every=1",
+    "train.val_every=1000",
+    "checkpoint.every=2",
+    "train.val_batches=1",
+]
 
 
-def test_status_and_logs_of_a_finished_run(cli_env: dict[str, str], tmp_path: Path) -> None:
-    assert run_cli(["launch", *TINY], tmp_path, cli_env).returncode == 0
-    (run,) = mlflow_runs(f"sqlite:///{tmp_path / 'mlflow.db'}")
-    out = run_cli(["status", run.info.run_id], tmp_path, cli_env)
+@pytest.fixture(scope="module")
+def resumed(cache_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One run launched to step 2 and resumed to step 4 (a finished run with two attempts), shared by
+    the tests that only read it: {cwd, env, run_id, resume (the resume's output)}."""
+    cwd = tmp_path_factory.mktemp("runs-local")
+    env = cli_env_at(cwd / "home", cache_dir)
+    launched = run_cli(["launch", *RESUMED], cwd, env)
+    assert launched.returncode == 0, launched.stdout[-2000:] + launched.stderr[-2000:]
+    (run,) = mlflow_runs(f"sqlite:///{cwd / 'mlflow.db'}")
+    rid = run.info.run_id
+    out = run_cli(["resume", rid, "train.steps=4"], cwd, env)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    return {"cwd": cwd, "env": env, "run_id": rid, "resume": out}
+
+
+def test_status_and_logs_of_a_finished_run(resumed: dict[str, Any]) -> None:
+    cwd, env = resumed["cwd"], resumed["env"]
+    (run,) = mlflow_runs(f"sqlite:///{cwd / 'mlflow.db'}")
+    assert run.info.run_id == resumed["run_id"] and run.info.status == "FINISHED"
+    out = run_cli(["status", run.info.run_id], cwd, env)
     assert out.returncode == 0 and "FINISHED" in out.stdout and "exited" in out.stdout, out.stdout + out.stderr
-    assert run.info.run_id in run_cli(["status"], tmp_path, cli_env).stdout
-    logs = run_cli(["logs", run.info.run_id], tmp_path, cli_env)
+    assert run.info.run_id in run_cli(["status"], cwd, env).stdout
+    logs = run_cli(["logs", run.info.run_id], cwd, env)
     assert logs.returncode == 0 and "step" in logs.stdout
-    missing = run_cli(["logs", "nosuchrun"], tmp_path, cli_env)
+    missing = run_cli(["logs", "nosuchrun"], cwd, env)
     assert missing.returncode == 3 and "no run 'nosuchrun'" in missing.stderr
 
 
@@ -60,24 +85,13 @@ def test_down_stops_a_running_local_run(cli_env: dict[str, str], tmp_path: Path)
             proc.kill()
 
 
-def test_runs_shows_the_steps_of_a_resumed_run(cli_env: dict[str, str], tmp_path: Path) -> None:
+def test_runs_shows_the_steps_of_a_resumed_run(resumed: dict[str, Any]) -> None:
     """Resumed from step 2 to 4, the table says 4/4: the steps done and ``train.steps`` of the newest
     attempt, not the first attempt's (MLflow keeps the launch's params)."""
-    args = [
-        "experiment=smoke",
-        "train.steps=2",
-        "train.log_every=1",
-        "train.val_every=1000",
-        "checkpoint.every=2",
-        "train.val_batches=1",
-    ]
-    assert run_cli(["launch", *args], tmp_path, cli_env).returncode == 0
-    (run,) = mlflow_runs(f"sqlite:///{tmp_path / 'mlflow.db'}")
-    rid = run.info.run_id
-    out = run_cli(["resume", rid, "train.steps=4"], tmp_path, cli_env)
-    assert out.returncode == 0 and "from step 2" in out.stdout, out.stdout[-2000:] + out.stderr[-2000:]
-    listed = run_cli(["runs", "--json"], tmp_path, cli_env)
+    cwd, env, rid, out = resumed["cwd"], resumed["env"], resumed["run_id"], resumed["resume"]
+    assert "from step 2" in out.stdout, out.stdout[-2000:] + out.stderr[-2000:]
+    listed = run_cli(["runs", "--json"], cwd, env)
     (row,) = json.loads(listed.stdout)
     assert (row["run_id"], row["steps"], row["steps_target"], row["attempts"]) == (rid, 4, 4, 2), row
-    table = run_cli(["runs"], tmp_path, cli_env).stdout
+    table = run_cli(["runs"], cwd, env).stdout
     assert " 4/4 " in next(line for line in table.splitlines() if rid[:12] in line), table

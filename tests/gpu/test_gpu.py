@@ -4,7 +4,8 @@
   against plain fp32, same init and batches;
 - the fused kernels (SDPA, F.rms_norm, complex RoPE, fused linear-CE) against the reference path,
   with and without the document mask;
-- Liger's fused linear-CE against our chunked one (skips without ``liger-kernel``);
+- Liger's fused linear-CE against our chunked one, and that the model's CUDA loss runs it (fails,
+  not skips, without ``liger-kernel``: the agenda carries it);
 - MFU as the trainer logs it, on a short real run;
 - FP8 (tensorwise, rowwise) against bf16: the trainer on real text for 300 steps.
 
@@ -64,12 +65,23 @@ def single_rank_group(tmp_path: Path):
         dist.destroy_process_group()
 
 
+def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    return torch.nn.functional.cosine_similarity(a.float().flatten(), b.float().flatten(), dim=0).item()
+
+
 def test_bf16_fsdp_tracks_fp32(single_rank_group) -> None:
-    """30 AdamW steps of the trainer's model. Tolerance: the first loss within 0.5% (bf16 keeps 8
-    significant bits, ~0.4% per rounding, and autocast matmuls accumulate in fp32, so the loss of one
+    """20 AdamW steps of the trainer's model on one fixed batch, repeated: memorisation, so the loss
+    falls by nats (fresh random tokens each step could not fall below ln(vocab), and two flat
+    lines would agree whatever bf16 did). Tolerance: the first loss within 0.5% (bf16 keeps 8
+    significant bits, ~0.4% per rounding, and bf16 matmuls accumulate in fp32, so the loss of one
     forward moves by far less); every later loss within 2% (the two runs drift apart through the
-    optimizer, but stay on the same curve); the first step's gradient direction within 2% relative
-    error, per parameter."""
+    optimizer, but stay on the same curve); the loss falls by at least 3 nats. The first step's
+    gradients, per parameter: within 2% relative error, except the attention's q/k projections,
+    held by direction (cosine similarity >= 0.999, about 4.5% relative error at equal norms): their
+    gradients pass through the softmax, where bf16 scores round most, and on CUDA cuDNN's bf16
+    attention kernels add their own rounding. A CPU port of this test (gloo, CPU autocast) gave a
+    worst q/k cosine of 0.99990, a worst other gradient of 1.2%, per-step losses within 0.8% and a fall
+    of 5.9 nats."""
     from torch.distributed.tensor import DTensor
 
     from workloads.pretrain.components.optim import build_optimizer
@@ -88,24 +100,26 @@ def test_bf16_fsdp_tracks_fp32(single_rank_group) -> None:
     opts = build_optimizer(fp32, tc), build_optimizer(bf16, tc)
     losses: dict[str, list[float]] = {"fp32": [], "bf16": []}
     sides = (("fp32", fp32, opts[0]), ("bf16", bf16, opts[1]))
-    for step in range(30):
-        x, y = _tokens(cfg.vocab_size, 8, 256, seed=step)
+    x, y = _tokens(cfg.vocab_size, 8, 256, seed=0)
+    for step in range(20):
         for name, model, _ in sides:
-            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=name == "bf16"):
-                loss = model(x, y)
+            loss = model(x, y)  # the trainer's recipe: FSDP's bf16 parameters, no autocast on top
             loss.backward()
             losses[name].append(loss.item())
         if step == 0:  # FSDP reduced the bf16 side's gradients in fp32 into its sharded (1-rank) DTensors
             for (n, p32), (_, p16) in zip(fp32.named_parameters(), bf16.named_parameters()):
                 g16 = p16.grad.full_tensor() if isinstance(p16.grad, DTensor) else p16.grad
-                assert _rel(g16, p32.grad) < 0.02, (n, _rel(g16, p32.grad))
+                if n.endswith(("attention.wq.weight", "attention.wk.weight")):
+                    assert _cosine(g16, p32.grad) >= 0.999, (n, _cosine(g16, p32.grad), _rel(g16, p32.grad))
+                else:
+                    assert _rel(g16, p32.grad) < 0.02, (n, _rel(g16, p32.grad))
         for _, _, opt in sides:
             opt.step()
             opt.zero_grad(set_to_none=True)
     assert abs(losses["bf16"][0] - losses["fp32"][0]) < 0.005 * losses["fp32"][0], losses
     for a, b in zip(losses["bf16"], losses["fp32"]):
         assert abs(a - b) < 0.02 * b, losses
-    assert losses["fp32"][-1] < losses["fp32"][0] - 0.5  # it trained: the comparison is not of two flat lines
+    assert losses["fp32"][-1] < losses["fp32"][0] - 3.0, losses  # it learned: the curves compared are real
 
 
 @pytest.mark.parametrize("masked", [False, True], ids=["causal", "document-mask"])
@@ -145,13 +159,29 @@ def test_fused_kernels_match_reference_on_cuda(dtype: str, masked: bool) -> None
         assert _rel(p.grad, ref[n].grad) < grad_tol, (n, _rel(p.grad, ref[n].grad))
 
 
+def _autograd_nodes(loss: torch.Tensor) -> set[str]:
+    """The names of every node in ``loss``'s backward graph: which kernels made it."""
+    seen, todo, names = set(), [loss.grad_fn], set()
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.add(type(node).__name__)
+        todo.extend(fn for fn, _ in node.next_functions)
+    return names
+
+
 def test_liger_fused_linear_ce_matches_ours() -> None:
     """Liger's Triton kernel against ``chunked_linear_cross_entropy`` in fp32, with ignored
-    targets: sum and mean within 1e-4 relative, both input gradients within 1e-3."""
-    pytest.importorskip("liger_kernel", reason="liger-kernel not installed (pip install 'llmctl[gpu]')")
+    targets: sum and mean within 1e-4 relative, both input gradients within 1e-3. And Liger is what
+    the model's loss runs on CUDA, for ``model.loss_kernel=liger`` and ``auto``: its autograd node
+    is in the loss's graph. Not a skip when liger-kernel is missing: every CUDA loss would then
+    quietly be the slower chunked one, which is what this suite is here to catch."""
     from workloads.pretrain.model.losses import IGNORE_INDEX, chunked_linear_cross_entropy
-    from workloads.pretrain.model.transformer import _liger_fused_linear_ce
+    from workloads.pretrain.model.transformer import _liger_fused_linear_ce, build_model, loss_kernel
 
+    assert loss_kernel("liger", "cuda") == "liger"  # else a ConfigError saying why Liger cannot run
     torch.backends.cuda.matmul.allow_tf32 = False
     g = torch.Generator(device="cuda").manual_seed(0)
     h0 = torch.randn(2048, 512, device="cuda", generator=g)
@@ -172,6 +202,12 @@ def test_liger_fused_linear_ce_matches_ours() -> None:
             out[name] = (loss.detach(), h.grad, w.grad)
         assert _rel(out["liger"][0], out["ours"][0]) < 1e-4, (reduction, out["liger"][0], out["ours"][0])
         assert _rel(out["liger"][1], out["ours"][1]) < 1e-3 and _rel(out["liger"][2], out["ours"][2]) < 1e-3
+    x, y = _tokens(4096, 2, 128, seed=0)
+    for choice in ("liger", "auto"):
+        torch.manual_seed(0)
+        model = build_model(_model_cfg("tiny", loss_kernel=choice), "cuda")
+        nodes = _autograd_nodes(model(x, y))
+        assert any("Liger" in n for n in nodes), (choice, sorted(nodes))
 
 
 # ----------------------------------------------------------------------------- the trainer itself
@@ -219,19 +255,41 @@ SMALL = {
 }
 
 
-def test_mfu_is_logged_within_0_and_1(tmp_path: Path, cache_dir: Path) -> None:
-    from workloads.pretrain.contract.hardware import peak_for
+def test_mfu_is_the_models_flops_over_the_devices_peak(tmp_path: Path, cache_dir: Path) -> None:
+    """Each logged MFU equals FLOPs/token (the contract's count, held equal to torchtitan's on CPU)
+    times the logged tokens/s per device over the device's bf16 peak; and it is a plausible share of
+    that peak (over 1%: a unit slip of 10^3 lands far outside, under 100%: no double counting)."""
+    from omegaconf import OmegaConf
 
-    if peak_for(torch.cuda.get_device_name(0), "bf16") is None:
+    from workloads.pretrain.contract.hardware import peak_for
+    from workloads.pretrain.contract.schema import ModelCfg
+    from workloads.pretrain.contract.shape import flops_per_token
+
+    peak = peak_for(torch.cuda.get_device_name(0), "bf16")
+    if peak is None:
         pytest.skip(
             f"no peak TFLOP/s known for {torch.cuda.get_device_name(0)} (workloads/pretrain/contract/hardware.py)"
         )
-    run = _trainer(tmp_path, "mfu", cache_dir, "125m", **{**SMALL, "train.steps": 30, "train.val_every": 0})
-    mfus = [r["perf/mfu"] for r in run["records"] if "perf/mfu" in r]
-    assert len(mfus) == 3 and all(0 < m < 1 for m in mfus), mfus
+    run = _trainer(
+        tmp_path, "mfu", cache_dir, "125m", **{**SMALL, "train.steps": 30, "train.val_every": 0, "train.dtype": "bf16"}
+    )
+    model = OmegaConf.to_object(
+        OmegaConf.merge(
+            OmegaConf.structured(ModelCfg),
+            OmegaConf.load(REPO / "conf/model/125m.yaml"),
+            {"vocab_size": SMALL["model.vocab_size"]},
+        )
+    )
+    fpt = flops_per_token(model, SMALL["train.seq_len"])
+    perf = [r for r in run["records"] if "perf/mfu" in r]
+    assert len(perf) == 3, run["records"]
+    for r in perf:
+        assert r["perf/tokens_per_s"] == pytest.approx(r["perf/tokens_per_s_per_device"])  # one device
+        expected = fpt * r["perf/tokens_per_s_per_device"] / 1e12 / peak
+        assert r["perf/mfu"] == pytest.approx(expected, rel=1e-6), (r, fpt, peak)
+        assert 0.01 < r["perf/mfu"] < 1, r
     shown = [float(m) for m in re.findall(r"MFU ([\d.]+)%", run["stdout"])]
-    assert len(shown) == 3 and all(0 < s < 100 for s in shown), run["stdout"][-2000:]
-    assert all(r["perf/tflops"] > 0 for r in run["records"] if "perf/tflops" in r)
+    assert shown == pytest.approx([100 * r["perf/mfu"] for r in perf], abs=0.051), run["stdout"][-2000:]
 
 
 def test_fp8_loss_tracks_bf16_over_300_steps(tmp_path: Path, cache_dir: Path) -> None:

@@ -30,7 +30,9 @@ BAD = [
     ("~model", ["model", "cannot be removed"]),
     ("hydra.run.dir=/tmp", ["hydra"]),
     ("train.fp8=fp4", ["train.fp8", "none|tensorwise|rowwise"]),
-    ("train.fp8=rowwise", ["train.fp8", "Fix: add train.dtype=bf16"]),
+    # train.dtype=auto would be bf16 on a GPU, but this machine has none
+    ("train.fp8=rowwise", ["train.fp8", "targets CPU", "Fix: train.fp8=none"]),
+    ("model.loss_kernel=liger", ["model.loss_kernel", "CUDA only", "Fix: model.loss_kernel=chunked"]),
     # infra=local refuses what only the SkyPilot backend reads rather than ignore it
     ("infra.bucket=s3://ckpts/x", ["infra.bucket", "infra.kind=local does not read it", "Fix: infra.bucket=null"]),
     ("infra.nodes=2", ["infra.nodes", "one node", "Fix: infra.nodes=1"]),

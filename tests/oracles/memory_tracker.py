@@ -5,8 +5,9 @@
 *fake* process group of ``world_size`` ranks (collectives are no-ops; this process plays rank 0),
 materialises the parameters as ``FakeTensor``s (no memory, no FLOPs) and runs two optimizer steps
 the way ``train.train`` runs them (``train.step_loss``, micro-batches with gradient sync on the last
-one only, ``loss_parallel`` under TP, autocast for bf16, grad clipping, the trainer's own
-``optim.build_optimizer``, ``zero_grad``) under ``torch.distributed._tools``' tracker:
+one only, ``loss_parallel`` under TP, the trainer's autocast (none: FSDP's bf16 parameters, on a
+1-rank mesh for one process), grad clipping, the trainer's own ``optim.build_optimizer``,
+``zero_grad``) under ``torch.distributed._tools``' tracker:
 ``FSDPMemTracker`` when the model is FSDP-sharded, else ``MemTracker``. The second step counts
 (AdamW's states exist by then): its peak, in bytes per category.
 
@@ -29,7 +30,7 @@ from __future__ import annotations
 
 import math
 from contextlib import contextmanager, nullcontext
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -110,7 +111,14 @@ def _train_step(model, optimizer, micro_batches, dims, autocast, grad_clip: floa
     optimizer.zero_grad(set_to_none=True)
 
 
-def tracked_peak(cfg: Any, world_size: int, device: str = "cpu", steps: int = 2, fake: bool = True) -> dict[str, Any]:
+def tracked_peak(
+    cfg: Any,
+    world_size: int,
+    device: str = "cpu",
+    steps: int = 2,
+    fake: bool = True,
+    before_step: Callable[[int], None] | None = None,
+) -> dict[str, Any]:
     """Peak bytes on one device (rank 0) during the last of ``steps`` training steps of ``cfg`` at
     ``world_size`` processes, by torch's tracker.
 
@@ -118,6 +126,8 @@ def tracked_peak(cfg: Any, world_size: int, device: str = "cpu", steps: int = 2,
     and the tracker's own categories under ``raw``. ``device``: the device type the fake tensors
     claim; "cpu" works anywhere ("cuda" needs a GPU present). ``fake=False`` runs the same steps
     on real tensors (small configurations only: it allocates and computes for real).
+    ``before_step(i)`` runs before step ``i`` (0-based): ``benchmarks/memory_plan_cuda.py`` resets
+    the CUDA allocator's peak there, so its peak covers the same step as the tracker's.
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
@@ -127,21 +137,14 @@ def tracked_peak(cfg: Any, world_size: int, device: str = "cpu", steps: int = 2,
     from workloads.pretrain.components.optim import build_optimizer
     from workloads.pretrain.data.sampler import Batch
     from workloads.pretrain.model.transformer import Transformer
-    from workloads.pretrain.parallel.parallelize import ParallelDims, parallelize
+    from workloads.pretrain.parallel.parallelize import ParallelDims, autocast_context, parallelize
 
     cfg = trainer_cfg(cfg)
     tc = cfg.train
     dims = ParallelDims.from_config(cfg, world_size)
     local_batch, seq, vocab = int(tc.batch_size) // dims.dp, int(tc.seq_len), int(cfg.model.vocab_size)
-    if tc.dtype == "bf16":
-
-        def autocast():
-            return torch.autocast(device, dtype=torch.bfloat16)
-
-    else:
-        autocast = nullcontext
     with fake_process_group(world_size):
-        mesh = dims.build_mesh(device) if world_size > 1 else None
+        mesh = dims.build_mesh(device)  # 1-rank for one process, as the trainer builds it
         with torch.device("meta"):
             model = Transformer(cfg.model)
         model = parallelize(model, dims, mesh, cfg)  # on meta, outside fake mode: see the recipe above
@@ -157,6 +160,7 @@ def tracked_peak(cfg: Any, world_size: int, device: str = "cpu", steps: int = 2,
             packed = {}
             if cfg.data.format == "sft" or cfg.data.document_mask:  # block mask
                 packed = {"positions": torch.zeros_like(inputs), "doc_ids": torch.zeros_like(inputs)}
+            autocast = autocast_context(model, cfg, device)  # the trainer's: none under FSDP
             micro_batches = Batch(inputs, targets, int(tc.batch_size) * seq, **packed).split(tc.micro_batch_size)
             if isinstance(model, FSDPModule):
                 tracker = FSDPMemTracker(model, optimizer)
@@ -164,7 +168,9 @@ def tracked_peak(cfg: Any, world_size: int, device: str = "cpu", steps: int = 2,
             else:
                 tracker = MemTracker()
                 tracker.track_external(model, optimizer, inputs, targets)
-            for _ in range(steps):
+            for i in range(steps):
+                if before_step is not None:
+                    before_step(i)
                 with tracker:  # entering resets the peak to the current use: the peak of this step
                     _train_step(
                         model,

@@ -41,6 +41,7 @@ def test_the_8b_job_is_refused_with_a_fix_and_the_fixed_job_fits(sky_env: dict[s
     refused = run_cli(["launch", *EIGHT_B], tmp_path, sky_env)
     assert refused.returncode == 3, refused.stdout + refused.stderr
     assert "would run out of memory" in refused.stderr and f"Fix: add {' '.join(fix)}" in refused.stderr
+    assert "--ignore-memory-plan launches anyway" in refused.stderr  # the way past a plan not yet measured on GPUs
     assert "Traceback" not in refused.stderr
     _nothing_created(tmp_path, sky_env)
 

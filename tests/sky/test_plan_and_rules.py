@@ -71,6 +71,30 @@ def test_plan_prints_task_yaml_and_offers(sky_env: dict[str, str], tmp_path: Pat
     assert not (tmp_path / "mlflow.db").exists()
 
 
+def _checkpoint_warnings(out_stdout: str) -> list[str]:
+    return [x for x in out_stdout.splitlines() if x.startswith("note:") and "checkpoint.every=0" in x]
+
+
+@pytest.mark.parametrize("mode", ["infra.use_spot=true", "infra.managed=true"])
+def test_plan_warns_a_spot_or_managed_run_without_periodic_checkpoints(
+    sky_env: dict[str, str], tmp_path: Path, mode: str
+) -> None:
+    """Such a run lives on its emergency save alone: ``plan`` says so and what to set, sized from the
+    estimate's step time; with that setting, or on demand, it says nothing."""
+    base = ["plan", "infra=aws", "infra.region=null", "model=8b", "train.steps=200000", f"tracking.uri={REMOTE_URI}"]
+    out = run_cli([*base, mode], tmp_path, sky_env)
+    assert out.returncode == 0, out.stderr
+    [warning] = _checkpoint_warnings(out.stdout)
+    assert ("spot run" if "spot" in mode else "managed run") in warning, warning
+    assert "emergency save alone" in warning and "checkpoint.preempt_grace_s=20.0s" in warning, warning
+    every = int(warning.split("Set checkpoint.every=")[1].split()[0])
+    assert 1 <= every < 200000 and "about every 30 min at the estimated" in warning, warning
+    following = run_cli([*base, mode, f"checkpoint.every={every}"], tmp_path, sky_env)
+    assert following.returncode == 0 and not _checkpoint_warnings(following.stdout), following.stdout[-2000:]
+    on_demand = run_cli(base, tmp_path, sky_env)
+    assert on_demand.returncode == 0 and not _checkpoint_warnings(on_demand.stdout), on_demand.stdout[-2000:]
+
+
 def _refused(overrides: list[str], *needles: str) -> None:
     with pytest.raises(ConfigError) as err:
         sky_rules.check(compose(overrides).cfg)

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
-from helpers import mlflow_server
+from helpers import mlflow_server, skip_or_fail_in_ci
 from sky_helpers import run_cli
 from slurm_harness import CLUSTER, PARTITION, USER, Cluster, missing_prerequisites, slurm_cluster
 
@@ -42,9 +42,7 @@ def prerequisites(request: pytest.FixtureRequest) -> None:
             f"localhost Slurm harness needs: {', '.join(missing)} "
             "(apt-get install slurm-wlm munge openssh-server rsync; run as root)"
         )
-        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-            pytest.fail(message)
-        pytest.skip(message)
+        skip_or_fail_in_ci(message)
 
 
 @pytest.fixture(scope="module")
@@ -198,9 +196,37 @@ def test_managed_job_recovers_from_scancel_as_one_run(
     shared = cluster.root / "shared"  # the cluster's shared filesystem: where checkpoints outlive a node
     shared.mkdir()
     shutil.chown(shared, USER, USER)
-    steps = 300  # ~20 s of training on this CPU: the scancel (right after the first checkpoint, step 40) lands mid-run
+    # The scancel follows the first complete checkpoint (step 20) after one squeue; the workload trains
+    # on meanwhile, and the rest of the run (100 steps, several times what it trains while this test
+    # polls, queries and cancels: the same machine runs both) is what keeps the scancel mid-run.
+    # Periodic checkpoints every 20 steps also give the rerun one to start from if the emergency
+    # save is lost.
+    steps = 120
     with _managed_jobs(cluster, cli_env, tracking_server) as (env, sky_bin):
         _launch_and_recover(cluster, shared, steps, env, sky_bin, tmp_path)
+
+
+def _managed_launch(steps: int, ckpt: Path, run_name: str) -> list[str]:
+    """``llmctl launch`` of the smoke job as a SkyPilot managed job on the harness's partition."""
+    return [
+        sys.executable,
+        "-m",
+        "llmctl",
+        "launch",
+        "infra=slurm",
+        "infra.managed=true",
+        "experiment=smoke",
+        f"infra.region={CLUSTER}",
+        f"infra.zone={PARTITION}",
+        f"infra.node_python={sys.executable}",
+        "infra.cpus=1",
+        "infra.memory=2",
+        f"train.steps={steps}",
+        "checkpoint.every=20",
+        "train.val_every=60",
+        f"checkpoint.dir={ckpt}",
+        f"tracking.run_name={run_name}",
+    ]
 
 
 def _launch_and_recover(
@@ -208,25 +234,7 @@ def _launch_and_recover(
 ) -> None:
     log = open(tmp_path / "launch.log", "w+")  # noqa: SIM115 - the launch's output, read after it ends
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "llmctl",
-            "launch",
-            "infra=slurm",
-            "infra.managed=true",
-            "experiment=smoke",
-            f"infra.region={CLUSTER}",
-            f"infra.zone={PARTITION}",
-            f"infra.node_python={sys.executable}",
-            "infra.cpus=1",
-            "infra.memory=2",
-            f"train.steps={steps}",
-            "checkpoint.every=40",
-            "train.val_every=100",
-            f"checkpoint.dir={shared / 'ckpt'}",
-            "tracking.run_name=managed-recovery",
-        ],
+        _managed_launch(steps, shared / "ckpt", "managed-recovery"),
         cwd=tmp_path,
         env=env,
         stdout=log,
@@ -369,3 +377,62 @@ def test_sweep_trials_run_as_managed_jobs_on_slurm(
         ).stdout
         assert queue.count("SUCCEEDED") >= 2, queue
         _assert_no_slurm_job_left(cluster)
+
+
+def test_a_recovered_then_crashed_managed_job_ends_failed(
+    tracking_server: str, cluster: Cluster, tmp_path: Path, cli_env: dict[str, str]
+) -> None:
+    """Issue #32: a managed job preempted (scancel: the workload saves and tags ``llmctl.preempted``),
+    recovered by SkyPilot, then crashed (every checkpoint unreadable, so the rerun fails loading it)
+    ends FAILED, exit 1: the first start's preemption is not how the second one ended."""
+    from llmctl.cost import ledger
+
+    shared = cluster.root / "shared-crash"
+    shared.mkdir()
+    shutil.chown(shared, USER, USER)
+    ckpt = shared / "ckpt"
+    with _managed_jobs(cluster, cli_env, tracking_server) as (env, sky_bin):
+        log = open(tmp_path / "launch.log", "w+")  # noqa: SIM115 - the launch's output, read after it ends
+        proc = subprocess.Popen(
+            _managed_launch(120, ckpt, "managed-crash"),
+            cwd=tmp_path,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        try:
+            _wait_for("a complete checkpoint on the shared filesystem", lambda: bool(_complete_steps(ckpt)), 420, proc)
+            slurm_job = cluster.squeue().split()[0]
+            subprocess.run(["scancel", slurm_job], env=cluster.env, check=True, timeout=30)
+
+            def first_gone() -> bool:
+                return slurm_job not in [line.split()[0] for line in cluster.squeue().splitlines() if line.strip()]
+
+            _wait_for("the first allocation to end (its emergency save done)", first_gone, 300, proc)
+            for shard in ckpt.glob("step-*/*.distcp"):  # the rerun will crash loading any of them
+                shard.unlink()
+            assert proc.wait(timeout=840) == 1, _tail(log)
+
+            from mlflow.tracking import MlflowClient
+
+            mc = MlflowClient(tracking_uri=env["MLFLOW_TRACKING_URI"])
+            (run,) = mc.search_runs(
+                [mc.get_experiment_by_name("llmctl").experiment_id],
+                filter_string="tags.mlflow.runName = 'managed-crash'",
+            )
+            tags = run.data.tags
+            assert run.info.status == "FAILED", tags.get("llmctl.status")
+            assert tags["llmctl.status"] == "workload exited with code 1", tags["llmctl.status"]
+            assert len(ledger.workload_starts(tags)) == 2, "the first start and SkyPilot's rerun"
+            if "llmctl.preempted" in tags:  # the first start's (scancel's SIGTERM usually wins: see above)
+                assert json.loads(tags["llmctl.preempted"])["start"] == 1, tags["llmctl.preempted"]
+            rows = ledger.attempts(tags)
+            assert [a.n for a in rows] == [1, 2] and all(a.end is not None for a in rows), "both billed, closed"
+            _assert_no_slurm_job_left(cluster)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+                proc.wait(timeout=60)
+            log.close()

@@ -5,8 +5,10 @@ price would turn the in-run budget guard off without a word). This machine's own
 from __future__ import annotations
 
 import json
+from datetime import datetime
 from pathlib import Path
 
+import pytest
 from sky_helpers import REMOTE_URI, run_cli
 
 from llmctl.config.compose import compose
@@ -91,7 +93,12 @@ def test_an_unpriced_run_reads_unpriced(sky_home: Path, cli_env: dict[str, str],
     assert run.data.tags["llmctl.price.usd_per_hour"] == run.data.tags["llmctl.attempt.1.usd_per_hour"] == "unpriced"
     tags = run.data.tags
     assert "cost/estimate_usd" not in tags and "cost/actual_usd" not in tags
-    assert float(tags["cost/device_hours"]) >= 0 and "time/estimate_h" in tags
+    # unpriced is not unmeasured: the attempt's device-hours are its 8 GPUs times its billed span
+    start, end = (datetime.fromisoformat(tags[f"llmctl.attempt.1.{k}"]) for k in ("start", "end"))
+    assert tags["llmctl.attempt.1.devices"] == "8"
+    span_h = (end - start).total_seconds() / 3600
+    assert float(tags["cost/device_hours"]) == pytest.approx(8 * span_h, rel=1e-6, abs=1e-9)
+    assert end > start and "time/estimate_h" in tags
 
     status = run_cli(["status", handle.run_id, "--tracking-uri", uri], tmp_path, cli_env)
     assert status.returncode == 0, status.stderr

@@ -129,3 +129,44 @@ def s3_bucket(moto_s3, monkeypatch, request):
     name = "ckpt-" + re.sub(r"[^a-z0-9-]", "-", request.node.name.lower())[:40].strip("-")
     s3fs.S3FileSystem(skip_instance_cache=True).mkdir(name)
     return f"s3://{name}", dict(moto_s3)
+
+
+@pytest.fixture(scope="session")
+def fake_gcs():
+    """A local GCS JSON-API endpoint (gcp-storage-emulator, in memory; ``gcs_emulator.py``) for gcsfs.
+
+    Returns the environment that points gcsfs at it. gcsfs's experimental HNS probe speaks gRPC to
+    the Storage Control API, which the emulator lacks (a 60 s timeout per bucket): it is switched off."""
+    import socket
+    import subprocess
+    import time
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, str(Path(__file__).with_name("gcs_emulator.py")), str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(200):
+        try:
+            urllib.request.urlopen(f"{url}/storage/v1/b?project=test", timeout=1)
+            break
+        except OSError:
+            time.sleep(0.1)
+    else:
+        proc.kill()
+        raise RuntimeError("gcp-storage-emulator did not start")
+    # the env var works for processes started from here; this process may have imported gcsfs
+    # already, so its "gs" protocol is pointed at the plain filesystem too
+    import fsspec
+    import gcsfs.core
+
+    for protocol in ("gs", "gcs"):
+        fsspec.register_implementation(protocol, gcsfs.core.GCSFileSystem, clobber=True)
+    yield {"STORAGE_EMULATOR_HOST": url, "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
+    proc.terminate()
+    proc.wait(10)

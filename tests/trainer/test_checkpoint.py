@@ -81,6 +81,36 @@ def test_missing_marker_is_ignored_and_keep_prunes(workload, tmp_path):
     _assert_same(model2, snaps[3])  # same data, same optimizer state -> the same step 3
 
 
+def test_gs_round_trip(workload, tmp_path, fake_gcs, monkeypatch):
+    """``checkpoint.dir=gs://...`` through gcsfs against a real local GCS endpoint: a save commits
+    its marker last, a load restores the same weights, and a step without its marker is not complete.
+    """
+    import uuid
+
+    import fsspec
+
+    for k, v in fake_gcs.items():
+        monkeypatch.setenv(k, v)
+    bucket = f"ckpt-{uuid.uuid4().hex[:12]}"
+    fs = fsspec.filesystem("gs", skip_instance_cache=True)
+    fs.mkdir(bucket)
+    root = f"gs://{bucket}/runs/a"
+    cfg = workload.cfg(**{"checkpoint.dir": root})
+    model, opt, sampler = _trainer(cfg)
+    _step(model, opt, sampler)
+    Checkpointer(cfg, ONE_PROCESS, model, opt, sampler).maybe_save(1, last=True)
+    assert list_checkpoints(root) == {1: True}
+    assert {p.rsplit("/", 1)[-1] for p in fs.ls(f"{bucket}/runs/a/step-1")} >= {MARKER, ".metadata"}
+
+    model2, opt2, sampler2 = _trainer(cfg)
+    assert Checkpointer(cfg, ONE_PROCESS, model2, opt2, sampler2).load() == 1
+    _assert_same(model2, _snapshot(model))
+    assert sampler2.consumed == cfg.train.batch_size
+
+    fs.rm(f"{bucket}/runs/a/step-1/{MARKER}")  # as if killed while saving
+    assert latest_complete(root) is None
+
+
 def test_async_save_is_isolated_from_later_updates(workload, tmp_path):
     cfg = workload.cfg(**{"checkpoint.dir": str(tmp_path / "ck"), "checkpoint.async_save": True})
     model, opt, sampler = _trainer(cfg)

@@ -135,6 +135,71 @@ def test_an_epoch_visits_every_window_once_then_reshuffles():
     assert torch.cat(take(s, 33))[:, 0].tolist() != starts
 
 
+def test_a_1t_token_sampler_holds_no_epoch_order_in_memory():
+    """1T tokens at seq 8192 (about 1.2e8 windows) on 8 ranks: building each rank's sampler and
+    drawing its first 10k windows allocates kilobytes, not the 1 GB a materialised order takes."""
+    import tracemalloc
+
+    tokens = np.broadcast_to(np.uint16(0), (10**12,))  # 1T tokens in O(1) memory: only the order counts
+    Sampler(TOKENS, 16, 8, seed=0).next_indices()  # lazy imports out of the measurement
+    for rank in range(8):
+        tracemalloc.start()
+        try:
+            s = Sampler(tokens, 8192, 1024, seed=0, dp_rank=rank, dp_size=8)
+            mine = np.concatenate([s.next_indices()[0] for _ in range(79)])  # 79 x 128 >= 10k
+            peak = tracemalloc.get_traced_memory()[1]  # the 80 kB of drawn indices included
+        finally:
+            tracemalloc.stop()
+        assert peak < 1_000_000, f"rank {rank}: peak {peak} bytes"
+        assert len(mine) >= 10_000 and s.n_windows == (10**12 - 1) // 8192
+        assert mine.min() >= 0 and mine.max() < s.n_windows
+        assert len(np.unique(mine)) == len(mine)  # within an epoch no window comes twice
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 999, 4096, 5003])
+def test_epoch_order_is_a_permutation(n):
+    from workloads.pretrain.data.sampler import EpochOrder
+
+    assert sorted(EpochOrder(n, seed=0, epoch=0).take(np.arange(n)).tolist()) == list(range(n))
+
+
+def test_epoch_order_is_well_mixed_and_differs_per_epoch_and_seed():
+    from workloads.pretrain.data.sampler import EpochOrder
+
+    n = 5003
+    orders = {(s, e): EpochOrder(n, s, e).take(np.arange(n)) for s in (0, 1) for e in (0, 1)}
+    assert len({tuple(o.tolist()) for o in orders.values()}) == 4
+    for o in orders.values():
+        assert abs(np.corrcoef(np.arange(n), o)[0, 1]) < 0.05  # no trace of the input order
+        assert len(set((np.diff(o) % n).tolist())) > n // 2  # not an affine map (one stride)
+        assert (o == np.arange(n)).sum() < 10  # about one fixed point, as for a random permutation
+
+
+def test_every_window_once_per_epoch_across_ranks_and_exact_after_restore():
+    """3 ranks, 2001 windows, global batch 24: each epoch is a true permutation of the windows when
+    the ranks' slices are put together, epochs differ, and a sampler restored mid-epoch (from the
+    saved state, into a new process-free object) draws exactly what the uninterrupted one does."""
+    tokens = np.arange(2001 * 8 + 1, dtype=np.int32)
+    world, gbs, n = 3, 24, 2001
+    steps = 2 * n // gbs + 3  # a bit over two epochs
+    ranks = [Sampler(tokens, 8, gbs, seed=7, dp_rank=r, dp_size=world) for r in range(world)]
+    drawn = np.concatenate([np.concatenate([s.next_indices()[0] for s in ranks]) for _ in range(steps)])
+    first, second = drawn[:n], drawn[n : 2 * n]
+    assert sorted(first.tolist()) == list(range(n)) and sorted(second.tolist()) == list(range(n))
+    assert not np.array_equal(first, second)
+    again = Sampler(tokens, 8, gbs, seed=8).window_indices(0, n)
+    assert not np.array_equal(again, first)  # another seed, another order
+
+    interrupted = [Sampler(tokens, 8, gbs, seed=7, dp_rank=r, dp_size=world) for r in range(world)]
+    head = [np.concatenate([s.next_indices()[0] for s in interrupted]) for _ in range(40)]  # mid-epoch 0
+    states = [s.state_dict() for s in interrupted]
+    resumed = [Sampler(tokens, 8, gbs, seed=7, dp_rank=r, dp_size=world) for r in range(world)]
+    for s, state in zip(resumed, states):
+        s.load_state_dict(state)
+    tail = [np.concatenate([s.next_indices()[0] for s in resumed]) for _ in range(steps - 40)]
+    assert np.array_equal(np.concatenate(head + tail), drawn)
+
+
 def test_global_batch_must_split_evenly():
     with pytest.raises(ValueError, match="divisible"):
         Sampler(TOKENS, 16, 6, seed=0, dp_size=4)

@@ -78,5 +78,17 @@ def test_bf16_autocast_close_to_fp32():
 def test_default_chunk_bounds_logits_memory():
     assert default_chunk_size(128_256) * 128_256 <= 1 << 25
     assert default_chunk_size(4096) == 8192
+    assert default_chunk_size(4096, "cpu", tokens=65_536) == 256  # CPU ignores the micro-batch size
+
+
+@pytest.mark.parametrize("vocab", [4096, 32_000, 128_256])
+@pytest.mark.parametrize("tokens", [100, 2048, 8192, 8192 * 4, 131_072])
+def test_gpu_chunks_are_few_and_multiples_of_128(vocab: int, tokens: int):
+    """On CUDA every chunk re-reads and re-writes the whole fp32 [vocab, dim] weight gradient, so a
+    micro-batch takes at most 8 of them, each a whole number of 128-token GEMM tiles."""
+    chunk = default_chunk_size(vocab, "cuda", tokens)
+    assert chunk % 128 == 0 and -(-tokens // chunk) <= 8, chunk
+    assert chunk >= default_chunk_size(vocab, "cuda")  # never smaller than the memory-bound size
+    assert default_chunk_size(128_256, "cuda", 8192) == 1024  # 1B at seq 8192: 8 chunks, not 32
     assert default_chunk_size(4096, "cpu") == 256  # 4 MiB of fp32 logits: stays in cache
     assert default_chunk_size(32_000, "cpu") == 256  # not 32: each chunk re-streams the [vocab, dim] grad

@@ -205,3 +205,45 @@ def test_per_block_compile_keeps_names_and_numerics():
     torch.testing.assert_close(loss_c, loss_e, atol=1e-5, rtol=1e-5)
     for name in grads_e:
         torch.testing.assert_close(grads_c[name], grads_e[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["causal", "document-mask"])
+def test_fused_attention_reads_grouped_kv_heads_without_copies(masked):
+    """GQA on the fused path: SDPA gets the kv heads as they are (``enable_gqa``), not copies per
+    query head (``repeat_kv``), on CPU with and without a mask; on CUDA ``native_gqa`` keeps the
+    copies where the memory-efficient kernel may run (fp32, a mask)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from workloads.pretrain.model.transformer import native_gqa
+
+    class KvHeads(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen: list = []  # (query heads, kv heads) SDPA received
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if "scaled_dot_product" in str(func):
+                self.seen.append((args[0].shape[1], args[1].shape[1]))
+            return func(*args, **(kwargs or {}))
+
+    model = build_model(shape(n_heads=4, n_kv_heads=2))
+    x, _ = batch()
+    doc_ids = (torch.arange(x.shape[1]) // 16).expand_as(x) if masked else None
+    with torch.no_grad(), KvHeads() as mode:
+        model(x, doc_ids=doc_ids)
+    assert mode.seen and set(mode.seen) == {(4, 2)}, mode.seen
+    for dtype in (torch.float32, torch.bfloat16):  # CPU's flash kernel takes grouped heads, masked or not
+        q = torch.zeros(1, dtype=dtype)
+        assert native_gqa(q, None) and native_gqa(q, torch.zeros(1))
+
+
+def test_native_gqa_on_cuda_only_where_flash_or_cudnn_can_run():
+    from workloads.pretrain.model.transformer import native_gqa
+
+    class Cuda:  # native_gqa reads only .device.type and .dtype
+        def __init__(self, dtype):
+            self.device, self.dtype = torch.device("cuda"), dtype
+
+    assert native_gqa(Cuda(torch.bfloat16), None)
+    assert not native_gqa(Cuda(torch.float32), None)  # memory-efficient kernel: no grouped heads
+    assert not native_gqa(Cuda(torch.bfloat16), torch.zeros(1))  # a mask: efficient without cuDNN

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from workloads.pretrain.components.metrics import MetricSink, format_train_line, peak_memory_gb, peak_tflops
+from workloads.pretrain.components.metrics import MetricSink, format_train_line, peak_memory_gib, peak_tflops
 from workloads.pretrain.components.optim import build_optimizer, lr_factor
 from workloads.pretrain.contract.hardware import cpu_threads
 from workloads.pretrain.contract.schema import Schedule, TrainCfg
@@ -36,7 +36,7 @@ def test_weight_decay_only_on_matrices():
 
 def test_no_mfu_on_cpu_and_peak_table_order():
     assert peak_tflops(torch.device("cpu"), "bf16") is None
-    assert peak_memory_gb(torch.device("cpu")) > 0.01
+    assert peak_memory_gib(torch.device("cpu")) > 0.01
     line = format_train_line(
         10,
         100,

@@ -83,6 +83,48 @@ def test_workload_rejects_bad_layouts_before_process_groups(reference, workload,
     assert "init_process_group" not in proc.stderr and "pretrain | model" not in proc.stdout
 
 
+def test_tp_with_compile_trains_or_is_refused(reference, workload, tmp_path):
+    """``conf/parallel/tp2.yaml`` (tp 2, no dp) with ``model.compile=true`` on 2 gloo ranks. Where
+    torch compiles TP blocks correctly (2.11) it tracks the single-process losses; where it does
+    not (``parallelize.TP_COMPILE_BROKEN_FROM``: a crash in backward alone, wrong gradients with
+    FSDP) every rank refuses before its process group with one line naming both keys and the fix."""
+    import torch
+
+    from workloads.pretrain.parallel.parallelize import TP_COMPILE_BROKEN_FROM
+
+    cfg, ref = reference
+    overrides = ["parallel.dp_replicate=1", "parallel.dp_shard=1", "parallel.tp=2", "model.compile=true"]
+    proc = workload.run(
+        ["--config", str(cfg), *overrides], loss_env(tmp_path / "losses.jsonl"), launcher=workload.torchrun(2)
+    )
+    if tuple(int(p) for p in torch.__version__.split(".")[:2]) >= TP_COMPILE_BROKEN_FROM:
+        assert proc.returncode == 1, proc.stderr[-3000:]  # torchrun turns the workers' config-error status into 1
+        assert proc.stderr.count("pretrain: config error: Bad value for 'model.compile'") == 2, proc.stderr[-3000:]
+        assert "parallel.tp=2" in proc.stderr and "Fix: model.compile=false" in proc.stderr
+        assert "workloads/pretrain" not in proc.stderr and "pretrain | model" not in proc.stdout  # no traceback
+        return
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "mesh dp_replicate 1 x dp_shard 1 x tp 2" in proc.stdout and "compiled" in proc.stdout
+    got = workload.loss_file(tmp_path / "losses.jsonl")
+    for kind in ("train", "val"):
+        assert sorted(got[kind]) == sorted(ref[kind]), kind
+        for step, loss in ref[kind].items():  # compiled kernels round differently: not bit-equal
+            assert abs(got[kind][step] - loss) <= 1e-3, (kind, step, loss, got[kind][step])
+
+
+def test_tp_compile_refusal_names_the_keys_and_the_fix(workload):
+    """The refusal itself, on any installed torch: the version it is given decides."""
+    from workloads.pretrain.contract.validate import ConfigError
+    from workloads.pretrain.parallel.parallelize import check_tp_compile
+
+    cfg = workload.cfg(**{"parallel.tp": 2, "parallel.dp_shard": 1, "model.compile": True})
+    with pytest.raises(ConfigError, match=r"'model.compile'.*parallel.tp=2.*Fix: model.compile=false"):
+        check_tp_compile(cfg, "2.13.0+cpu")
+    check_tp_compile(cfg, "2.11.0+cu130")  # trains correctly there
+    check_tp_compile(workload.cfg(**{"parallel.tp": 2, "parallel.dp_shard": 1}), "2.14.1")  # eager TP: fine
+    check_tp_compile(workload.cfg(**{"model.compile": True}), "2.14.1")  # compile without TP: fine
+
+
 def test_cli_rejects_tp_that_does_not_divide_heads(cli_env, tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "llmctl", "launch", "model=tiny", "parallel.tp=3"],

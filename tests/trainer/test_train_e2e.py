@@ -36,7 +36,7 @@ def test_tiny_run_learns_and_logs_the_metric_contract(write_tiny_config, workloa
         "perf/tokens_per_s",
         "perf/tokens_per_s_per_device",
         "perf/tflops",
-        "perf/peak_mem_gb",
+        "perf/peak_mem_gib",
     ):
         assert key in metrics, key
     assert "perf/mfu" not in metrics  # unknown peak on CPU: not guessed
@@ -167,3 +167,5 @@ def test_trains_under_plain_torchrun_where_llmctl_cannot_be_imported(workload_en
     assert {"train/loss", "val/loss", "perf/tokens_per_s"} <= set(got.data.metrics)
     start = json.loads(got.data.tags["llmctl.workload_start.1"])
     assert start["from_step"] == 0 and start["world_size"] == 2
+    done = json.loads(got.data.tags["llmctl.completed"])  # every step ran, final checkpoint committed
+    assert (done["step"], done["checkpoint"], done["start"]) == (4, 4, 1), done

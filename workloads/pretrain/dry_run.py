@@ -35,7 +35,7 @@ def sharded_params(cfg: Mapping[str, Any], world_size: int) -> dict[str, Any]:
     cfg = typed(cfg)
     dims = ParallelDims.from_config(cfg, world_size)
     with fake_process_group(world_size):
-        mesh = dims.build_mesh("cpu") if world_size > 1 else None
+        mesh = dims.build_mesh("cpu")  # 1-rank for one process, as the trainer builds it
         with torch.device("meta"):
             model = Transformer(cfg.model)
         model = parallelize(model, dims, mesh, cfg)

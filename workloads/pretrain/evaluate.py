@@ -306,7 +306,8 @@ def run(
         say(f"eval | exported step {step} to {export_dir} (transformers Llama, safetensors + tokenizer)")
         return result
 
-    autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if cfg.train.dtype == "bf16" else nullcontext
+    bf16 = cfg.train.dtype.on(device.type) == "bf16"
+    autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if bf16 else nullcontext
     batches = eval_batches(cfg, corpus, rank, world, device)
     byte_len = torch.from_numpy(token_byte_lengths(corpus.tokenizer))
     result["metrics"] = score_native(model, batches, byte_len, autocast)

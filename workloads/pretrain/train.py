@@ -28,7 +28,6 @@ import signal
 import sys
 import time
 import traceback
-from contextlib import nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -40,7 +39,7 @@ from workloads.pretrain.checkpoint.dcp import Checkpointer
 from workloads.pretrain.components import preempt, system_metrics, test_hooks
 from workloads.pretrain.components.budget import BudgetGuard
 from workloads.pretrain.components.dataset_input import log_training_corpus
-from workloads.pretrain.components.metrics import MetricSink, format_train_line, peak_memory_gb, peak_tflops
+from workloads.pretrain.components.metrics import MetricSink, format_train_line, peak_memory_gib, peak_tflops
 from workloads.pretrain.components.optim import build_optimizer, lr_factor
 from workloads.pretrain.components.test_hooks import LossFile
 from workloads.pretrain.contract import shape
@@ -50,10 +49,12 @@ from workloads.pretrain.contract.protocol import EXIT_CONFIG, EXIT_PREEMPTED
 from workloads.pretrain.contract.schema import TrainerCfg
 from workloads.pretrain.contract.validate import ConfigError
 from workloads.pretrain.data import Sampler, prepare_corpus, val_batches
+from workloads.pretrain.model import transformer
 from workloads.pretrain.model.transformer import Transformer
 from workloads.pretrain.parallel import fp8
 from workloads.pretrain.parallel.parallelize import (
     ParallelDims,
+    autocast_context,
     gradient_sync_due,
     local_loss,
     loss_context,
@@ -99,7 +100,8 @@ class DistEnv:
 
 
 def init_distributed(cfg: TrainerCfg) -> DistEnv:
-    """Validate the layout, pick the device, size the CPU thread pool, join torchrun's group.
+    """Validate the layout, pick the device, size the CPU thread pool, join torchrun's group (or
+    make a 1-rank one for a single process: the mesh, and so FSDP's bf16 recipe, exists at every size).
 
     Multi-node needs nothing else: torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR ...)
     is all ``init_process_group`` reads. gloo on CPU, nccl on GPU.
@@ -118,12 +120,39 @@ def init_distributed(cfg: TrainerCfg) -> DistEnv:
         device = torch.device("cpu")
         backend = "gloo"
         torch.set_num_threads(cpu_threads(local_world))  # processes sharing a CPU would otherwise thrash
-    mesh = None
-    if world > 1:
-        if not dist.is_initialized():
-            dist.init_process_group(backend, timeout=timedelta(minutes=10))
-        mesh = dims.build_mesh(device.type)
+    if not dist.is_initialized():
+        if world > 1:
+            dist.init_process_group(backend, timeout=START_TIMEOUT)
+        else:  # one process, with or without torchrun: a 1-rank group for the 1-rank FSDP mesh
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=START_TIMEOUT)
+    # Always a mesh, 1-rank for one process: ``parallelize`` then applies FSDP2 at every world
+    # size, so one process and many train with the same bf16 recipe (``apply_fsdp``).
+    mesh = dims.build_mesh(device.type)
     return DistEnv(rank, world, local_rank, local_world, device, dims, mesh)
+
+
+# The collective timeout while starting: a checkpoint load from object storage (every rank waits
+# at DCP's barriers for the slowest reader) and the first step's torch.compile can each outlast
+# torch's 10-minute NCCL default, which would then kill a healthy job. After the first step the
+# default applies again, so a real hang is reported within it (``steady_timeouts``).
+START_TIMEOUT = timedelta(minutes=45)
+STEP_TIMEOUT = timedelta(minutes=10)
+
+
+def steady_timeouts(env: DistEnv) -> None:
+    """Every rank, after the first step: the default group's and the mesh's groups' timeout back
+    to ``STEP_TIMEOUT``. Best-effort (``_set_pg_timeout`` is torch's private API, which torchtitan
+    uses the same way): if it is missing, the longer start timeout simply stays."""
+    if env.world_size == 1 or not dist.is_initialized():
+        return
+    try:
+        from torch.distributed.distributed_c10d import _set_pg_timeout
+
+        groups = [None] + ([env.mesh.get_group(i) for i in range(env.mesh.ndim)] if env.mesh is not None else [])
+        for group in groups:
+            _set_pg_timeout(STEP_TIMEOUT, group)
+    except Exception as e:
+        print(f"warning: collective timeout stays {START_TIMEOUT} ({type(e).__name__}: {e})", file=sys.stderr)
 
 
 # ----------------------------------------------------------------------------- loop
@@ -225,11 +254,19 @@ def load_pretrained(cfg: TrainerCfg, env: DistEnv) -> torch.nn.Module:
 def train(cfg: TrainerCfg) -> dict:
     """Train per ``cfg``. Returns the val losses and final speed."""
     env = init_distributed(cfg)
+    preempt.begin(env.is_main, env.world_size)  # before anything that can fail: this start is the newest
     tc, mc = cfg.train, cfg.model
     say = (lambda *a: print(*a, flush=True)) if env.is_main else (lambda *a: None)
-    dtype = tc.dtype.value
+    dtype = tc.dtype.on(env.device.type)  # auto: bf16 on CUDA, fp32 on CPU
+    if env.device.type == "cuda" and tc.dtype == "auto":
+        # the matmuls autocast leaves in fp32 run on TF32 tensor cores; an explicit
+        # train.dtype=fp32 stays exact fp32 (the precise reference on a GPU, MFU against its peak)
+        torch.backends.cuda.matmul.fp32_precision = "tf32"
     fp8_recipe = fp8.recipe(cfg)
     fp8.check_device(fp8_recipe, env.device)  # an FP8 GPU and torchao, before data or model work
+    loss_kernel = (
+        transformer.loss_kernel(mc.loss_kernel, env.device.type) if mc.kernels == "fused" else "reference"
+    )  # model.loss_kernel=liger that cannot run: a config error here, before data or model work
 
     corpus = prepare_corpus(cfg.data)
     if corpus.vocab_size > mc.vocab_size:
@@ -237,6 +274,12 @@ def train(cfg: TrainerCfg) -> dict:
     train_seqs, val_seqs = corpus.sequences(float(cfg.data.val_fraction), tc.seq_len, bool(cfg.data.document_mask))
     sampler = Sampler(train_seqs, tc.seq_len, tc.batch_size, tc.seed, env.dp_rank, env.dp_size)
     val_set = val_batches(val_seqs, tc.seq_len, tc.batch_size, tc.val_batches, env.dp_rank, env.dp_size, env.device)
+
+    # which SDPA kernel torch picks for this model's q/k/v, asked before the model takes the memory
+    micro_seqs = tc.micro_batch_size or tc.batch_size // env.dp_size
+    masked = hasattr(train_seqs, "bins") or train_seqs.eos_id is not None  # packed, or data.document_mask
+    attn_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+    attention = transformer.attention_backend(mc, micro_seqs, tc.seq_len, attn_dtype, env.device, masked, env.dims.tp)
 
     flops_per_token = shape.flops_per_token(mc, tc.seq_len)
     n_params = shape.num_params(mc)
@@ -250,13 +293,16 @@ def train(cfg: TrainerCfg) -> dict:
     start_step = checkpointer.load()
     step_context = loss_context(env.dims)
 
-    if dtype == "bf16":
-        autocast = lambda: torch.autocast(env.device.type, dtype=torch.bfloat16)  # noqa: E731
-    else:
-        autocast = nullcontext
+    autocast = autocast_context(model, cfg, env.device.type)  # none: FSDP's bf16 parameters are the recipe
     peak = peak_tflops(env.device, dtype)
     no_mfu = "cpu" if env.device.type == "cpu" else f"no peak for {torch.cuda.get_device_name(env.device)}"
     sink = MetricSink(enabled=env.is_main)
+    loss_name = transformer.LOSS_KERNEL_NAMES.get(loss_kernel, "full logits + F.cross_entropy (reference kernels)")
+    if env.dims.tp > 1 and mc.kernels == "fused":
+        loss_name = "vocab-parallel F.cross_entropy (tensor parallel)"
+    # what model.loss_kernel / train.dtype=auto resolved to and which SDPA kernel torch picked:
+    # the run's params, so runs compare like with like
+    sink.log_params({"trainer.loss_kernel": loss_name, "trainer.attention": attention, "trainer.dtype": dtype})
     sink.skip_upto = preempt.on_start(env.is_main, start_step, env.world_size)  # no step logged twice
     if env.is_main:
         log_training_corpus(str(cfg.data.name), corpus.path)  # the run's Datasets: source, digest, tokens
@@ -271,6 +317,7 @@ def train(cfg: TrainerCfg) -> dict:
         f"{f', fp8 {fp8_recipe}' if fp8_recipe != 'none' else ''}"
         f"{', compiled' if mc.compile else ''}"
     )
+    say(f"pretrain | loss {loss_name} | attention {attention}")
     say(
         f"pretrain | data {cfg.data.name}: {_describe(train_seqs, val_seqs)}, "
         f"vocab {corpus.vocab_size} ({'cached' if corpus.cache_hit else 'built'} {corpus.path}) | "
@@ -329,7 +376,11 @@ def train(cfg: TrainerCfg) -> dict:
         optimizer.zero_grad(set_to_none=True)
         loss_count += 1
         steps_in_interval += 1
-        stop = guard.should_stop(env.device)  # every rank gets the same answer
+        if step == start_step + 1:
+            steady_timeouts(env)  # loading and the first (compiling) step are behind us
+        # the ranks compare flags (budget, preemption) only on agreed steps: no sync every step
+        agree = preempt.agreement_due(step, int(cfg.checkpoint.every), env.world_size)
+        stop = guard.should_stop(env.device, agree)  # every rank gets the same answer
         last = step == tc.steps or stop
 
         if step % log_every == 0 or last:
@@ -347,7 +398,7 @@ def train(cfg: TrainerCfg) -> dict:
                 "perf/tokens_per_s_per_device": tok_s_dev,
                 "perf/tflops": tflops,
                 "perf/mfu": tflops / peak if peak else None,
-                "perf/peak_mem_gb": peak_memory_gb(env.device),
+                "perf/peak_mem_gib": peak_memory_gib(env.device),
             }
             sink.log(m, step)
             sink.flush()
@@ -364,12 +415,18 @@ def train(cfg: TrainerCfg) -> dict:
 
         checkpointer.maybe_save(step, last=last)
         if not last:  # SIGTERM/SIGUSR1 on any rank: every rank stops after this same step
-            save = preempt.PREEMPTION.check(env.device, float(cfg.checkpoint.preempt_grace_s), checkpointer.save_s)
+            grace = float(cfg.checkpoint.preempt_grace_s)
+            save = preempt.PREEMPTION.check(env.device, grace, checkpointer.emergency_save_s(), agree)
             if save is not None:
                 raise preempt.stop(checkpointer, step, save)
         if stop:
             guard.record_stop(step, env.is_main, checkpoint=bool(cfg.checkpoint.dir))
             break
+    else:  # no budget stop: every step ran; once the final checkpoint is committed, say so (a stop
+        # after this is no failure: torchrun exits 1 when signalled although every worker ends 0)
+        checkpointer.close()
+        sink.flush()
+        preempt.record_completed(tc.steps, checkpointer.last_committed, env.is_main)
 
     checkpointer.close()
     sink.flush()
@@ -402,6 +459,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(argv)
         monitor = system_metrics.start()  # one per node, labelled by node
         train(cfg)
+        test_hooks.pause_before_exit()
         return 0
     except ConfigError as e:
         print(f"pretrain: config error: {e}", file=sys.stderr, flush=True)

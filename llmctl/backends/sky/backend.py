@@ -7,6 +7,10 @@ is built by ``sky_task`` (pure) and checked by ``sky_rules`` (SkyPilot's declare
 offline catalog). ``sky`` is imported inside functions only. Tags on the MLflow run
 (``llmctl.sky.*``) say where the run lives, so ``status``/``logs``/``down`` need nothing but the
 run id.
+
+Cancels and teardowns are graceful (SkyPilot 0.14's ``graceful=True``): SkyPilot stops the task, then
+waits for ``MOUNT_CACHED`` uploads to finish, so the newest checkpoint written to a cached bucket mount
+reaches the bucket before the cluster goes (budget stops, ``llmctl down``, Ctrl-C, the end of a job).
 """
 
 from __future__ import annotations
@@ -18,13 +22,14 @@ import sys
 from dataclasses import dataclass, replace
 from typing import Any, Optional
 
-from llmctl.backends.base import JobStatus
+from llmctl.backends.base import ENDED, JobStatus
 from llmctl.backends.sky import rules as sky_rules
 from llmctl.backends.sky import task as sky_task
 from llmctl.backends.sky.facts import remembered
 from llmctl.backends.sky.settings import SkySettings
 from llmctl.config.compose import Composed, to_yaml
 from llmctl.config.launcher_checks import resolve_layout
+from llmctl.controller.procs import stop_controller
 from llmctl.controller.workdir import run_dir
 from llmctl.errors import ConfigError, LaunchError
 from llmctl.plan.devices import Hardware
@@ -34,6 +39,11 @@ from llmctl.tracking.mlflow_run import RunHandle, client, redact, resolve_uri
 TAG_CLUSTER = "llmctl.sky.cluster"
 TAG_JOB = "llmctl.sky.job_id"
 TAG_MANAGED = "llmctl.sky.managed_job_id"
+STOP_WAIT_S = 120.0  # how long ``down`` waits for a live controller to cancel, tear down and close
+# A run's managed job is top-level: SkyPilot 0.14 attaches a job launched from inside a job group
+# (a sweep supervisor running as a managed job, say) to that group by default, which would cancel
+# it with the group and show it under another job. ``None`` is SkyPilot's "never attach".
+MANAGED_JOB_GROUP = None
 TERMINAL_OK = {"SUCCEEDED"}
 TERMINAL_BAD = {
     "FAILED",
@@ -153,7 +163,7 @@ def _launch_cluster(task: Any, infra: SkySettings, handle: RunHandle, mc: Any, o
         status = _field({"s": statuses.get(job_id) or statuses.get(str(job_id))}, "s")
         out.write(f"llmctl: job {job_id} on {cluster}: {status}\n")
         return 0 if status in TERMINAL_OK else 1
-    except KeyboardInterrupt:
+    except BaseException:  # a stop request, or SkyPilot failing mid-run: the job must not run on unwatched
         if job_id is not None:
             _quietly(lambda: sky.get(sky.cancel(cluster, job_ids=[job_id])))
         raise
@@ -167,7 +177,9 @@ def _launch_managed(task: Any, handle: RunHandle, mc: Any, out: Any) -> int:
 
     name = cluster_name(handle.run_id)
     try:
-        job_ids, _ = sky.stream_and_get(sky.jobs.launch(task, name=name), output_stream=out)
+        job_ids, _ = sky.stream_and_get(
+            sky.jobs.launch(task, name=name, job_group=MANAGED_JOB_GROUP), output_stream=out
+        )
     except Exception as exc:
         raise LaunchError(
             f"SkyPilot could not submit managed job {name}: {' '.join(str(exc).split())[:2000]}"
@@ -176,23 +188,46 @@ def _launch_managed(task: Any, handle: RunHandle, mc: Any, out: Any) -> int:
     mc.set_tag(handle.run_id, TAG_MANAGED, str(job_id))
     try:
         sky.jobs.tail_logs(job_id=job_id, follow=True, output_stream=out)
-    except KeyboardInterrupt:
-        _quietly(lambda: sky.get(sky.jobs.cancel(job_ids=[job_id])))
+        status = _managed_status(job_id)
+    except BaseException:  # a stop request, or the API server failing mid-tail: cancel, so the run's
+        # FAILED/KILLED is true (a job left running would bill on while its run says it ended)
+        _quietly(lambda: sky.get(sky.jobs.cancel(job_ids=[job_id], graceful=True)))
         raise
-    status = _managed_status(job_id)
     out.write(f"llmctl: managed job {job_id}: {status}\n")
     return 0 if status in TERMINAL_OK else 1
 
 
-def _managed_status(job_id: int) -> Optional[str]:
+def _managed_record(job_id: int) -> Any:
     import sky
 
     result = sky.get(sky.jobs.queue_v2(refresh=False, job_ids=[int(job_id)]))
     records = result[0] if isinstance(result, tuple) else result
     for rec in records or []:
         if str(_field(rec, "job_id")) == str(job_id):
-            return _field(rec, "status")
+            return rec
     return None
+
+
+def _managed_status(job_id: int) -> Optional[str]:
+    rec = _managed_record(job_id)
+    return _field(rec, "status") if rec is not None else None
+
+
+def _end_at(rec: Any) -> Optional[float]:
+    """When SkyPilot says a job ended (epoch seconds), or None."""
+    value = _field(rec, "end_at") if rec is not None else None
+    try:
+        return float(value) if value else None
+    except (TypeError, ValueError):
+        return None
+
+
+def _last_output(run_id: str) -> Optional[float]:
+    """When the controller last wrote the job's output (its copy in the run's folder), or None."""
+    try:
+        return (run_dir(run_id) / "output.log").stat().st_mtime
+    except OSError:
+        return None
 
 
 def _quietly(fn: Any) -> None:
@@ -205,7 +240,7 @@ def _quietly(fn: Any) -> None:
 def _down_quietly(cluster: str) -> None:
     import sky
 
-    _quietly(lambda: sky.get(sky.down(cluster)))
+    _quietly(lambda: sky.get(sky.down(cluster, graceful=True)))
 
 
 def _cluster_status(cluster: str) -> Optional[str]:
@@ -220,6 +255,19 @@ def _job_status(cluster: str, job_id: str) -> Optional[str]:
 
     statuses = sky.get(sky.job_status(cluster, [int(job_id)]))
     return _field({"s": statuses.get(int(job_id), statuses.get(job_id))}, "s")
+
+
+def _job_end_at(cluster: str, job_id: str) -> Optional[float]:
+    """The job's end time from the cluster's job queue (best-effort: None when it cannot be read)."""
+    import sky
+
+    try:
+        for rec in sky.get(sky.queue(cluster)) or []:
+            if str(_field(rec, "job_id")) == str(job_id):
+                return _end_at(rec)
+    except Exception:
+        return None
+    return None
 
 
 class SkyBackend:
@@ -334,9 +382,10 @@ class SkyBackend:
     def status(self, run: Any, uri: str) -> JobStatus:
         """Cluster and job state from SkyPilot; ``ended`` once the job reached a final state."""
         tags = run.data.tags
-        lines, job_state = [], None
+        lines, job_state, ended_at = [], None, None
         if tags.get(TAG_MANAGED):
-            job_state = _managed_status(int(tags[TAG_MANAGED]))
+            rec = _managed_record(int(tags[TAG_MANAGED]))
+            job_state, ended_at = (_field(rec, "status"), _end_at(rec)) if rec is not None else (None, None)
             lines.append(f"managed job: {tags[TAG_MANAGED]} {job_state or 'unknown'}")
         elif tags.get(TAG_CLUSTER):
             cluster = tags[TAG_CLUSTER]
@@ -345,10 +394,16 @@ class SkyBackend:
             if state and tags.get(TAG_JOB):
                 job_state = _job_status(cluster, tags[TAG_JOB])
                 lines.append(f"job:         {tags[TAG_JOB]} {job_state or 'unknown'}")
+                if job_state in TERMINAL_OK | TERMINAL_BAD:
+                    ended_at = _job_end_at(cluster, tags[TAG_JOB])
+            elif state is None and run.info.status == "RUNNING":
+                # the cluster is gone (reclaimed, torn down) and its job with it: the job has ended,
+                # when its output last came (else the lifecycle's last sign of life, its metrics)
+                return JobStatus(lines, "ended: its cluster is gone", False, _last_output(run.info.run_id))
         else:
             lines.append("cluster:     none recorded (the launch stopped before SkyPilot was called)")
         ended = job_state if job_state in TERMINAL_OK | TERMINAL_BAD else None
-        return JobStatus(lines, ended, job_state in TERMINAL_OK)
+        return JobStatus(lines, ended, job_state in TERMINAL_OK, ended_at)
 
     def alive(self, run: Any, uri: str) -> bool:
         """A RUNNING run may have a job on its nodes (asking SkyPilot would start its API server)."""
@@ -379,15 +434,21 @@ class SkyBackend:
         import sky
 
         tags = run.data.tags
+        if run.info.status not in ENDED:
+            # a live controller here stops its job (cancel, teardown) and closes the run itself; a
+            # cancel from here would race it, and it would close the run FAILED (one closer per run)
+            still = stop_controller(run.info.run_id, STOP_WAIT_S)
+            if still is not None:
+                return f"run {run.info.run_id}: its controller (pid {still}) is still stopping it"
         if tags.get(TAG_MANAGED):
-            sky.get(sky.jobs.cancel(job_ids=[int(tags[TAG_MANAGED])]))
+            sky.get(sky.jobs.cancel(job_ids=[int(tags[TAG_MANAGED])], graceful=True))
             what = f"managed job {tags[TAG_MANAGED]} cancelled"
         elif tags.get(TAG_CLUSTER):
             cluster = tags[TAG_CLUSTER]
             if _cluster_status(cluster) is None:
                 what = f"cluster {cluster} was already down"
             else:
-                sky.get(sky.down(cluster))
+                sky.get(sky.down(cluster, graceful=True))
                 what = f"cluster {cluster} is down"
         else:
             raise ConfigError(f"run {run.info.run_id} has no SkyPilot cluster or job recorded")

@@ -3,4 +3,12 @@ PY="${LLMCTL_PYTHON:-$HOME/.llmctl/venv/bin/python}"
 NPROC="${LLMCTL_NPROC_PER_NODE:-$SKYPILOT_NUM_GPUS_PER_NODE}"
 MASTER_ADDR="$(echo "$SKYPILOT_NODE_IPS" | head -n1)"
 LLMCTL_CONFIG="$HOME/.llmctl/runs/$LLMCTL_RUN_ID/config.yaml"
+if [ "$SKYPILOT_NUM_NODES" -gt 1 ]; then
+  # Several nodes: a hung collective is then told apart from a slow one only by these. On a
+  # timeout every rank dumps its last collectives (torch's flight recorder, this many entries), and
+  # NCCL says what broke. A value the user set wins.
+  export TORCH_NCCL_DUMP_ON_TIMEOUT="${TORCH_NCCL_DUMP_ON_TIMEOUT:-1}"
+  export TORCH_NCCL_TRACE_BUFFER_SIZE="${TORCH_NCCL_TRACE_BUFFER_SIZE:-2000}"
+  export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
+fi
 exec "$PY" -m torch.distributed.run --nnodes="$SKYPILOT_NUM_NODES" --nproc_per_node="$NPROC" --node_rank="$SKYPILOT_NODE_RANK" --master_addr="$MASTER_ADDR" --master_port="${LLMCTL_MASTER_PORT:-29500}" -m workloads.pretrain --config "$LLMCTL_CONFIG"

@@ -12,6 +12,11 @@ for async saves, once the background save's future has resolved). A run killed m
 directory without a marker: it is ignored on load and deleted by the next successful save.
 Likewise an async save still in flight when the run fails is never committed.
 
+How long a save takes to become durable (written, uploaded and marked: for an async save the
+background part too, measured when its future resolves) is kept for the emergency save on
+preemption (``emergency_save_s``, ``components/preempt.py``) and recorded in the marker, so the
+next attempt's first decision starts from a measured time instead of guessing.
+
 What is saved: model and optimizer state as FQN-keyed (possibly sharded) DTensors, so a
 checkpoint loads into any layout (FSDP -> TP, 2 ranks -> 1, ...); the step (the LR schedule is a
 pure function of it); the sampler's position (world-size independent); RNG states. Every rank
@@ -26,7 +31,7 @@ import json
 import time
 import warnings
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -48,6 +53,20 @@ from workloads.pretrain.contract.schema import TrainerCfg
 warnings.filterwarnings(
     "ignore", message="torch.distributed is disabled, unavailable or uninitialized", category=UserWarning
 )
+
+
+# Before any save of this run has been measured, a save is assumed to take a fixed start-up cost plus
+# the rank's share of the state written at this rate: an assumption on the slow side (one process
+# writing to an object store through fsspec), so that an emergency save is skipped rather than cut
+# off by the platform's kill. One measured save replaces it (docs/resume.md).
+ASSUMED_WRITE_BYTES_PER_S = 200e6
+ASSUMED_SAVE_OVERHEAD_S = 1.0
+
+
+def _local_bytes(t: torch.Tensor) -> int:
+    """Bytes this rank holds of ``t`` (its shard of a DTensor): what it writes into a checkpoint."""
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return local.numel() * local.element_size()
 
 
 def _rng_state() -> dict[str, bytes | None]:
@@ -76,9 +95,16 @@ class Checkpointer:
         self.root = str(ck.dir) if ck.dir else None
         self.every, self.keep, self.async_save = int(ck.every), int(ck.keep), bool(ck.async_save)
         self.env, self.model, self.optimizer, self.sampler = env, model, optimizer, sampler
-        self._pending: tuple[int, Future] | None = None
+        self._pending: tuple[int, Future, float] | None = None  # (step, upload future, start time)
+        self._uploaded_at: Optional[float] = None  # when the pending save's future resolved
         self.last_committed: int | None = None  # newest step with a marker (loaded or saved)
-        self.save_s = 0.0  # duration of the last save: the emergency save on preemption is judged by it
+        # The emergency save on preemption is judged by how long a save takes to become durable:
+        # the last one of this attempt (for an async save: staging, background write and commit),
+        # else the loaded checkpoint's (its marker: seconds, world size), else an estimate by size.
+        self.save_s: Optional[float] = None
+        self.stage_s = 0.0  # the part of the last async save that blocked training (staging)
+        self.previous_save: Optional[tuple[float, int]] = None
+        self._state_bytes: Optional[int] = None
         # Background saves run collectives from another thread: give them their own gloo group so
         # they never interleave with training's collectives (and work when training uses NCCL).
         self._pg = dist.new_group(backend="gloo") if self.async_save and dist.is_initialized() else None
@@ -106,10 +132,10 @@ class Checkpointer:
         """Restore the newest complete checkpoint; returns its step, or 0 when there is none."""
         if not self.root:
             return 0
-        found = [latest_complete(self.root) if self.env.rank == 0 else None]
+        found = [self._find_latest() if self.env.rank == 0 else None]
         if dist.is_initialized():  # one listing, so every rank loads the same step
             dist.broadcast_object_list(found, src=0)
-        step = found[0]
+        step, self.previous_save = found[0] or (None, None)
         if step is None:
             return 0
         state = self._state(0)
@@ -121,6 +147,70 @@ class Checkpointer:
         if int(state["train"]["step"]) != step:
             raise RuntimeError(f"{self._step_dir(step)} holds step {state['train']['step']}, not {step}")
         return step
+
+    def _find_latest(self) -> Optional[tuple[int, Optional[tuple[float, int]]]]:
+        """Rank 0: the newest complete step and the save time its marker records (None in markers
+        written before it was recorded, or unreadable)."""
+        step = latest_complete(self.root)
+        if step is None:
+            return None
+        try:
+            fs, path = fs_and_path(self._step_dir(step))
+            with fs.open(join(path, MARKER)) as f:
+                marker = json.load(f)
+            return step, (float(marker["save_s"]), int(marker["world_size"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            return step, None
+
+    # ------------------------------------------------------------------ emergency save
+
+    def emergency_save_s(self) -> float:
+        """Seconds from now until an emergency save of the current step would be durable: what is
+        left of a save still in flight (the new one waits for it) plus one whole save. Every rank
+        computes its own; the ranks' agreement takes the largest (``preempt.Preemption.check``)."""
+        one = self._one_save_s()
+        if self._pending is not None and not self._pending[1].done():
+            return one + max(0.0, one - (time.monotonic() - self._pending[2]))
+        return one
+
+    def _one_save_s(self) -> float:
+        if self.save_s is not None:
+            return self.save_s
+        if self.previous_save is not None:  # fewer ranks than then: each writes more
+            seconds, world = self.previous_save
+            return seconds * max(1.0, world / self.env.world_size)
+        return ASSUMED_SAVE_OVERHEAD_S + self.state_bytes() / ASSUMED_WRITE_BYTES_PER_S
+
+    def state_bytes(self) -> int:
+        """Bytes of model and optimizer state this rank writes (an upper bound: DCP writes a
+        replicated shard once). Counted once the optimizer has its state (after the first step)."""
+        if self._state_bytes is not None:
+            return self._state_bytes
+        params = sum(_local_bytes(p) for p in self.model.parameters())
+        optim = sum(
+            _local_bytes(v) for st in self.optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)
+        )
+        if self.optimizer.state:
+            self._state_bytes = params + optim
+        return params + optim
+
+    def describe_save_estimate(self) -> str:
+        """Where ``emergency_save_s`` comes from, for the preemption log line."""
+        if self.save_s is not None:
+            how = f"the last save took {self.save_s:.1f}s to become durable"
+            if self.async_save:
+                how += f": {self.stage_s:.1f}s staging, the rest writing in the background"
+        elif self.previous_save is not None:
+            seconds, world = self.previous_save
+            how = f"no save yet in this attempt; step-{self.last_committed}'s took {seconds:.1f}s on {world} ranks"
+        else:
+            how = (
+                f"no save measured yet: {self.state_bytes() / 1e9:.2f} GB of state on this rank, assumed written at"
+                f" {ASSUMED_WRITE_BYTES_PER_S / 1e6:.0f} MB/s + {ASSUMED_SAVE_OVERHEAD_S:.0f}s"
+            )
+        if self._pending is not None and not self._pending[1].done():
+            how += f", after step-{self._pending[0]}'s save still in flight"
+        return how
 
     # ------------------------------------------------------------------ save
 
@@ -145,25 +235,34 @@ class Checkpointer:
         state = self._state(step)
         if self.async_save:
             fut = dcp.async_save(state, checkpoint_id=path, process_group=self._pg, no_dist=not dist.is_initialized())
-            self._pending = (step, getattr(fut, "upload_completion", fut))
+            upload = getattr(fut, "upload_completion", fut)
+            self._uploaded_at = None
+            upload.add_done_callback(self._on_uploaded)  # the durable time, not the next step's
+            self._pending = (step, upload, t0)
+            self.stage_s = time.monotonic() - t0
         else:
             dcp.save(state, checkpoint_id=path, no_dist=not dist.is_initialized())
             self._barrier()
-            self._commit(step)
-        self.save_s = time.monotonic() - t0
+            self._commit(step, time.monotonic() - t0)
+
+    def _on_uploaded(self, _fut: Future) -> None:
+        self._uploaded_at = time.monotonic()
 
     def _finish_pending(self) -> None:
         if self._pending is None:
             return
-        step, fut = self._pending
+        step, fut, t0 = self._pending
         self._pending = None
         fut.result()  # on rank 0 this returns after every rank's shards and the metadata are written
-        self._commit(step)
+        self._commit(step, (self._uploaded_at or time.monotonic()) - t0)
 
-    def _commit(self, step: int) -> None:
-        """Rank 0: write the marker, then drop all but the newest ``keep`` and stale partial saves."""
+    def _commit(self, step: int, written_s: float) -> None:
+        """Rank 0: write the marker, then drop all but the newest ``keep`` and stale partial saves.
+        ``written_s``: how long the save took up to here; with the commit, that is ``save_s``."""
+        t0 = time.monotonic()
         self.last_committed = step
         if self.env.rank != 0:
+            self.save_s = written_s
             return
         pause = test_hooks.checkpoint_pause_s()
         if pause > 0:  # test hook: a SIGKILL now leaves step-N written but unmarked
@@ -173,13 +272,15 @@ class Checkpointer:
             )
             time.sleep(pause)
         fs, path = fs_and_path(self._step_dir(step))
+        save_s = written_s + time.monotonic() - t0
         with fs.open(join(path, MARKER), "w") as f:
-            json.dump({"step": step, "world_size": self.env.world_size, "time": time.time()}, f)
+            json.dump({"step": step, "world_size": self.env.world_size, "time": time.time(), "save_s": save_s}, f)
         ckpts = list_checkpoints(self.root)
         keep = sorted((s for s, ok in ckpts.items() if ok), reverse=True)[: self.keep]
         for s, ok in ckpts.items():
             if s not in keep and (ok or s < step):
                 fs.rm(fs_and_path(self._step_dir(s))[1], recursive=True)
+        self.save_s = written_s + time.monotonic() - t0  # the pruning too: the run waits for it on a stop
 
     def close(self) -> None:
         """Wait for an async save and commit it (call at exit)."""

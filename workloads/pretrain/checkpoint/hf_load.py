@@ -13,10 +13,7 @@ A remote ``init_from`` (``s3://...``) is first copied to the local cache, once p
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
-import socket
 from pathlib import Path
 from typing import Optional
 
@@ -66,28 +63,32 @@ def names(fqns: list[str], tied: bool) -> dict[str, str]:
 
 
 def local_dir(init_from: str, cache_root: Path) -> Path:
-    """A local directory holding the checkpoint: ``init_from`` itself, or a copy of the remote one."""
+    """A local directory holding the checkpoint: ``init_from`` itself, or a copy of the remote one.
+
+    Every process of a node (of every node, when the cache is on a shared file system) asks for
+    the copy; the data cache's lock (``build_once``) lets one download it while the others wait
+    for it, as long as the download advances, so a 70B checkpoint on 8 GPUs is fetched once, not 8
+    times into 8 temp dirs.
+    """
     if "://" not in init_from or init_from.startswith("file://"):
         return Path(init_from.removeprefix("file://")).expanduser()
     import hashlib
 
     from fsspec.core import url_to_fs
 
+    from workloads.pretrain.data.cache import build_once, progress_callback
+
     dest = cache_root / "checkpoints" / hashlib.sha256(init_from.encode()).hexdigest()[:16]
-    if (dest / ".complete").exists():
-        return dest
-    fs, root = url_to_fs(init_from)
-    tmp = dest.with_name(f"{dest.name}.tmp-{socket.gethostname()}-{os.getpid()}")
-    tmp.mkdir(parents=True, exist_ok=True)
-    for path in fs.ls(root, detail=False):
-        name = path.rstrip("/").rsplit("/", 1)[-1]
-        if name.endswith((".json", ".safetensors", ".model", ".txt")):
-            fs.get_file(path, str(tmp / name))
-    (tmp / ".complete").write_text(json.dumps({"source": init_from}))
-    try:
-        os.rename(tmp, dest)
-    except OSError:  # another process on this node finished first
-        shutil.rmtree(tmp, ignore_errors=True)
+
+    def download(tmp: Path, progress) -> None:
+        fs, root = url_to_fs(init_from)
+        for path in fs.ls(root, detail=False):
+            name = path.rstrip("/").rsplit("/", 1)[-1]
+            if name.endswith((".json", ".safetensors", ".model", ".txt")):
+                fs.get_file(path, str(tmp / name), callback=progress_callback(progress))
+        (tmp / ".complete").write_text(json.dumps({"source": init_from}))
+
+    build_once(dest, download)
     return dest
 
 

@@ -9,8 +9,10 @@ The controller (``llmctl launch --max-cost``) hands the price over in the enviro
 
 After every step each rank projects the spend at the end of the *next* step plus a reserve for the
 final validation pass and checkpoint (one more step time, at least ``RESERVE_S``): if that passes the limit, the step is
-treated as the last one (logged, validated, checkpointed) and the loop ends. Ranks decide from their
-own clocks, so the decision is all-reduced (MAX): all stop at the same step or none does.
+treated as the last one (logged, validated, checkpointed) and the loop ends. One process decides
+alone, with no tensor. Several decide from their own clocks, so the decision is all-reduced (MAX),
+only on the steps the ranks agree on (``preempt.agreement_due``: every ``AGREE_EVERY`` steps and
+at checkpoints) and projected that many steps ahead: all stop at the same step or none does.
 Rank 0 then tags the MLflow run ``llmctl.budget_stop`` (JSON) and the workload exits 0 — torchrun
 turns any non-zero worker exit into 1, so the controller reads the tag, closes the run FINISHED with
 ``llmctl.status = stopped: budget $X reached at step N`` and exits with its own code (4).
@@ -28,6 +30,7 @@ from typing import Mapping, Optional
 import torch
 import torch.distributed as dist
 
+from workloads.pretrain.components.preempt import AGREE_EVERY, scope
 from workloads.pretrain.contract.protocol import ENV_BILLING_START, ENV_MAX_COST, ENV_PRICE, ENV_SPENT, TAG_BUDGET_STOP
 
 RESERVE_S = 5.0  # at least this long is kept for the last validation pass and the checkpoint save
@@ -61,20 +64,25 @@ class BudgetGuard:
         now = time.time() if now is None else now
         return self.spent_before + self.usd_per_hour * max(0.0, now - self.billing_start) / 3600.0
 
-    def over(self, now: float, step_s: float) -> bool:
-        """Would the spend pass the limit by the end of the next step plus the reserve?"""
+    def over(self, now: float, step_s: float, steps_ahead: int = 1) -> bool:
+        """Would the spend pass the limit by the end of the next ``steps_ahead`` steps plus the reserve?"""
         assert self.max_cost is not None
-        return self.spent(now + step_s + max(step_s, RESERVE_S)) > self.max_cost
+        return self.spent(now + steps_ahead * step_s + max(step_s, RESERVE_S)) > self.max_cost
 
-    def should_stop(self, device: torch.device) -> bool:
-        """Call once per step on every rank; returns the same answer everywhere."""
+    def should_stop(self, device: torch.device, due: bool = True) -> bool:
+        """Call once per step on every rank; returns the same answer everywhere. ``due``: this step
+        is one the ranks agree on (``preempt.agreement_due``); with one process every step is."""
         if not self.active:
             return False
         now = time.time()
         self._step_s, self._last = now - self._last, now
-        stop = torch.tensor([1.0 if self.over(now, self._step_s) else 0.0], device=device)
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(stop, op=dist.ReduceOp.MAX)
+        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            return self.over(now, self._step_s)
+        if not due:
+            return False
+        # the next agreement may be AGREE_EVERY steps away: stop now if the spend would pass by then
+        stop = torch.tensor([1.0 if self.over(now, self._step_s, AGREE_EVERY) else 0.0], device=device)
+        dist.all_reduce(stop, op=dist.ReduceOp.MAX)
         return bool(stop.item())
 
     def record_stop(self, step: int, is_main: bool, checkpoint: bool) -> None:
@@ -99,7 +107,7 @@ class BudgetGuard:
         try:
             from mlflow.tracking import MlflowClient
 
-            MlflowClient().set_tag(run_id, TAG_BUDGET_STOP, json.dumps(info))
+            MlflowClient().set_tag(run_id, TAG_BUDGET_STOP, json.dumps({**info, **scope()}))
         except Exception as e:  # the controller then sees a plain FINISHED run; the log still says why
             print(
                 f"warning: could not tag the run with the budget stop ({type(e).__name__}: {e})",

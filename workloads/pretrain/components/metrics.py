@@ -3,7 +3,8 @@
 Metric names are a contract with llmctl and its docs:
   train/loss  train/lr  train/grad_norm  val/loss
   perf/tokens_per_s (all devices)  perf/tokens_per_s_per_device  perf/tflops (per device)
-  perf/mfu (only when the device's peak is known)  perf/peak_mem_gb
+  perf/mfu (only when the device's peak is known)  perf/peak_mem_gib (GiB, 2**30 bytes, as the
+  memory plan counts)
 
 One MLflow call per metric per step costs a store transaction each (a sqlite store writes one
 file per call), so points are buffered and flushed with ``log_batch`` once per log interval.
@@ -30,12 +31,14 @@ def peak_tflops(device: torch.device, dtype: str) -> float | None:
     return peak_for(torch.cuda.get_device_name(device), dtype)
 
 
-def peak_memory_gb(device: torch.device) -> float | None:
-    """CUDA: max allocated by the caching allocator. CPU: process peak RSS (Linux KiB units)."""
+def peak_memory_gib(device: torch.device) -> float | None:
+    """In GiB, the memory plan's unit (``llmctl plan``), so the two compare directly. CUDA: max
+    allocated by the caching allocator. CPU: process peak RSS (``ru_maxrss``: KiB on Linux, bytes
+    on macOS)."""
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 1e9
+        return torch.cuda.max_memory_allocated(device) / 2**30
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return rss / 1e6 if sys.platform.startswith("linux") else rss / 1e9
+    return rss / 2**20 if sys.platform.startswith("linux") else rss / 2**30
 
 
 class MetricSink:
@@ -65,6 +68,31 @@ class MetricSink:
         self._buffer += [
             (k, float(v), step, ts) for k, v in metrics.items() if v is not None and step > self.skip_upto.get(k, -1)
         ]
+
+    def log_params(self, params: dict[str, str]) -> None:
+        """What the trainer resolved at start (kernels, dtype) as run params, best-effort. MLflow
+        params cannot change: a resume that resolves a key differently (another GPU, another torch)
+        keeps the first value and says so on stderr."""
+        if not self.active:
+            return
+        try:
+            from mlflow.entities import Param
+
+            if self._client is None:
+                from mlflow.tracking import MlflowClient
+
+                self._client = MlflowClient()
+            logged = self._client.get_run(self.run_id).data.params
+            new = {k: str(v) for k, v in params.items() if k not in logged}
+            changed = [
+                f"{k}={v} (first logged {logged[k]})" for k, v in params.items() if logged.get(k, str(v)) != str(v)
+            ]
+            if new:
+                self._client.log_batch(self.run_id, params=[Param(k, v) for k, v in new.items()])
+            if changed:
+                print(f"warning: this start resolved {', '.join(changed)}", file=sys.stderr, flush=True)
+        except Exception as e:
+            print(f"warning: MLflow log_params failed ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
 
     def flush(self) -> None:
         if not self.active or not self._buffer:

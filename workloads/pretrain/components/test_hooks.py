@@ -7,6 +7,8 @@ and nowhere else. Each is off unless its variable is set; a launcher never sets 
   (``{"step": N, "train/loss": ...}`` or ``{"step": N, "val/loss": ...}``) at full precision.
 - ``LLMCTL_CKPT_PAUSE_S=S``: sleep between a checkpoint's write and its completion marker (a
   SIGKILL then leaves a written but unmarked checkpoint).
+- ``LLMCTL_EXIT_PAUSE_S=S``: sleep after the last step (its checkpoint committed, the run tagged
+  ``llmctl.completed``) before exiting: a stop can then land after the work is done.
 """
 
 from __future__ import annotations
@@ -18,11 +20,19 @@ from typing import Optional
 FAIL_AT_STEP_ENV = "LLMCTL_FAIL_AT_STEP"
 LOSS_FILE_ENV = "LLMCTL_LOSS_FILE"
 CKPT_PAUSE_ENV = "LLMCTL_CKPT_PAUSE_S"
+EXIT_PAUSE_ENV = "LLMCTL_EXIT_PAUSE_S"
 
 
 def fail_at_step() -> int:
     """The step to fail at, or 0 for never."""
     return int(os.environ.get(FAIL_AT_STEP_ENV, "0") or 0)
+
+
+def pause_before_exit() -> None:
+    """Sleep ``$LLMCTL_EXIT_PAUSE_S`` seconds (a stop signal meanwhile only sets the preemption flag)."""
+    import time
+
+    time.sleep(float(os.environ.get(EXIT_PAUSE_ENV, "0") or 0))
 
 
 def checkpoint_pause_s() -> float:

@@ -3,9 +3,14 @@ counts for one chunk of logits. Stdlib only: llmctl's plan imports it through ``
 
 from __future__ import annotations
 
-# Elements of fp32 logits per chunk (2**25 = 128 MiB): big enough for efficient matmuls on GPU,
-# small enough that a 128k vocabulary still processes a few hundred tokens at a time.
+# Elements of fp32 logits per chunk (2**25 = 128 MiB) on GPU: the least a chunk holds.
 _DEFAULT_CHUNK_ELEMENTS = 1 << 25
+# ... and at most this many chunks per micro-batch on GPU. Each chunk adds its product into the
+# whole fp32 [vocab, dim] weight gradient, so its traffic scales with the number of chunks (about
+# 1 GiB read + written per chunk at 128k x 2048), and a few hundred tokens is a poor GEMM shape.
+_GPU_MAX_CHUNKS = 8
+# GPU chunks are whole multiples of this many tokens: tensor-core GEMM tiles.
+_GPU_TOKEN_MULTIPLE = 128
 # On CPU the softmax passes are memory-bound: a 4 MiB chunk stays in cache. Measured on the smoke
 # model's head (2048 tokens x 4096 vocab, 1 thread): 256 tokens/chunk 1.53x F.cross_entropy's
 # speed (fwd+bwd), one 8192-token chunk 1.31x.
@@ -16,9 +21,16 @@ _CPU_CHUNK_ELEMENTS = 1 << 20
 _CPU_MIN_CHUNK_TOKENS = 256
 
 
-def default_chunk_size(vocab_size: int, device_type: str = "cuda") -> int:
-    """Tokens per chunk: one chunk of fp32 logits under ~128 MiB (GPU), or ~4 MiB but at least 256
-    tokens (CPU)."""
+def default_chunk_size(vocab_size: int, device_type: str = "cuda", tokens: int | None = None) -> int:
+    """Tokens per chunk. CPU: ~4 MiB of fp32 logits but at least 256 tokens. GPU: a multiple of 128
+    tokens, at least ~128 MiB of fp32 logits and, given the micro-batch's ``tokens``, large
+    enough that it takes at most 8 chunks (the logits of one chunk are then at most 1/8 of the
+    full logits, which is what the memory plan counts)."""
     if device_type == "cpu":
         return max(_CPU_MIN_CHUNK_TOKENS, _CPU_CHUNK_ELEMENTS // max(1, vocab_size))
-    return max(1, _DEFAULT_CHUNK_ELEMENTS // max(1, vocab_size))
+    m = _GPU_TOKEN_MULTIPLE
+    chunk = max(m, _DEFAULT_CHUNK_ELEMENTS // max(1, vocab_size) // m * m)
+    if tokens:
+        few = -(-tokens // _GPU_MAX_CHUNKS)  # ceil
+        chunk = max(chunk, -(-few // m) * m)
+    return chunk

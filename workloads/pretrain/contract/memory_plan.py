@@ -9,7 +9,8 @@ benchmark's figures are in docs/benchmarks.md).
 The plan walks one optimizer step the way ``train.py`` runs it and keeps the largest moment:
 
 * static: this rank's fp32 parameter shards, AdamW's two fp32 states per element, the token ids;
-* forward of each micro-batch: FSDP gathers one block at a time (the root unit, i.e. embedding,
+* forward of each micro-batch: FSDP (at every world size; one process has a 1-rank mesh) gathers
+  one block at a time, in bf16 for bf16 compute (the root unit, i.e. embedding,
   final norm and LM head, stays gathered until its backward), and every block leaves behind what
   autograd saves for backward (``block_saved``: per token, per activation-checkpointing mode);
 * the loss: the chunked fused linear+cross-entropy (one chunk of logits alive, but the LM head's
@@ -29,9 +30,9 @@ allocator's fragmentation; add a margin for those (llmctl's memory check reserve
 
 Checked against the tracker with the CPU rules (``device="cpu"``). The CUDA rules
 (``device="cuda"``, the default) differ where the code paths differ and
-are modelled from them, not measured here: FSDP gathers bf16 parameters and casts block inputs to
-bf16 (CPU keeps fp32 parameters and lets autocast cast per matmul), ``F.rms_norm`` is one fused
-kernel that saves less, the fused loss's chunks are 32x larger. Not modelled: ``model.compile``
+are modelled from them, not measured here: ``F.rms_norm`` is one fused kernel that saves less,
+the fused loss's chunks are larger (at most 8 per micro-batch) and add their weight gradient in
+place. Not modelled: ``model.compile``
 (planned as eager; compiled blocks usually save less), Liger's CUDA loss kernel when installed
 (planned as ours), the ``reference`` kernels' explicit attention matrices.
 """
@@ -143,8 +144,10 @@ class Setup:
 
     @property
     def fsdp(self) -> bool:
-        """``parallelize`` applies FSDP2 whenever there is more than one data-parallel rank."""
-        return self.dp_replicate * self.dp_shard > 1
+        """``parallelize`` applies FSDP2 at every world size (on a 1-rank mesh for one data-parallel
+        rank: it shards nothing there, but still gathers each unit's parameters into their own
+        buffers and makes the gradients there)."""
+        return True
 
     @property
     def reduce_each_micro_batch(self) -> bool:
@@ -158,8 +161,8 @@ class Setup:
 
     @property
     def fsdp_bf16(self) -> bool:
-        """FSDP gathers bf16 parameters (and casts each block's input to bf16) only on CUDA."""
-        return self.fsdp and self.dtype == "bf16" and self.device == "cuda"
+        """FSDP gathers bf16 parameters for bf16 compute, on every device (``apply_fsdp``)."""
+        return self.fsdp and self.dtype == "bf16"
 
     @property
     def resid_bytes(self) -> int:
@@ -184,6 +187,15 @@ class Setup:
         return self.device != "cuda"
 
     @property
+    def native_gqa(self) -> bool:
+        """SDPA reads grouped k/v heads without copies (``transformer.native_gqa``): fused kernels,
+        on CPU always, on CUDA in bf16 without a mask (flash / cuDNN; fp32 or a mask may take the
+        memory-efficient kernel, which needs the copies)."""
+        if not self.fused_kernels:
+            return False
+        return self.device != "cuda" or (self.dtype == "bf16" and not self.packed)
+
+    @property
     def vocab_parallel_loss(self) -> bool:
         """Under TP the loss is plain cross-entropy on vocab-sharded logits (``apply_tp``);
         ``reference`` kernels also materialise full logits."""
@@ -193,7 +205,8 @@ class Setup:
     def loss_chunk(self) -> int:
         """Tokens per chunk of the fused loss (``losses.default_chunk_size``), at most the
         micro-batch's tokens."""
-        return min(self.micro * self.seq, default_chunk_size(self.vocab, self.device))
+        tokens = self.micro * self.seq
+        return min(tokens, default_chunk_size(self.vocab, self.device, tokens))
 
 
 def setup(cfg: TrainerCfg, world_size: int, device: str = "cuda") -> Setup:
@@ -227,7 +240,7 @@ def setup(cfg: TrainerCfg, world_size: int, device: str = "cuda") -> Setup:
         dp_shard=layout["dp_shard"],
         tp=layout["tp"],
         ac=par.ac.value,
-        dtype=train.dtype.value,
+        dtype=train.dtype.on(device),  # auto: bf16 on CUDA, fp32 on CPU, as the trainer resolves it
         device=device,
         fused_kernels=model.kernels == "fused",
         rope_interleaved=model.rope_layout == "interleaved",
@@ -297,7 +310,7 @@ def block_saved(s: Setup, ac: str | None = None) -> float:
     * none: each RMSNorm keeps its fp32 input and 1/rms (+ the normalised input when the norm is
       composite, off CUDA); the matmuls keep the norm output (one bf16 cast per matmul under
       autocast over fp32 weights: 3 for q/k/v, 2 for w1/w3); SDPA keeps q, k, v (k/v copied to all
-      heads for GQA, unless a rank has one kv head: then a view), its output and log-sum-exp (and
+      heads where SDPA cannot take grouped heads, see ``native_gqa``), its output and log-sum-exp (and
       for packed examples with reference kernels the mask); SwiGLU keeps w1 x, w3 x, silu(w1 x) and their
       product.
     * selective (``parallelize._SAC_SAVE``): the block input, every matmul output (q, k, v, wo,
@@ -318,8 +331,9 @@ def block_saved(s: Setup, ac: str | None = None) -> float:
         return kept
     norm = 4 * d / t + 4 / t + (4 * d / t if s.composite_norm else 0)
     matmul_inputs = (3 + 2) * c * d if s.autocast_casts else 2 * r * d
-    # repeat_kv copies k and v to all query heads, unless this rank has a single kv head (a view)
-    kv = dkv if s.kv_heads // t <= 1 else d
+    # SDPA keeps k and v as they are when it takes grouped heads (``Attention.native_gqa``); else
+    # repeat_kv copies them to all query heads, unless this rank has a single kv head (a view)
+    kv = dkv if s.native_gqa or s.kv_heads // t <= 1 else d
     mask = c * s.seq if s.packed and not s.fused_kernels else 0  # reference: each layer's ~mask and masked scores
     return 2 * norm + matmul_inputs + c * (d + 2 * kv) / t + c * d / t + lse + 4 * c * H / t + mask
 
@@ -373,8 +387,8 @@ def loss_memory(s: Setup) -> tuple[int, int]:
 
     Fused chunked CE (``losses.py``): the LM head's gradients are computed during the forward, so
     it holds grad_hidden [T, d] and an fp32 grad_weight [V, d] plus one chunk of logits and
-    log-probs (8 bytes per logit; under autocast the bf16 matmul output and, per chunk, a bf16
-    [V, d] product and its fp32 copy, and the head weight's bf16 copy). TP's vocab-parallel loss:
+    log-probs (8 bytes per logit; under autocast the bf16 matmul output and, per chunk off CUDA, a
+    bf16 [V, d] product and its fp32 copy, and the head weight's bf16 copy). TP's vocab-parallel loss:
     fp32 log-probs [T, V/t] saved; its backward holds three more of that size (gradient, softmax,
     their product).
     """
@@ -393,7 +407,9 @@ def loss_memory(s: Setup) -> tuple[int, int]:
     grads = hidden + 4 * V * d  # grad_hidden, fp32 grad_weight
     if s.dtype == "bf16":
         weight_copy = 2 * V * d if s.autocast_casts else 0
-        per_chunk = max(8 * chunk, 6 * chunk + 6 * V * d)
+        # CPU: a bf16 [V, d] product and its fp32 copy per chunk; CUDA adds it into the fp32
+        # gradient in place (``losses._add_weight_grad``), holding only the chunk's bf16 gradient
+        per_chunk = 8 * chunk if s.device == "cuda" else max(8 * chunk, 6 * chunk + 6 * V * d)
         forward = hidden + grads + weight_copy + per_chunk
     else:
         forward = hidden + grads + 8 * chunk
@@ -482,7 +498,10 @@ def _walk_step(s: Setup) -> _Peak:
     # which every layer's SDPA keeps for its backward: alive until the backward ends
     packed_inputs = s.micro * s.seq * ((0 if s.fused_kernels else s.seq) + 4 * s.head_dim) if s.packed else 0
     shared_mask = s.micro * s.seq * s.seq * s.compute_bytes if s.packed and s.fused_kernels else 0
-    prefetch = pb * full_block if s.fsdp else 0  # one block's all-gather output, ahead of its use
+    # one block's all-gather output, ahead of its use; with one shard (one process, or HSDP's
+    # dp_shard=1) FSDP2 copies the parameters out of the shard without an all-gather buffer
+    gather = pb * full_block if s.fsdp and s.dp_shard > 1 else 0
+    prefetch = gather
 
     # Micro-batches between the second and the last repeat the second exactly: walk 1, 2 and the last.
     for k in sorted({0, 1, s.micro_batches - 1} & set(range(s.micro_batches))):
@@ -499,7 +518,7 @@ def _walk_step(s: Setup) -> _Peak:
         now["activations"] += packed_inputs + shared_mask
         for i in range(L):
             if s.fsdp:  # this block's all-gather output and its copy-out into the parameters
-                ledger.moment(f"forward of layer {i} {tag}", unsharded=pb * full_block, comm=pb * full_block)
+                ledger.moment(f"forward of layer {i} {tag}", unsharded=pb * full_block, comm=gather)
             now["activations"] += saved + cast_cache
         now["activations"] += norm_saved
         if s.ac == "none":

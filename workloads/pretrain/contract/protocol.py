@@ -16,7 +16,13 @@ Tags rank 0 writes (JSON values):
     llmctl.workload_start.<k>  each start: time, attempt, from_step, world_size (k = 1, 2, ...)
     llmctl.preempted           stopped on SIGTERM/SIGUSR1: step, checkpoint, saved, signal
     llmctl.budget_stop         stopped by the budget guard: step, spent_usd, max_cost_usd, checkpoint
+    llmctl.completed           every step ran and the final checkpoint is committed: step, checkpoint
     llmctl.sky.task_id         SkyPilot's task id (stable across a managed job's recoveries)
+
+Each of preempted, budget_stop and completed names the start that wrote it (``start``: the k of
+its ``llmctl.workload_start.<k>``, and ``attempt``): a launcher reads a fact only when the newest
+start wrote it, since a managed job's supervisor restarts the workload without the launcher, and an
+earlier start's preemption says nothing about how a later one ended.
 
 Exit codes: 0 done (also after a budget stop: read the tag), 1 error, 2 bad config, 75 preempted
 with state saved, 130 SIGINT. torchrun reports any non-zero worker exit as 1, so a launcher reads
@@ -33,6 +39,7 @@ ATTEMPT_ENVS = (ENV_ATTEMPT, ENV_PRICE, ENV_MAX_COST, ENV_BILLING_START, ENV_SPE
 TAG_START_PREFIX = "llmctl.workload_start."
 TAG_PREEMPTED = "llmctl.preempted"
 TAG_BUDGET_STOP = "llmctl.budget_stop"
+TAG_COMPLETED = "llmctl.completed"
 TAG_TASK_ID = "llmctl.sky.task_id"
 
 EXPORT_INFO = "llmctl_export.json"  # in an HF export: what it was made from (step, checkpoint, run)

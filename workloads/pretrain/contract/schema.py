@@ -71,10 +71,31 @@ class GradSync(str, enum.Enum):
 
 
 class DType(str, enum.Enum):
-    """The compute dtype: ``fp32``, or ``bf16`` autocast over fp32 master weights."""
+    """The compute dtype: ``fp32``, or ``bf16`` (FSDP2's bf16 parameters gathered from fp32 master
+    weights, fp32 gradient reduction, on one process and many alike); ``auto``: what
+    the device is fast at, ``bf16`` on CUDA and ``fp32`` on CPU (``on``)."""
 
+    auto = "auto"
     fp32 = "fp32"
     bf16 = "bf16"
+
+    def on(self, device_type: str) -> str:
+        """The dtype that runs on ``device_type`` ("cuda", "cpu"): ``auto`` resolved. The trainer,
+        the memory plan and the cost estimate all resolve it here, so they agree."""
+        if self is DType.auto:
+            return "bf16" if device_type == "cuda" else "fp32"
+        return self.value
+
+
+class LossKernel(str, enum.Enum):
+    """The fused kernels' LM head + cross-entropy: ``liger`` (Liger-Kernel's Triton fused
+    linear-CE, CUDA only, ``pip install liger-kernel``), ``chunked`` (``losses.py``, plain PyTorch,
+    any device) or ``auto`` (``liger`` on CUDA when it imports, else ``chunked``). A ``liger``
+    that cannot run is a config error before training, never a silent fallback."""
+
+    auto = "auto"
+    liger = "liger"
+    chunked = "chunked"
 
 
 class Fp8(str, enum.Enum):
@@ -113,7 +134,11 @@ class ModelCfg:
     max_seq_len: int = 2048  # RoPE table length; train.seq_len may not exceed it
     tie_embeddings: bool = False  # the LM head shares the input embedding's weight
     kernels: Kernels = Kernels.fused  # plain-PyTorch reference math (the oracle) or the fused fast path
-    compile: bool = False  # torch.compile each block
+    # the fused kernels' LM head + loss: Liger's Triton kernel, our chunked CE, or auto (Liger on CUDA if installed)
+    loss_kernel: LossKernel = LossKernel.auto
+    # torch.compile each block. Off by default on every device: compile time is paid before the
+    # first step on every start and resume, and a short run may never earn it back (docs/benchmarks.md)
+    compile: bool = False
     arch: Arch = Arch.llama  # the Hugging Face family the weights follow (qwen2: q/k/v biases)
     # the FFN width; None: Llama's rule from dim, multiple_of and ffn_dim_multiplier
     hidden_dim: Optional[int] = None
@@ -176,7 +201,9 @@ class TrainCfg:
     beta2: float = 0.95  # AdamW beta2
     grad_clip: float = 1.0  # global gradient-norm clip; 0: off
     seed: int = 0  # initial weights and data order: the same seed, the same curve at any world size
-    dtype: DType = DType.fp32  # compute dtype; bf16: autocast over fp32 master weights
+    # compute dtype; bf16: FSDP2 bf16 parameters over fp32 master weights; auto: bf16 on CUDA (TF32 for the
+    # remaining fp32 matmuls), fp32 on CPU
+    dtype: DType = DType.auto
     # FP8 linears on an FP8 GPU (compute capability >= 8.9), over train.dtype=bf16 (docs/scale.md)
     fp8: Fp8 = Fp8.none
     log_every: int = 10  # steps between train/* metric logs

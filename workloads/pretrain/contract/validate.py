@@ -88,11 +88,24 @@ def validate(cfg: TrainerCfg) -> None:
             "data.vocab_size",
             "the bundled corpus supports at most 65535 tokens",
         )
+    if model.loss_kernel == "liger":  # where Liger would not run, asking for it is a mistake, not a fallback
+        _require(
+            model.kernels == "fused",
+            "model.loss_kernel",
+            "liger is the fused kernels' loss, but model.kernels=reference computes full logits."
+            " Fix: model.kernels=fused, or model.loss_kernel=auto",
+        )
+        _require(
+            cfg.parallel.tp == 1,
+            "model.loss_kernel",
+            f"under tensor parallelism (parallel.tp={cfg.parallel.tp}) the loss is vocab-parallel cross-entropy,"
+            " not liger. Fix: model.loss_kernel=auto, or parallel.tp=1",
+        )
     if train.fp8 != "none":
         _require(
-            train.dtype == "bf16",
+            train.dtype in ("bf16", "auto"),  # auto is bf16 on CUDA, the only place FP8 runs
             "train.fp8",
-            f"{train.fp8.value} runs the matmuls in FP8 over bf16 autocast, but train.dtype={train.dtype.value}."
+            f"{train.fp8.value} runs the matmuls in FP8 over bf16 parameters, but train.dtype={train.dtype.value}."
             " Fix: add train.dtype=bf16",
         )
         _require(
@@ -105,6 +118,7 @@ def validate(cfg: TrainerCfg) -> None:
     _require(ckpt.every >= 0, "checkpoint.every", "must be >= 0 (0 saves only at the end)")
     _require(ckpt.keep >= 1, "checkpoint.keep", "must keep at least 1 checkpoint")
     check_static_layout(cfg)
+    check_fp8_tokens(cfg)
 
 
 def check_static_layout(cfg: TrainerCfg) -> None:
@@ -137,6 +151,27 @@ def check_static_layout(cfg: TrainerCfg) -> None:
         )
 
 
+def check_fp8_tokens(cfg: TrainerCfg, dp: int | None = None) -> None:
+    """FP8 on CUDA: ``_scaled_mm`` needs every dimension a multiple of 16, and in the weight
+    gradient's GEMM the inner one is the micro-batch's tokens (CPU skips the check, so only a GPU
+    run would crash, in its first backward). ``dp``: data-parallel ranks (None: the fixed degrees,
+    ``dp_shard=-1`` counted as 1, as ``check_static_layout`` counts them)."""
+    train, par = cfg.train, cfg.parallel
+    if train.fp8 == "none":
+        return
+    if dp is None:
+        dp = par.dp_replicate * (par.dp_shard if par.dp_shard > 0 else 1)
+    micro = train.micro_batch_size or max(1, train.batch_size // max(1, dp))
+    tokens = micro * train.seq_len
+    _require(
+        tokens % 16 == 0,
+        "train.seq_len",
+        f"train.fp8={train.fp8.value} needs the tokens per micro-batch (sequences per rank per micro-batch x"
+        f" train.seq_len = {micro} x {train.seq_len} = {tokens}) divisible by 16. Fix: a train.seq_len"
+        " (or train.micro_batch_size / train.batch_size) that makes it a multiple of 16, or train.fp8=none",
+    )
+
+
 def resolve_layout(cfg: TrainerCfg, world_size: int) -> dict[str, int]:
     """Concrete mesh degrees for ``world_size`` processes; fills ``dp_shard=-1``."""
     par = cfg.parallel
@@ -158,4 +193,5 @@ def resolve_layout(cfg: TrainerCfg, world_size: int) -> dict[str, int]:
     check_static_layout(
         dataclasses.replace(cfg, parallel=dataclasses.replace(par, dp_replicate=rep, dp_shard=shard, tp=tp))
     )
+    check_fp8_tokens(cfg, rep * shard)
     return layout

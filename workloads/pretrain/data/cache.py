@@ -4,7 +4,7 @@ A byte-level BPE is trained on the source (``tokenizer``), or a pretrained one i
 (``data.tokenizer``), and the tokenized corpus is cached in
 ``<cache root>/<key>/`` (``tokenizer.json``, ``tokens.npy``, ``meta.json``). The directory is built
 in a temp dir and renamed into place, under an ``O_EXCL`` lock file, so concurrent ranks (or
-concurrent jobs) build it once and never see a half-written cache. The cache key covers the
+concurrent jobs) build it once and never see a half-written cache (``build_once``). The cache key covers the
 source, the file listing with each file's size and ETag/mtime, the vocab size, the text field and
 the ``tokenizers`` version: changed data means a new cache entry.
 
@@ -25,7 +25,7 @@ import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -43,7 +43,8 @@ from workloads.pretrain.data.sources import (
 )
 from workloads.pretrain.data.tokenizer import EOT, load_pretrained, train_tokenizer
 
-_LOCK_STALE_S = 3600.0
+# A waiter breaks the lock (and builds) when its builder shows no progress for this long.
+STALL_S = 1800.0
 # The BPE is trained on at most this many characters (the first ones, in file order); the whole
 # source is still tokenized. Merges are settled long before this on any natural-language corpus.
 TOKENIZER_TRAIN_CHARS = 1_000_000_000
@@ -182,8 +183,11 @@ class Corpus:
         )
 
 
-def prepare_corpus(data_cfg: DataCfg, *, timeout_s: float = 1800.0) -> Corpus:
-    """Load the cached corpus for ``data_cfg``, building (or downloading) it first if needed."""
+def prepare_corpus(data_cfg: DataCfg, *, stall_s: float = STALL_S) -> Corpus:
+    """Load the cached corpus for ``data_cfg``, building (or downloading) it first if needed.
+
+    A process that finds another one building waits as long as that build makes progress, and
+    takes over when it has made none for ``stall_s`` seconds (``build_once``)."""
     from tokenizers import Tokenizer
 
     files = source_files(data_cfg)
@@ -201,18 +205,18 @@ def prepare_corpus(data_cfg: DataCfg, *, timeout_s: float = 1800.0) -> Corpus:
     remote = _remote_root(data_cfg)
     origin = ["built"]
 
-    def build(tmp: Path) -> None:
-        if remote and _download(f"{remote}/{key}", tmp):
+    def build(tmp: Path, progress: Callable[[], None]) -> None:
+        if remote and _download(f"{remote}/{key}", tmp, progress):
             origin[0] = "downloaded"
             return
         if sft:
-            _build_sft(data_cfg, tmp, files, pretrained, template)
+            _build_sft(data_cfg, tmp, files, pretrained, template, progress)
         else:
-            _build(data_cfg, tmp, files, pretrained)
+            _build(data_cfg, tmp, files, pretrained, progress)
         if remote:
             _upload(tmp, f"{remote}/{key}")
 
-    built = _build_once(final, build, timeout_s)
+    built = build_once(final, build, stall_s)
     meta = json.loads((final / "meta.json").read_text())
     extra = {}
     if sft:
@@ -228,7 +232,7 @@ def prepare_corpus(data_cfg: DataCfg, *, timeout_s: float = 1800.0) -> Corpus:
     )
 
 
-def _download(remote_dir: str, out: Path) -> bool:
+def _download(remote_dir: str, out: Path, progress: Callable[[], None] = lambda: None) -> bool:
     """Fetch a complete remote cache entry into ``out``; False if there is none."""
     from fsspec.core import url_to_fs
 
@@ -237,7 +241,7 @@ def _download(remote_dir: str, out: Path) -> bool:
         return False
     for name in CACHE_FILES:
         if fs.exists(f"{path}/{name}"):
-            fs.get_file(f"{path}/{name}", str(out / name))
+            fs.get_file(f"{path}/{name}", str(out / name), callback=progress_callback(progress))
     return True
 
 
@@ -251,13 +255,16 @@ def _upload(local_dir: Path, remote_dir: str) -> None:
             fs.put_file(str(local_dir / name), f"{path}/{name}")
 
 
-def _counted(texts: Iterable[str], stats: dict, max_chars: int) -> Iterator[str]:
+def _counted(
+    texts: Iterable[str], stats: dict, max_chars: int, progress: Callable[[], None] = lambda: None
+) -> Iterator[str]:
     """``texts`` up to ``max_chars`` characters in all, counting documents and characters."""
     for text in texts:
         if stats["chars"] >= max_chars:
             return
         stats["docs"] += 1
         stats["chars"] += len(text)
+        progress()
         yield text
 
 
@@ -273,13 +280,19 @@ def _batched(it: Iterable[str], n: int) -> Iterator[list[str]]:
 
 
 def _build(
-    data_cfg: DataCfg, out: Path, files: list[SourceFile] | None = None, pretrained: tuple[Any, str, str] | None = None
+    data_cfg: DataCfg,
+    out: Path,
+    files: list[SourceFile] | None = None,
+    pretrained: tuple[Any, str, str] | None = None,
+    progress: Callable[[], None] = lambda: None,
 ) -> None:
     """Train the BPE on the source (unless a pretrained tokenizer is given), then stream the source
     through the tokenizer into ``tokens.npy``, each document followed by the end-of-text token.
 
     File sources are read twice (tokenizer training, then encoding) so that no more than a batch
-    of documents is ever held in memory; token ids go to disk as they are produced.
+    of documents is ever held in memory; token ids go to disk as they are produced. ``progress``
+    is called as documents are read and written (the BPE's merges, after its last document, are
+    one call into ``tokenizers`` that reports nothing).
     """
     t0 = time.time()
     texts = (lambda: builtin_pydoc_texts()) if files is None else (lambda: file_texts(files, data_cfg.text_field))
@@ -288,7 +301,8 @@ def _build(
         texts = lambda: docs  # noqa: E731  (build the builtin list once)
     seen = {"docs": 0, "chars": 0}
     if pretrained is None:
-        tok, eos = train_tokenizer(_counted(texts(), seen, TOKENIZER_TRAIN_CHARS), int(data_cfg.vocab_size)), EOT
+        counted = _counted(texts(), seen, TOKENIZER_TRAIN_CHARS, progress)
+        tok, eos = train_tokenizer(counted, int(data_cfg.vocab_size)), EOT
     else:
         tok, eos, _ = pretrained
     eot = tok.token_to_id(eos)
@@ -305,6 +319,7 @@ def _build(
                 sha.update(("\x00" if n_docs else "").encode() + text.encode())
                 n_docs += 1
                 n_chars += len(text)
+            progress()
     if n_chars == 0:
         raise ValueError(
             f"data.source={data_cfg.source!r}: its files hold no text "
@@ -314,6 +329,7 @@ def _build(
     src = np.memmap(raw, dtype=dtype, mode="r", shape=(n_tokens,)) if n_tokens else np.empty(0, dtype)
     for i in range(0, n_tokens, 1 << 24):
         arr[i : i + (1 << 24)] = src[i : i + (1 << 24)]
+        progress()
     arr.flush()
     del arr, src
     raw.unlink()
@@ -344,6 +360,7 @@ def _build_sft(
     files: list[SourceFile],
     pretrained: tuple[Any, str, str] | None,
     template: ChatTemplate | None,
+    progress: Callable[[], None] = lambda: None,
 ) -> None:
     """Encode each fine-tuning record (``chat.encode_example``) into ``tokens.npy`` (the examples one
     after another), ``mask.npy`` (1 where a token is a target) and ``offsets.npy`` (example bounds).
@@ -364,6 +381,7 @@ def _build_sft(
     eos_id = tok.token_to_id(eos)
     ids_parts, mask_parts, offsets, targets = [], [], [0], 0
     for where, record in file_records(files):
+        progress()
         ids, mask = encode_example(record, tok, eos_id, template, where)
         if mask[1:].sum() == 0:
             raise ExampleError(f"{where}: nothing to learn: the example has no target tokens after its first token")
@@ -401,59 +419,134 @@ def _build_sft(
     (out / "meta.json").write_text(json.dumps(meta, indent=2))
 
 
-def _build_once(final: Path, build, timeout_s: float) -> bool:
-    """Run ``build(tmp_dir)`` and rename tmp_dir to ``final`` unless it exists; True if built here.
+def progress_callback(progress: Callable[[], None]):
+    """An fsspec transfer callback that reports every block as progress: a download of a large
+    file is then seen to advance, not to hang."""
+    from fsspec.callbacks import Callback
 
-    Whoever creates the lock file (O_CREAT|O_EXCL) builds; the others poll for ``final``. A lock
-    left by a dead process on this host (or older than an hour) is broken.
+    return Callback(hooks={"progress": lambda size, value, **kw: progress()})
+
+
+def build_once(
+    final: Path, build: Callable[[Path, Callable[[], None]], None], stall_s: float = STALL_S, poll_s: float = 0.2
+) -> bool:
+    """Run ``build(tmp_dir, progress)`` and rename tmp_dir to ``final`` unless it exists; True if
+    built here.
+
+    Whoever creates the lock file ``<final>.lock`` (O_CREAT|O_EXCL) builds; the others poll for
+    ``final``. The builder's ``progress()`` calls move the lock's mtime (at most once a second),
+    so a waiter waits as long as the build advances, however long it takes: a 1T-token corpus
+    takes hours. A waiter breaks the lock and builds itself when the builder is dead (same host:
+    its pid is gone) or has shown no progress for ``stall_s`` seconds of the waiter's own clock
+    (any host: a lost node, a hung mount). Breaking is a rename of the lock to a name of the
+    breaker's own, so of several waiters exactly one breaks a given lock; a builder releases only a
+    lock that still names it. Two builders can then race (a stalled one may wake up): the first
+    rename wins, and the loser, finding ``final`` complete, discards its own copy and returns
+    False, since ``final`` is what every reader loads.
     """
     final.parent.mkdir(parents=True, exist_ok=True)
     lock = final.with_name(final.name + ".lock")
-    deadline = time.monotonic() + timeout_s
+    me = f"{socket.gethostname()} {os.getpid()} {os.urandom(6).hex()}"
+    seen, since = None, time.monotonic()
     while not final.is_dir():
         try:
             fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         except FileExistsError:
-            if _lock_is_stale(lock):
-                lock.unlink(missing_ok=True)
-            elif time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"waited {timeout_s:.0f}s for another process to build {final} (lock {lock})"
-                ) from None
+            state = _lock_state(lock)
+            if state is None:  # just removed: look again
+                continue
+            if state != seen:  # new holder, or the holder moved on: restart the stall clock
+                seen, since = state, time.monotonic()
+            if _holder_gone(state[0]) or time.monotonic() - since > stall_s:
+                _break_lock(lock, state[0], me)
+                seen = None
             else:
-                time.sleep(0.2)
+                time.sleep(poll_s)
             continue
         try:
-            os.write(fd, f"{socket.gethostname()} {os.getpid()}\n".encode())
+            os.write(fd, f"{me}\n".encode())
             os.close(fd)
             if final.is_dir():  # finished by someone else between our check and the lock
                 return False
-            tmp = final.with_name(f"{final.name}.tmp-{socket.gethostname()}-{os.getpid()}")
-            shutil.rmtree(tmp, ignore_errors=True)
+            tmp = final.with_name(f"{final.name}.tmp-{me.replace(' ', '-')}")
             tmp.mkdir()
             try:
-                build(tmp)
-                os.rename(tmp, final)  # atomic: readers see all files or none
+                build(tmp, _Heartbeat(lock, min(1.0, stall_s / 10)))
+                try:
+                    os.rename(tmp, final)  # atomic: readers see all files or none
+                except OSError:
+                    if not final.is_dir():
+                        raise
+                    shutil.rmtree(tmp, ignore_errors=True)  # another builder's entry is in place
+                    return False
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise
             return True
         finally:
-            lock.unlink(missing_ok=True)
+            _release_lock(lock, me)
     return False
 
 
-def _lock_is_stale(lock: Path) -> bool:
+class _Heartbeat:
+    """The builder's ``progress``: moves the lock's mtime, at most every ``every`` seconds."""
+
+    def __init__(self, lock: Path, every: float):
+        self.lock, self.every, self.last = lock, every, 0.0
+
+    def __call__(self) -> None:
+        now = time.monotonic()
+        if now - self.last >= self.every:
+            self.last = now
+            try:
+                os.utime(self.lock)
+            except OSError:  # broken by a waiter that judged us stalled: build on, the rename decides
+                pass
+
+
+def _lock_state(lock: Path) -> tuple[str, int] | None:
+    """(holder, mtime_ns) of the lock, None if it is gone. A holder that died between creating
+    the lock and writing its name leaves an empty one: that stalls like any other."""
     try:
-        host, pid = lock.read_text().split()
-        age = time.time() - lock.stat().st_mtime
-    except (OSError, ValueError):
-        return False  # being written right now, or just removed
-    if host == socket.gethostname():
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:
-            pass
-    return age > _LOCK_STALE_S
+        return lock.read_text().strip(), lock.stat().st_mtime_ns
+    except OSError:
+        return None
+
+
+def _holder_gone(holder: str) -> bool:
+    """True if the lock's holder ran on this host and its process is gone."""
+    host, pid = (holder.split() + ["", ""])[:2]
+    if host != socket.gethostname() or not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        pass
+    return False
+
+
+def _break_lock(lock: Path, holder: str, me: str) -> None:
+    """Remove the lock ``holder`` held, and only that one: renamed aside first, then checked."""
+    aside = lock.with_name(f"{lock.name}.broken-{me.split()[-1]}")
+    try:
+        os.rename(lock, aside)
+    except FileNotFoundError:  # another waiter broke it first
+        return
+    try:
+        if aside.read_text().strip() != holder:  # a new holder's lock, taken just now: put it back
+            try:
+                os.link(aside, lock)
+            except OSError:  # a third process holds the lock by now; the builds' renames settle it
+                pass
+    finally:
+        aside.unlink(missing_ok=True)
+
+
+def _release_lock(lock: Path, me: str) -> None:
+    try:
+        if lock.read_text().strip() == me:
+            lock.unlink(missing_ok=True)
+    except OSError:
+        pass

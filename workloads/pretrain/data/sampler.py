@@ -170,13 +170,69 @@ def _as_sequences(data: Union[np.ndarray, Sequences], seq_len: int) -> Sequences
     return Windows(data, seq_len) if isinstance(data, np.ndarray) else data
 
 
+class EpochOrder:
+    """A seeded permutation of ``[0, n)`` computed one index at a time: O(1) memory for any ``n``.
+
+    At 1T tokens and seq 8192 an epoch holds about 1.2e8 windows; materialising an int64
+    permutation of them costs about 1 GB per rank and a second of CPU at every epoch. This order
+    instead encrypts the index: a balanced Feistel network of ``ROUNDS`` rounds over ``2**(2h)``
+    values (``h`` bits a half, the least with ``4**h >= n``) is a bijection of that domain whatever
+    its round function; cycle-walking (encrypt again while the value is ``>= n``) restricts it to a
+    bijection of ``[0, n)``, about two encryptions an index on average and at most four expected.
+    The round function is the splitmix64 finaliser of (half, round key); the round keys come from
+    ``SeedSequence([seed, epoch])``. An affine map ``(a * i + b) mod n`` would be cheaper but keeps
+    neighbours at a fixed stride (the difference between consecutive outputs is always ``a``), so
+    batches would repeat the same window spacing; the Feistel order has no such structure.
+    """
+
+    ROUNDS = 6
+
+    def __init__(self, n: int, seed: int, epoch: int):
+        if n < 1:
+            raise ValueError(f"an epoch order needs at least one element, not {n}")
+        self.n = int(n)
+        self.half_bits = max(1, (max(1, (self.n - 1).bit_length()) + 1) // 2)
+        self._mask = np.uint64((1 << self.half_bits) - 1)
+        keys = np.random.SeedSequence([seed, epoch]).generate_state(self.ROUNDS, np.uint64)
+        self._keys = [np.uint64(k) for k in keys]
+
+    def __getitem__(self, i: int) -> int:
+        return int(self.take(np.asarray([i]))[0])
+
+    def take(self, indices) -> np.ndarray:
+        """The order's values at ``indices`` (each in ``[0, n)``), as int64."""
+        x = np.asarray(indices, dtype=np.uint64).copy()
+        if x.size and int(x.max()) >= self.n:
+            raise IndexError(f"index {int(x.max())} is outside an epoch of {self.n}")
+        todo = np.arange(x.size)
+        while todo.size:  # cycle-walk: a value >= n is encrypted again until it falls in [0, n)
+            x[todo] = self._encrypt(x[todo])
+            todo = todo[x[todo] >= self.n]
+        return x.astype(np.int64)
+
+    def _encrypt(self, x: np.ndarray) -> np.ndarray:
+        shift = np.uint64(self.half_bits)
+        left, right = x >> shift, x & self._mask
+        for key in self._keys:
+            left, right = right, left ^ (_mix(right ^ key) & self._mask)
+        return (left << shift) | right
+
+
+def _mix(z: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser: every output bit depends on every input bit (uint64, wrapping)."""
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
 class Sampler:
     """Random training sequences (``Windows`` of a token array, or ``PackedExamples``), resumable exactly.
 
-    The k-th sequence of training is ``perm_e[k mod n]`` with ``e = k // n`` and ``perm_e`` a
-    permutation seeded by (seed, e). A global batch is ``global_batch_size`` consecutive k's, so
-    it depends only on (seed, sequences consumed), never on the world size; data-parallel rank r
-    takes the contiguous slice [r * local, (r + 1) * local). ``state_dict`` is that one counter.
+    The k-th sequence of training is ``order_e[k mod n]`` with ``e = k // n`` and ``order_e`` the
+    ``EpochOrder`` seeded by (seed, e): a permutation computed per index, so no rank ever holds one.
+    A global batch is ``global_batch_size`` consecutive k's, so it depends only on (seed, sequences
+    consumed), never on the world size; data-parallel rank r takes the contiguous slice
+    [r * local, (r + 1) * local). ``state_dict`` is that one counter.
     """
 
     def __init__(
@@ -199,21 +255,34 @@ class Sampler:
         self.local_batch_size = global_batch_size // dp_size
         self.dp_rank = dp_rank
         self.consumed = 0
-        self._perms: dict[int, np.ndarray] = {}
+        self._orders: dict[int, EpochOrder] = {}
 
-    def _window_index(self, k: int) -> int:
-        epoch, i = divmod(k, self.n_windows)
-        if epoch not in self._perms:
-            self._perms = {e: p for e, p in self._perms.items() if e >= epoch - 1}
-            self._perms[epoch] = np.random.default_rng([self.seed, epoch]).permutation(self.n_windows)
-        return int(self._perms[epoch][i])
+    def order(self, epoch: int) -> EpochOrder:
+        if epoch not in self._orders:
+            self._orders = {e: o for e, o in self._orders.items() if e >= epoch - 1}
+            self._orders[epoch] = EpochOrder(self.n_windows, self.seed, epoch)
+        return self._orders[epoch]
+
+    def window_indices(self, start: int, count: int) -> np.ndarray:
+        """The sequences the ``count`` training draws from draw ``start`` on take (int64)."""
+        k = np.arange(start, start + count, dtype=np.int64)
+        epochs, within = np.divmod(k, self.n_windows)
+        out = np.empty(count, dtype=np.int64)
+        for e in range(start // self.n_windows, (start + count - 1) // self.n_windows + 1):
+            at = epochs == e
+            out[at] = self.order(e).take(within[at])
+        return out
+
+    def next_indices(self) -> tuple[np.ndarray, np.ndarray]:
+        """(this rank's sequences, the whole global batch's) of the next step; advances one step."""
+        every = self.window_indices(self.consumed, self.global_batch_size)
+        self.consumed += self.global_batch_size
+        return every[self.dp_rank * self.local_batch_size : (self.dp_rank + 1) * self.local_batch_size], every
 
     def next_batch(self, device="cpu") -> Batch:
         """This rank's slice of the next global batch; advances one step."""
-        every = [self._window_index(k) for k in range(self.consumed, self.consumed + self.global_batch_size)]
-        mine = every[self.dp_rank * self.local_batch_size : (self.dp_rank + 1) * self.local_batch_size]
-        self.consumed += self.global_batch_size
-        return self.sequences.batch(mine, self.sequences.targets_in(every), device)
+        mine, every = self.next_indices()
+        return self.sequences.batch(mine.tolist(), self.sequences.targets_in(every.tolist()), device)
 
     @property
     def epoch(self) -> float:

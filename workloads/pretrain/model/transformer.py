@@ -23,6 +23,7 @@ from torch import nn
 
 from workloads.pretrain.contract.schema import ModelCfg
 from workloads.pretrain.contract.shape import hidden_dim, qkv_bias
+from workloads.pretrain.contract.validate import ConfigError
 from workloads.pretrain.model.losses import IGNORE_INDEX, chunked_linear_cross_entropy
 
 
@@ -79,7 +80,8 @@ def apply_rope_complex(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
     Same pairs, same math as ``apply_rope``, in one kernel where the real-valued form takes several
     (``benchmarks/kernels_cpu.py`` times the fused path).
     """
-    # .float(): FSDP2's bf16 policy casts a block's floating inputs, these tables included
+    # .float(): the trainer's tables arrive in fp32 (``apply_fsdp`` leaves block inputs uncast);
+    # a caller's bf16 tables still rotate in fp32
     freqs = torch.complex(_per_token(cos, x).float(), _per_token(sin, x).float())
     xc = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
     return torch.view_as_real(xc * freqs).flatten(-2).type_as(x)
@@ -167,13 +169,16 @@ class Attention(nn.Module):
         v = self.wv(x).view(bs, seqlen, -1, self.head_dim)
         q, k = self.rotate(q, cos, sin), self.rotate(k, cos, sin)
         n_rep = q.shape[2] // k.shape[2]
-        q, k, v = (t.transpose(1, 2) for t in (q, repeat_kv(k, n_rep), repeat_kv(v, n_rep)))
+        gqa = n_rep > 1 and self.kernels == "fused" and native_gqa(q, mask)
+        if not gqa:
+            k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
 
         if self.kernels == "fused":
             if mask is None:
-                out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
             else:
-                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         else:
             scores = (q @ k.transpose(-2, -1)).float() / math.sqrt(self.head_dim)
             if mask is None:
@@ -183,9 +188,24 @@ class Attention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
 
 
+def native_gqa(q: torch.Tensor, mask: torch.Tensor | None) -> bool:
+    """Whether SDPA should read the kv heads as they are (``enable_gqa``) rather than copies of
+    them per query head (``repeat_kv``), for q of this dtype and device and this mask.
+
+    The copies cost bandwidth and their saved activations (kv heads x n_rep per token and layer).
+    But not every SDPA kernel takes grouped heads, and one that does not sends SDPA to its math
+    kernel, which materialises the [s, s] scores. CPU's flash kernel takes them with or without a
+    mask. On CUDA, flash and cuDNN take them for bf16/fp16 without a mask; the memory-efficient
+    kernel, CUDA's choice for fp32 and (without cuDNN) for an explicit mask, does not.
+    """
+    if q.device.type == "cuda":
+        return mask is None and q.dtype in (torch.bfloat16, torch.float16)
+    return True
+
+
 def attention_dtype(h: torch.Tensor) -> torch.dtype:
     """The dtype q, k and v will have: autocast's, else the residual stream's (bf16 under FSDP's
-    bf16 policy, whose block input casts then leave a mask of this dtype alone)."""
+    bf16 parameters, the trainer's recipe)."""
     device = h.device.type
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else h.dtype
 
@@ -245,6 +265,7 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelCfg):
         super().__init__()
         self.kernels = cfg.kernels.value  # "reference" or "fused"
+        self.loss_kernel = cfg.loss_kernel.value  # the fused kernels' loss (``loss_kernel``)
         self.n_layers = cfg.n_layers
         self.n_heads = cfg.n_heads
         self.head_dim = cfg.dim // cfg.n_heads
@@ -346,33 +367,96 @@ class Transformer(nn.Module):
                 logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction=reduction
             )
         # Reads output.weight directly (no module call): keep `output` in the root FSDP unit.
-        return fused_lm_loss(h, self.output.weight, targets, reduction)
+        return fused_lm_loss(h, self.output.weight, targets, reduction, self.loss_kernel)
 
 
 def fused_lm_loss(
-    h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, reduction: str = "mean"
+    h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, reduction: str = "mean", kernel: str = "auto"
 ) -> torch.Tensor:
-    """LM head + CE without full logits: Liger's Triton kernel on CUDA if importable, else ours."""
-    if h.is_cuda:
+    """LM head + CE without full logits, by ``model.loss_kernel`` (``loss_kernel``): Liger's Triton
+    kernel or our chunked one. ``liger`` that cannot run raises rather than falling back, so what
+    the header named is what ran."""
+    if loss_kernel(kernel, h.device.type) == "liger":
         liger_ce = _liger_fused_linear_ce(reduction)
-        if liger_ce is not None:
-            return liger_ce(weight, h.flatten(0, 1), targets.flatten())
+        return liger_ce(weight, h.flatten(0, 1), targets.flatten())
     return chunked_linear_cross_entropy(h, weight, targets, ignore_index=IGNORE_INDEX, reduction=reduction)
 
 
 _LIGER: dict = {}
+_LIGER_PROBLEM: dict = {}
 
 
 def _liger_fused_linear_ce(reduction: str):
-    """Liger's fused linear-CE module, or None. Imported lazily: optional, GPU-only."""
+    """Liger's fused linear-CE module, or None (why: ``_LIGER_PROBLEM``). Imported lazily: optional,
+    GPU-only. ``accum_dtype=float32``: its weight gradient accumulates over chunks in fp32, not in
+    the parameter's dtype (bf16 under FSDP's bf16 policy would round every chunk's addition)."""
     if reduction not in _LIGER:
         try:
             from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
 
-            _LIGER[reduction] = LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX, reduction=reduction)
-        except Exception:  # not installed, or no Triton driver
+            _LIGER[reduction] = LigerFusedLinearCrossEntropyLoss(
+                ignore_index=IGNORE_INDEX, reduction=reduction, accum_dtype=torch.float32
+            )
+        except Exception as exc:  # not installed, no Triton driver, an incompatible version
             _LIGER[reduction] = None
+            _LIGER_PROBLEM[reduction] = f"{type(exc).__name__}: {exc}"
     return _LIGER[reduction]
+
+
+def loss_kernel(choice: Any, device_type: str) -> str:
+    """What ``model.loss_kernel`` runs on ``device_type``: "liger" or "chunked".
+
+    ``auto``: Liger on CUDA when it loads, else chunked (the header names which). ``liger`` where
+    it cannot run is a ``ConfigError`` naming the key and the fix: a user who asked for Liger and
+    silently got the slower chunked loss would compare the wrong numbers.
+    """
+    choice = getattr(choice, "value", choice)
+    if choice == "chunked" or (choice == "auto" and device_type != "cuda"):
+        return "chunked"
+    if device_type != "cuda":
+        problem = f"it runs on CUDA only, and this process runs on {device_type}"
+    elif _liger_fused_linear_ce("mean") is None:
+        problem = f"liger-kernel does not load ({_LIGER_PROBLEM['mean']})"
+    else:
+        return "liger"
+    if choice == "auto":
+        return "chunked"
+    raise ConfigError(
+        f"Bad value for 'model.loss_kernel': liger cannot run here: {problem}. Fix: pip install liger-kernel"
+        " (llmctl[gpu]) on a CUDA machine, or model.loss_kernel=chunked (or auto)"
+    )
+
+
+LOSS_KERNEL_NAMES = {"liger": "liger (Triton fused linear-CE)", "chunked": "chunked (PyTorch fused linear-CE)"}
+
+
+def attention_backend(
+    cfg: ModelCfg, batch: int, seq_len: int, dtype: torch.dtype, device: torch.device, masked: bool, tp: int = 1
+) -> str:
+    """Which SDPA kernel the model's attention will run: ``torch._fused_sdp_choice`` asked with the
+    q/k/v/mask a block passes to SDPA (shapes, strides, dtype, mask, ``enable_gqa``), so the log
+    names what runs (on CUDA cuDNN or flash, by torch version and mask) rather than what we expect.
+    Empty tensors: the choice reads only their metadata."""
+    if cfg.kernels.value == "reference":
+        return "explicit softmax (reference kernels)"
+    heads = cfg.n_heads // tp
+    kv_heads = (cfg.n_kv_heads or cfg.n_heads) // tp
+    head_dim = cfg.dim // cfg.n_heads
+    q = torch.empty(batch, seq_len, heads, head_dim, dtype=dtype, device=device)
+    mask = None
+    if masked:  # the additive [b, 1, s, s] mask of the q dtype (``additive_mask``)
+        mask = torch.zeros(batch, 1, seq_len, seq_len, dtype=dtype, device=device)
+    gqa = heads != kv_heads and native_gqa(q, mask)
+    kv_n = kv_heads if gqa else heads
+    k, v = (torch.empty(batch, seq_len, kv_n, head_dim, dtype=dtype, device=device) for _ in range(2))
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    kwargs = {"attn_mask": mask} if masked else {"is_causal": True}
+    if gqa:
+        kwargs["enable_gqa"] = True
+    from torch.nn.attention import SDPBackend
+
+    choice = SDPBackend(torch._fused_sdp_choice(q, k, v, **kwargs)).name
+    return f"SDPA {choice}{' (GQA native)' if gqa else ''}{', document mask' if masked else ''}"
 
 
 def build_model(cfg: ModelCfg, device: torch.device | str = "cpu") -> Transformer:
@@ -388,6 +472,9 @@ def apply_compile(model: Transformer) -> None:
     """Compile each block in place (``Module.compile`` keeps FQNs, so checkpoints are unaffected).
 
     Per-block compile reuses one graph for identical blocks and composes with FSDP2/AC.
+    ``fullgraph=True``: the blocks compile without a graph break under every AC mode, FSDP, bf16,
+    FP8 and the document mask, so a change that introduces one fails here, loudly, instead of
+    splitting the block into slower pieces unnoticed.
     """
     for block in model.layers.values():
-        block.compile()
+        block.compile(fullgraph=True)

@@ -11,12 +11,10 @@ import torch.distributed as dist
 
 @contextmanager
 def fake_process_group(world_size: int):
-    """A fake process group of ``world_size`` ranks, this process rank 0, for the duration."""
+    """A fake process group of ``world_size`` ranks, this process rank 0, for the duration; one
+    rank too, since the trainer builds a (1-rank) mesh for one process as well."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    if world_size == 1:
-        yield
-        return
     if dist.is_initialized():
         raise RuntimeError("tracked_peak needs its own fake process group: call it from a process that has none")
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)

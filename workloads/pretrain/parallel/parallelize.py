@@ -18,6 +18,29 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from workloads.pretrain.contract.schema import GradSync, TrainerCfg
 from workloads.pretrain.model.transformer import Transformer, apply_compile
 
+# The first torch release whose compiled tensor-parallel blocks break in backward. 2.11 trains
+# correctly; 2.13 and 2.14 fail (tp alone: DTensor's Redistribute backward receives a plain Tensor,
+# "'Tensor' object has no attribute '_local_tensor'") or, worse, train on wrong gradients with FSDP
+# on the dp dimension (dp2 x tp2, or a 1-rank dp: the first loss matches, the gradient norm does
+# not). 2.12 was not tried and is refused with them. A standalone reproduction is in issue #31.
+TP_COMPILE_BROKEN_FROM = (2, 12)
+
+
+def check_tp_compile(cfg: TrainerCfg, version: str | None = None) -> None:
+    """Refuse ``parallel.tp > 1`` with ``model.compile`` on a torch where that is broken
+    (``TP_COMPILE_BROKEN_FROM``), before any process-group work: a config error naming both keys
+    and the fix, not a crash in the first backward or a silently wrong gradient."""
+    from workloads.pretrain.contract.validate import ConfigError
+
+    version = version or torch.__version__
+    major, minor = (int(part) for part in version.split(".")[:2])
+    if cfg.parallel.tp > 1 and cfg.model.compile and (major, minor) >= TP_COMPILE_BROKEN_FROM:
+        raise ConfigError(
+            f"Bad value for 'model.compile': torch.compile with tensor parallelism (parallel.tp={cfg.parallel.tp}) "
+            f"fails in backward or computes wrong gradients on torch {version}. Fix: model.compile=false, "
+            "or parallel.tp=1 (FSDP shards any size)"
+        )
+
 
 @dataclass(frozen=True)
 class ParallelDims:
@@ -39,6 +62,7 @@ class ParallelDims:
 
         check_static_layout(cfg)
         layout = resolve_layout(cfg, world_size)
+        check_tp_compile(cfg)
         return cls(layout["dp_replicate"], layout["dp_shard"], layout["tp"], world_size)
 
     @property
@@ -74,7 +98,10 @@ def parallelize(model: Transformer, dims: ParallelDims, mesh: DeviceMesh | None,
     3. compile each (checkpointed) block: the graph then contains the recomputation and TP's
        DTensor ops, but not FSDP's hooks, which stay in eager and overlap communication.
     4. FSDP2 last: it shards whatever parameters exist (on the dp mesh; 2-D with TP) and
-       registers its all-gather / reduce-scatter hooks around the final modules.
+       registers its all-gather / reduce-scatter hooks around the final modules. Always, when
+       there is a mesh: with one data-parallel rank it shards nothing, but it is the bf16 recipe
+       (``apply_fsdp``), so one process and many compute alike. (TP with compile is refused on the
+       torch releases where it breaks: ``check_tp_compile``.)
     """
     from workloads.pretrain.parallel import fp8
 
@@ -86,11 +113,30 @@ def parallelize(model: Transformer, dims: ParallelDims, mesh: DeviceMesh | None,
         apply_ac(model, cfg.parallel.ac.value)
     if cfg.model.compile:
         apply_compile(model)
-    if dims.dp_enabled:
+    if mesh is not None:  # the trainer always has one: a 1-rank mesh for one process (``build_mesh``)
         dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
-        bf16 = cfg.train.dtype == "bf16" and mesh.device_type == "cuda"
-        apply_fsdp(model, dp_mesh, param_dtype=torch.bfloat16 if bf16 else torch.float32)
+        apply_fsdp(model, dp_mesh, param_dtype=compute_dtype(cfg, mesh.device_type))
     return model
+
+
+def compute_dtype(cfg: TrainerCfg, device_type: str) -> torch.dtype:
+    """``train.dtype`` resolved for ``device_type`` (``auto``: bf16 on CUDA, fp32 on CPU)."""
+    return torch.bfloat16 if cfg.train.dtype.on(device_type) == "bf16" else torch.float32
+
+
+def autocast_context(model: torch.nn.Module, cfg: TrainerCfg, device_type: str) -> Callable[[], ContextManager]:
+    """The forward's autocast: none for a model FSDP wraps (the trainer's, at any world size).
+
+    The one bf16 recipe is FSDP2's: bf16 parameters gathered per block, an fp32 master copy in the
+    shards, gradients reduced in fp32 (``apply_fsdp``). Autocast on top would only add a cast per
+    matmul of what is already bf16. It remains for a model built without a mesh (benchmarks that
+    build one process's model without a process group): bf16 autocast over its fp32 weights.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule) or compute_dtype(cfg, device_type) != torch.bfloat16:
+        return nullcontext
+    return lambda: torch.autocast(device_type, dtype=torch.bfloat16)
 
 
 def loss_context(dims: ParallelDims) -> Callable[[], ContextManager]:
@@ -156,28 +202,56 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh) -> None:
     model.vocab_parallel_loss = True
 
 
-# Selective AC keeps these ops' outputs and recomputes the rest (norms, RoPE, SiLU, adds): the
-# matmuls and attention are where the FLOPs are; the TP collectives are saved so the backward
-# does not communicate twice. Everything else is cheap elementwise work on large activations.
-_SAC_SAVE = {
-    torch.ops.aten.mm.default,
-    torch.ops.aten.addmm.default,
-    torch.ops.aten.bmm.default,
-    torch.ops.aten._scaled_dot_product_flash_attention.default,
-    torch.ops.aten._scaled_dot_product_efficient_attention.default,
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
-    torch.ops._c10d_functional.reduce_scatter_tensor.default,
-    torch.ops._c10d_functional.all_gather_into_tensor.default,
-}
+def _sac_save_ops() -> frozenset:
+    """The ops whose outputs selective AC keeps; it recomputes the rest (norms, RoPE, SiLU, adds).
+
+    Built as torchtitan builds its list: torch's own compute-intensive ops (what the min-cut
+    partitioner never recomputes: mm, addmm, bmm, the SDPA flash / efficient ops, ``_scaled_mm``
+    for FP8 ...), so a kernel torch adds there is saved without an edit here, plus what that list
+    lacks: the cuDNN SDPA op (what SDPA picks on Hopper with a recent cuDNN), the flash / efficient
+    kernels' own forward ops, CPU's flash op, ``aten.max`` (FP8's amax, a reduction over a whole
+    weight or activation) and TP's collectives (saved so the backward does not communicate twice).
+    Names this torch does not have are skipped."""
+    try:
+        from torch._functorch.partitioners import get_default_op_list
+
+        ops = {op.default for op in get_default_op_list().compute_intensive_ops}
+    except (ImportError, AttributeError):  # private API: fall back to the named ops below
+        ops = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
+    names = (
+        "aten._scaled_dot_product_cudnn_attention",
+        "aten._scaled_dot_product_flash_attention",
+        "aten._scaled_dot_product_efficient_attention",
+        "aten._scaled_dot_product_flash_attention_for_cpu",
+        "aten._flash_attention_forward",
+        "aten._efficient_attention_forward",
+        "aten._scaled_mm",
+        "aten.max",
+        "_c10d_functional.reduce_scatter_tensor",
+        "_c10d_functional.all_gather_into_tensor",
+    )
+    for name in names:
+        namespace, op = name.split(".")
+        packet = getattr(getattr(torch.ops, namespace), op, None)
+        if packet is not None and hasattr(packet, "default"):
+            ops.add(packet.default)
+    return frozenset(ops)
+
+
+_SAC_SAVE = _sac_save_ops()
+
+
+def sac_policy(ctx, op, *args, **kwargs):
+    """Selective AC's decision for one op: keep its output (``_SAC_SAVE``) or recompute it."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.MUST_SAVE if op in _SAC_SAVE else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _sac_context():
-    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-    def policy(ctx, op, *args, **kwargs):
-        return CheckpointPolicy.MUST_SAVE if op in _SAC_SAVE else CheckpointPolicy.PREFER_RECOMPUTE
-
-    return create_selective_checkpoint_contexts(policy)
+    return create_selective_checkpoint_contexts(sac_policy)
 
 
 def apply_ac(model: Transformer, mode: str) -> None:
@@ -199,16 +273,23 @@ def apply_ac(model: Transformer, mode: str) -> None:
 def apply_fsdp(model: Transformer, dp_mesh: DeviceMesh, param_dtype: torch.dtype) -> None:
     """FSDP2: one unit per block, and the root (embedding, final norm, LM head) as the last.
 
-    A 2-D ``dp_mesh`` (dp_replicate, dp_shard) gives HSDP. Gradients are reduced in fp32
-    whatever the compute dtype. ``output`` must stay in the root unit: the fused loss reads
-    ``output.weight`` without calling the module, so a separate unit would never gather it.
+    A 2-D ``dp_mesh`` (dp_replicate, dp_shard) gives HSDP; a 1-rank one (one process) shards
+    nothing but keeps the recipe. ``param_dtype`` bf16 is the trainer's mixed precision: each
+    unit gathers bf16 copies of its fp32 shards, so the residual stream, the matmuls and the
+    saved activations are bf16, the optimizer updates fp32, and gradients are reduced in fp32.
+    The blocks do not cast their inputs (``cast_forward_inputs=False``): the residual stream is
+    already bf16 from the bf16 embedding, and the RoPE cos/sin tables stay fp32 (in bf16, angles
+    at long positions would lose their low bits). ``output`` must stay in the root unit: the fused
+    loss reads ``output.weight`` without calling the module, so a separate unit would never gather it.
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    block_mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
     for block in model.layers.values():
-        fully_shard(block, mesh=dp_mesh, mp_policy=mp)
-    fully_shard(model, mesh=dp_mesh, mp_policy=mp)
+        fully_shard(block, mesh=dp_mesh, mp_policy=block_mp)
+    fully_shard(
+        model, mesh=dp_mesh, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    )
 
 
 def gradient_sync_due(index: int, count: int, grad_sync: GradSync) -> bool:

@@ -1,0 +1,51 @@
+"""The run script every SkyPilot node executes (``node_run.sh``) gives multi-node trainers NCCL's
+debugging aids (flight-recorder dump on a collective timeout, NCCL warnings), keeps a value the user
+set, and leaves single-node runs alone. Run for real with bash; the "python" it starts prints the
+environment torchrun would have inherited."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+from llmctl.backends.sky import task as sky_task
+
+AIDS = ("TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_NCCL_TRACE_BUFFER_SIZE", "NCCL_DEBUG")
+
+
+def _env_seen(tmp_path: Path, nodes: int, **extra: str) -> dict[str, str]:
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\nenv\n")
+    fake.chmod(0o755)
+    script = tmp_path / "run.sh"
+    script.write_text(sky_task.RUN)
+    env = {k: v for k, v in os.environ.items() if k not in AIDS}
+    env.update(
+        LLMCTL_PYTHON=str(fake),
+        LLMCTL_RUN_ID="r1",
+        SKYPILOT_NUM_GPUS_PER_NODE="8",
+        SKYPILOT_NODE_IPS="10.0.0.1\n10.0.0.2",
+        SKYPILOT_NUM_NODES=str(nodes),
+        SKYPILOT_NODE_RANK="0",
+        **extra,
+    )
+    out = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, check=True).stdout
+    return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+
+
+def test_multi_node_runs_get_the_nccl_aids(tmp_path: Path) -> None:
+    seen = _env_seen(tmp_path, nodes=2)
+    assert seen["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    assert int(seen["TORCH_NCCL_TRACE_BUFFER_SIZE"]) > 0
+    assert seen["NCCL_DEBUG"] == "WARN"
+
+
+def test_the_users_own_setting_wins(tmp_path: Path) -> None:
+    seen = _env_seen(tmp_path, nodes=2, NCCL_DEBUG="INFO", TORCH_NCCL_TRACE_BUFFER_SIZE="50")
+    assert seen["NCCL_DEBUG"] == "INFO" and seen["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "50"
+
+
+def test_one_node_is_left_alone(tmp_path: Path) -> None:
+    seen = _env_seen(tmp_path, nodes=1)
+    assert not any(k in seen for k in AIDS), {k: seen[k] for k in AIDS if k in seen}
