@@ -111,12 +111,21 @@ def _train_step(model, optimizer, micro_batches, dims, autocast, grad_clip: floa
     optimizer.zero_grad(set_to_none=True)
 
 
+def fake_tensors_tracked() -> bool:
+    """Whether this torch's ``FSDPMemTracker`` reads FSDP2 training on fake tensors right: torch 2.11's
+    does not (it counts the sharded AdamW state many times over and misses the unsharded parameters
+    and the activations), while on real tensors it agrees with torch 2.13's fake-tensor reading part
+    by part; so on torch < 2.13 the oracle runs on real tensors (slower, same numbers)."""
+    major, minor = (int(x) for x in torch.__version__.split(".")[:2])
+    return (major, minor) >= (2, 13)
+
+
 def tracked_peak(
     cfg: Any,
     world_size: int,
     device: str = "cpu",
     steps: int = 2,
-    fake: bool = True,
+    fake: bool | None = None,
     before_step: Callable[[int], None] | None = None,
 ) -> dict[str, Any]:
     """Peak bytes on one device (rank 0) during the last of ``steps`` training steps of ``cfg`` at
@@ -126,6 +135,7 @@ def tracked_peak(
     and the tracker's own categories under ``raw``. ``device``: the device type the fake tensors
     claim; "cpu" works anywhere ("cuda" needs a GPU present). ``fake=False`` runs the same steps
     on real tensors (small configurations only: it allocates and computes for real).
+    ``fake=None``: fake tensors where torch's tracker reads them right (``fake_tensors_tracked``).
     ``before_step(i)`` runs before step ``i`` (0-based): ``benchmarks/memory_plan_cuda.py`` resets
     the CUDA allocator's peak there, so its peak covers the same step as the tracker's.
     """
@@ -139,6 +149,8 @@ def tracked_peak(
     from workloads.pretrain.model.transformer import Transformer
     from workloads.pretrain.parallel.parallelize import ParallelDims, autocast_context, parallelize
 
+    if fake is None:
+        fake = fake_tensors_tracked()
     cfg = trainer_cfg(cfg)
     tc = cfg.train
     dims = ParallelDims.from_config(cfg, world_size)
