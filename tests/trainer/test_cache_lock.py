@@ -63,17 +63,18 @@ def _finish(proc: subprocess.Popen) -> str:
 
 
 def test_a_waiter_waits_as_long_as_the_build_advances(tmp_path: Path) -> None:
-    """The builder runs for far longer than the waiter's stall limit (1 s) but reports progress
-    all along: the waiter neither gives up nor builds, and loads the builder's entry."""
+    """The builder runs for far longer than the waiter's stall limit (3 s) but reports progress
+    all along: the waiter neither gives up nor builds, and loads the builder's entry. (The limit is
+    ten heartbeats: a loaded CI machine that delays one builder wake-up must not read as a stall.)"""
     final = tmp_path / "entry"
     busy = Path(f"{final}.a-busy")
     busy.touch()
     Path(f"{final}.a-go").touch()
-    a = _builder(final, "a", stall_s=1.0)
+    a = _builder(final, "a", stall_s=3.0)
     _wait_for(Path(f"{final}.a-started"), a)
-    w = _builder(final, "w", stall_s=1.0)
+    w = _builder(final, "w", stall_s=3.0)
     _wait_for(Path(f"{final}.w-ready"), w)
-    deadline = time.monotonic() + 5.0  # five stall limits of progress
+    deadline = time.monotonic() + 9.0  # three stall limits of progress
     while time.monotonic() < deadline:
         assert w.poll() is None, w.communicate()  # still waiting
         time.sleep(0.2)
