@@ -10,11 +10,14 @@ Each of ``ROUNDS`` rounds, in a fresh store:
    (b) a different shape with at least 4x the FLOPs per token (``BIGGER``): no run of that shape
    exists, so this checks the estimator's fallback for a new shape (the calibration run's FLOP/s,
    transferred: ``llmctl/cost/estimate.py``);
+   (c) the calibration shape with ``parallel.ac=full`` (``RECOMPUTE``): another shape key, so the
+   calibration run's FLOP/s is transferred to the work per token with each block's forward
+   recomputed (``llmctl/cost/work.py``): checks the recompute term;
 4. each is launched; the estimate it logged (``time/estimate_h``) is compared with its billed wall
    time (``time/wall_s``, the ledger's attempt).
-Prints both ratios (predicted / actual) of every round, and last their medians over the rounds
-(goals 0.90-1.10 for (a), 0.75-1.25 for (b) on a quiet machine):
-``estimate_accuracy: <a> (4x length), <b> (4x FLOPs/token)``.
+Prints the ratios (predicted / actual) of every round, and last their medians over the rounds
+(goals 0.90-1.10 for (a), 0.75-1.25 for (b) and (c) on a quiet machine):
+``estimate_accuracy: <a> (4x length), <b> (4x FLOPs/token), <c> (ac=full)``.
 
 Why rounds: on these 2-core VMs a process draws its speed when it starts. Identical launches,
 one after another with nothing else running, differ from each other while each is flat within
@@ -38,6 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CALIB_STEPS, LONGER_STEPS, BIGGER_STEPS = 30, 120, 30
 ROUNDS = 5
 BIGGER = ["model.dim=256", "model.n_layers=6"]  # 4.3x the smoke shape's training FLOPs per token at seq 128
+RECOMPUTE, RECOMPUTE_STEPS = ["parallel.ac=full"], 60
 COMMON = [
     "model=smoke",
     "train.batch_size=16",
@@ -84,7 +88,11 @@ def one_round(show_plans: bool) -> dict[str, float]:
         prime_cache(work, env)
 
         llmctl(["launch", *COMMON, f"train.steps={CALIB_STEPS}", "tracking.run_name=calibration"], work, env)
-        cases = {"longer": [f"train.steps={LONGER_STEPS}"], "bigger": [*BIGGER, f"train.steps={BIGGER_STEPS}"]}
+        cases = {
+            "longer": [f"train.steps={LONGER_STEPS}"],
+            "bigger": [*BIGGER, f"train.steps={BIGGER_STEPS}"],
+            "recompute": [*RECOMPUTE, f"train.steps={RECOMPUTE_STEPS}"],
+        }
         for name, extra in cases.items():
             plan = llmctl(["plan", *COMMON, *extra], work, env)
             if show_plans:
@@ -117,10 +125,11 @@ def main() -> None:
     for i in range(ROUNDS):
         print(f"=== round {i + 1}/{ROUNDS}", flush=True)
         rounds.append(one_round(show_plans=i == 0))
-    a, b = (statistics.median(r[k] for r in rounds) for k in ("longer", "bigger"))
-    each = {k: ", ".join(f"{r[k]:.3f}" for r in rounds) for k in ("longer", "bigger")}
-    print(f"rounds (4x length): {each['longer']}; (4x FLOPs/token): {each['bigger']}")
-    print(f"estimate_accuracy: {a:.3f} (4x length), {b:.3f} (4x FLOPs/token)")
+    keys = ("longer", "bigger", "recompute")
+    a, b, c = (statistics.median(r[k] for r in rounds) for k in keys)
+    each = {k: ", ".join(f"{r[k]:.3f}" for r in rounds) for k in keys}
+    print(f"rounds (4x length): {each['longer']}; (4x FLOPs/token): {each['bigger']}; (ac=full): {each['recompute']}")
+    print(f"estimate_accuracy: {a:.3f} (4x length), {b:.3f} (4x FLOPs/token), {c:.3f} (ac=full)")
 
 
 if __name__ == "__main__":

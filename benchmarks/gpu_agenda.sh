@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU hour in three commands: bash benchmarks/gpu_agenda.sh A, then B, then C.
+# The GPU hour in four commands: bash benchmarks/gpu_agenda.sh A, then B, then C, then D.
 #
 # Each part is one call of the device tool (one H100, torch 2.11 image, no network, 10 minutes a
 # command, at most 8 files back from $OUT), with the wheels of benchmarks/gpu_wheels.sh carried along
@@ -9,7 +9,8 @@
 #   B, llmctl vs torchtitan on the 1B shape: torchtitan with the same attention kernel class as
 #      llmctl (sdpa), then with its default (flex).
 #   C, FP8 vs bf16, and what the document mask costs.
-# A first: a crash there invalidates B and C.
+#   D, LoRA and QLoRA tokens/s, MFU and memory on the Llama-3.2-1B and Llama-3.1-8B shapes.
+# A first: a crash there invalidates B, C and D.
 #
 # Every step has its own timeout (a part's timeouts add up to under 570 s, inside the tool's 600) and
 # the part never stops at a failed one: each appends
@@ -19,13 +20,13 @@
 #
 # Environment: OUT (default /tmp/gpu-agenda-out), PYTHON (default python3), GPU_AGENDA_WHEELS (the
 # wheel folder, default .whl), GPU_AGENDA_SITE (where they are installed, default /tmp/site); the
-# benchmarks' own knobs (GPU_BENCH_*, MEMPLAN_CASES, DOCUMENT_MASK_SHAPE) pass through.
+# benchmarks' own knobs (GPU_BENCH_*, MEMPLAN_CASES, DOCUMENT_MASK_SHAPE, GPU_LORA_SHAPES) pass through.
 set -uo pipefail
 PART=${1:-}
 case $PART in
-  A | B | C) ;;
+  A | B | C | D) ;;
   *)
-    echo "usage: bash benchmarks/gpu_agenda.sh A|B|C (got '${PART}'): A correctness, B llmctl vs torchtitan, C FP8 and mask" >&2
+    echo "usage: bash benchmarks/gpu_agenda.sh A|B|C|D (got '${PART}'): A correctness, B llmctl vs torchtitan, C FP8 and mask, D LoRA and QLoRA" >&2
     exit 3
     ;;
 esac
@@ -107,6 +108,11 @@ case $PART in
   C)
     cuda_step fp8 310 fp8.txt env TORCH_LOGS=graph_breaks,recompiles "$PY" benchmarks/gpu_fp8.py
     step document-mask 150 docmask.txt "$PY" benchmarks/document_mask.py
+    ;;
+  D)
+    # GPU_LORA_SHAPES=tiny (the CPU check) runs the tiny shape in both steps
+    step lora-1b 200 lora_1b.txt env GPU_LORA_SHAPES="${GPU_LORA_SHAPES:-1b}" "$PY" benchmarks/gpu_lora.py
+    step lora-8b 320 lora_8b.txt env GPU_LORA_SHAPES="${GPU_LORA_SHAPES:-8b}" "$PY" benchmarks/gpu_lora.py
     ;;
 esac
 cat "$SUMMARY"

@@ -3,7 +3,8 @@
 Only stdlib and typer at module level: hydra, mlflow and torch load inside the commands that
 need them, so ``llmctl --help`` stays instant. Exit codes: 0 ok, 2 usage, 3 bad config (or over
 --max-cost), and for a run its outcome's code (``lifecycle.RULES``: 0 finished, 1 failed, 4 stopped by
-the budget guard, 75 preempted with state saved, 130 interrupted, 143 killed).
+the budget guard, 75 stopped with state saved: preempted, or stopped by ``llmctl down`` (said as
+information: the run did not finish, and resumes), 130 interrupted, 143 killed).
 """
 
 from __future__ import annotations
@@ -305,9 +306,11 @@ def status(
     Without RUN_ID, lists recent runs.
     """
     from llmctl.tracking import runs
+    from llmctl.tracking.mlflow_run import missing_store
 
     if run_id is None:
-        typer.echo(runs.table(runs.recent(runs.tracking_uri(tracking_uri))))
+        uri = runs.tracking_uri(tracking_uri)
+        typer.echo(missing_store(uri) or runs.table(runs.recent(uri)))  # nothing to list: exit 0, as an empty table
         return
     if run_id.startswith("sweep-"):  # a sweep id: every trial's state, metrics and cost
         from llmctl.sweep import state
@@ -367,8 +370,12 @@ def down(
     uri, run, backend = _run_and_backend(run_id, tracking_uri)
     run_id = run.info.run_id  # the full id, when a prefix was given
     from llmctl.backends.base import ENDED
+    from llmctl.run import lifecycle
     from llmctl.tracking import runs
+    from llmctl.tracking.mlflow_run import client
 
+    if run.info.status not in ENDED:  # its controller then reports a stop the user asked for, not an error
+        lifecycle.request_stop(client(uri), run_id, "llmctl down")
     try:
         what = backend.down(run, uri)  # an ended run: no process is signalled (a kept cluster is released)
     except ConfigError as exc:
@@ -379,8 +386,6 @@ def down(
             f"llmctl: run {run_id} has already ended: {run.info.status}{f' ({detail})' if detail else ''}; {what}"
         )
         return
-    from llmctl.run import lifecycle
-
     # a live controller closes the run itself (one closer per run); if none is left, nobody else will
     if lifecycle.close_ended(uri, runs.get_run(run_id, uri), lifecycle.Outcome.KILLED, "llmctl down") is None:
         what += "; its controller closes the run"
@@ -405,11 +410,27 @@ def runs_cmd(
     from llmctl.cost import report
     from llmctl.tracking.mlflow_run import resolve_uri
 
+    uri = resolve_uri(tracking_uri)
+    _no_store_yet(uri, as_json)
     try:
-        rows = report.runs_rows(resolve_uri(tracking_uri), since, experiment, limit)
+        rows = report.runs_rows(uri, since, experiment, limit)
     except ConfigError as exc:
         raise _fail(str(exc), EXIT_CONFIG) from None
     typer.echo(json.dumps(rows, indent=2) if as_json else report.runs_table(rows))
+
+
+def _no_store_yet(uri: str, as_json: bool) -> None:
+    """``runs``/``cost`` where no store exists yet: one line saying so (exit 0, as for no runs; with
+    --json an empty list, the line on stderr), and no store created."""
+    from llmctl.tracking.mlflow_run import missing_store
+
+    missing = missing_store(uri)
+    if missing is None:
+        return
+    if as_json:
+        typer.echo("[]")
+    typer.echo(missing, err=as_json)
+    raise typer.Exit(0)
 
 
 @app.command("cost")
@@ -425,8 +446,12 @@ def cost_cmd(
     from llmctl.cost import report
     from llmctl.tracking.mlflow_run import resolve_uri
 
+    uri = resolve_uri(tracking_uri)
+    if by not in report.GROUPS:
+        raise _fail(f"--by '{by}': one of {', '.join(report.GROUPS)}", EXIT_CONFIG)
+    _no_store_yet(uri, as_json)
     try:
-        rows = report.cost_rows(resolve_uri(tracking_uri), since, by)
+        rows = report.cost_rows(uri, since, by)
     except ConfigError as exc:
         raise _fail(str(exc), EXIT_CONFIG) from None
     typer.echo(json.dumps(rows, indent=2) if as_json else report.cost_table(rows, by, since))
@@ -455,13 +480,14 @@ def eval_cmd(
 ) -> None:
     """Score a checkpoint (loss, perplexity, bits/byte, samples)."""
     from llmctl.run import eval_and_export as ev
+    from llmctl.sweep.state import untrained
 
     try:
         if hf or tasks:
             ev.require_transformers()  # before any work: the messages name the install
         if tasks:
             ev.require_lm_eval()
-        t = ev.resolve_target(target, overrides or [], tracking_uri, config_dir)
+        t = ev.resolve_target(target, overrides or [], tracking_uri, config_dir, untrained)
         if tasks:
             hf_dir, step = (hf, ev.export_step(hf) or 0) if hf else ev.export_hf(t, None, typer.echo)
             ev.run_lm_eval(t, hf_dir, step, [x for x in tasks.split(",") if x], limit, typer.echo)
@@ -488,30 +514,43 @@ def export_cmd(
         ..., help="MLflow run id (or a unique prefix), a checkpoint's model URI (models:/m-...), or a checkpoint URL."
     ),
     fmt: str = typer.Option(
-        "hf", "--format", help="Output format: hf (transformers Llama: safetensors + config + tokenizer)."
+        "hf",
+        "--format",
+        help="hf: transformers Llama (sharded safetensors + config + tokenizer; a LoRA run's adapters merged in);"
+        " peft: a LoRA run's adapters (adapter_config.json + adapter_model.safetensors) for PEFT or vLLM.",
     ),
-    out: Optional[str] = typer.Option(None, "--out", help="Directory (default: llmctl-runs/<run>/export-hf)."),
+    out: Optional[str] = typer.Option(None, "--out", help="Directory (default: llmctl-runs/<run>/export-<format>)."),
     step: Optional[int] = typer.Option(None, "--step", help="Checkpoint step (default: newest complete)."),
+    dtype: str = typer.Option(
+        "bf16", "--dtype", help="Weights: bf16 (default), fp16 or fp32; config.json's torch_dtype says which."
+    ),
     upload: bool = typer.Option(False, "--upload", help="Also copy the files into the run's artifacts (export/hf)."),
     config_dir: Optional[str] = ConfigDirOpt,
     tracking_uri: Optional[str] = TrackingUriOpt,
 ) -> None:
     """Export a checkpoint for transformers, lm-eval or vLLM."""
     from llmctl.run import eval_and_export as ev
+    from llmctl.sweep.state import untrained
 
-    if fmt != "hf":
-        raise _fail(f"--format {fmt}: only 'hf' is supported", 2)
+    if fmt not in ("hf", "peft"):
+        raise _fail(f"--format {fmt}: choose hf or peft", 2)
     try:
-        t = ev.resolve_target(target, [f"eval.step={step}"] if step is not None else [], tracking_uri, config_dir)
-        out_dir, got = ev.export_hf(t, out, typer.echo)
+        ev.check_export_dtype(dtype)  # before anything is created
+        overrides = [f"eval.step={step}"] if step is not None else []
+        t = ev.resolve_target(target, overrides, tracking_uri, config_dir, untrained)
+        if fmt == "peft":
+            out_dir, got = ev.export_peft(t, out, typer.echo)
+        else:
+            out_dir, got = ev.export_hf(t, out, typer.echo, dtype)
         if upload:
-            ev.upload_export(t, out_dir)
+            ev.upload_export(t, out_dir, fmt)
     except ConfigError as exc:
         raise _fail(str(exc), EXIT_CONFIG) from None
     except LaunchError as exc:
         raise _fail(str(exc), EXIT_FAILED) from None
     typer.echo(
-        f"llmctl: exported step {got} to {out_dir}" + (f" (tag llmctl.export.hf on run {t.run_id})" if t.run_id else "")
+        f"llmctl: exported step {got} to {out_dir}"
+        + (f" (tag llmctl.export.{fmt} on run {t.run_id})" if t.run_id else "")
     )
 
 

@@ -28,7 +28,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 # when the workers finish; xdist's own reorder (most tests first) left the Slurm file, with 3 tests
 # and 15 minutes, for last. Keep it current when a file's share changes (`--durations` of a CI run).
 LONGEST_FIRST = (
+    "tests/e2e/test_extras_resolve.py",  # waits on PyPI for minutes: overlaps the CPU-bound files
     "tests/e2e/test_docs.py",
+    "tests/e2e/test_lora_e2e.py",
     "tests/sky/test_slurm_launch.py",
     "tests/e2e/test_sweep_e2e.py",
     "tests/e2e/test_lifecycle.py",
@@ -38,6 +40,7 @@ LONGEST_FIRST = (
     "tests/e2e/test_eval_e2e.py",
     "tests/e2e/test_runs_local.py",
     "tests/trainer/test_hf_init.py",
+    "tests/trainer/test_lora.py",
     "tests/benchmarks/test_fault_kinds.py",
     "tests/benchmarks/test_gpu_agenda.py",
     "tests/trainer/test_compile_fullgraph.py",

@@ -24,6 +24,7 @@ from workloads.pretrain.contract.schema import (  # noqa: F401 - the enums are l
     Kernels,
     ModelCfg,
     ParallelCfg,
+    QuantizeBase,
     RopeLayout,
     Schedule,
     TrainCfg,

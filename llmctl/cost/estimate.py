@@ -1,7 +1,10 @@
 """What a run will cost before it starts: FLOPs → device-hours → wall time → $ per offer.
 
     N            = parameters without the input embedding (a lookup: no FLOPs)
-    FLOPs/token  = 6·N + 12·L·H·Q·T          (PaLM app. B; nanoGPT; torchtitan)
+    FLOPs/token  = 6·N + 12·L·H·Q·T          (PaLM app. B; nanoGPT; torchtitan): model FLOPs
+                   LoRA: 4·N + 6·adapter params + 12·L·H·Q·T (the frozen base has no weight gradients)
+    work/token   = FLOPs/token with activation recompute added and FP8's speed-up taken off
+                   (``work``: bf16-equivalent FLOPs, what a device's sustained FLOP/s divides)
     tokens       = steps · batch · seq_len   (global batch)
     wall         = overhead + tokens / throughput + val_passes · val_pass_s
     $            = wall_h · $/h of the whole job (catalog $/h per node × nodes, or price_per_gpu_hour × GPUs)
@@ -10,8 +13,9 @@ Throughput (and overhead, val time) come from the best evidence, which the estim
 1. measured: the newest FINISHED run in MLflow with the same shape (model, seq_len, dtype, kernels,
    tp, ac) on the same accelerator (``llmctl.shape`` / ``llmctl.accelerator`` tags), scaled by nodes;
 2. transferred: no run of this shape, but one of another shape on the same accelerator: its achieved
-   FLOP/s (tokens/s x its FLOPs/token) at this shape's FLOPs/token, its overhead as measured;
-3. prior: ``MFU_PRIOR`` of the accelerator's dense peak (GPU), or ``CPU_GFLOPS_PER_CORE`` (CPU).
+   FLOP/s (tokens/s x its work/token) at this shape's work/token, its overhead as measured;
+3. prior: ``MFU_PRIOR`` of the accelerator's dense peak (GPU), or ``CPU_GFLOPS_PER_CORE`` (CPU), on
+   this shape's work/token (the prior is an MFU without recompute or FP8).
 
 Pure arithmetic on plain values: the hardware and the catalog offers come with the plan (each
 backend describes what it runs on), the measured history from ``history``; ``planner`` gathers
@@ -24,6 +28,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping, Optional
 
+from llmctl.cost.work import Work, regime, work_per_token
 from llmctl.plan.devices import Hardware
 from workloads.pretrain.contract.config import typed
 from workloads.pretrain.contract.hardware import peak_for
@@ -101,18 +106,25 @@ def measured_throughput(m: Measured, cfg: Mapping[str, Any], hw: Hardware, accel
     nodes_ratio = hw.nodes / max(1, m.nodes)
     val_ratio = (int(t["val_batches"]) * int(t["batch_size"])) / max(1, m.val_batches * m.batch_size)
     scaled = f", scaled x{nodes_ratio:g} for {hw.nodes} node(s)" if m.nodes != hw.nodes else ""
-    flops_ratio, kind, what = 1.0, "measured", "this shape"
+    flops_ratio, forward_ratio, kind, what = 1.0, 1.0, "measured", "this shape"
     if m.flops_per_token:
-        fpt = flops_per_token(typed(cfg).model, int(t["seq_len"]))
-        flops_ratio, kind = m.flops_per_token / fpt, "transferred"
+        # its model FLOPs/token (tag) as work: its recompute and FP8 (from its shape key) at this
+        # shape's proportions, exact when they match (the ranking prefers such a run)
+        mine = work_per_token(cfg)
+        theirs_ac, theirs_fp8 = regime(m.shape or "")
+        as_theirs = work_per_token(cfg, theirs_ac, theirs_fp8)
+        theirs = m.flops_per_token * as_theirs.effective / as_theirs.model
+        flops_ratio, kind = theirs / mine.effective, "transferred"
+        # a val pass is a forward: nothing recomputed, FP8 on the forward's share only
+        forward_ratio = m.flops_per_token * as_theirs.effective_forward / as_theirs.model / mine.effective_forward
         what = f"shape {m.shape}"
         scaled += (
-            f"; its {m.tokens_per_s * m.flops_per_token / 1e9:,.1f} GFLOP/s at"
-            f" {fpt / 1e6:,.2f} MFLOP/token instead of {m.flops_per_token / 1e6:,.2f}"
+            f"; its {m.tokens_per_s * theirs / 1e9:,.1f} GFLOP/s at"
+            f" {mine.effective / 1e6:,.2f} MFLOP/token of work instead of {theirs / 1e6:,.2f}"
         )
     return Throughput(
         tokens_per_s=m.tokens_per_s * nodes_ratio * flops_ratio,
-        val_pass_s=m.val_pass_s * val_ratio / nodes_ratio / flops_ratio,
+        val_pass_s=m.val_pass_s * val_ratio / nodes_ratio / forward_ratio,
         overhead_s=m.overhead_s,
         kind=kind,
         source=(
@@ -127,7 +139,7 @@ def prior_throughput(cfg: Mapping[str, Any], hw: Hardware, backend: str) -> Thro
     """No measured run: a stated prior per accelerator (MFU of its peak) or per CPU core."""
     tc = typed(cfg)
     t = tc.train
-    fpt = flops_per_token(tc.model, t.seq_len)
+    w = work_per_token(cfg)
     dtype = t.dtype.on("cuda" if hw.gpu else "cpu")  # auto: what the trainer will run
     if hw.gpu:
         peak = peak_for(hw.gpu, dtype)
@@ -146,8 +158,8 @@ def prior_throughput(cfg: Mapping[str, Any], hw: Hardware, backend: str) -> Thro
         overhead = OVERHEAD_PRIOR_S["sky" if backend == "sky" else "local-cpu"]
     val_tokens = t.val_batches * t.batch_size * t.seq_len
     return Throughput(
-        tokens_per_s=flops_s / fpt,
-        val_pass_s=val_tokens * fpt / 3 / flops_s,
+        tokens_per_s=flops_s / w.effective,
+        val_pass_s=val_tokens * w.effective_forward / flops_s,
         overhead_s=overhead,
         kind="prior",
         source=f"{source}; no FINISHED run of this shape on {hw.accelerator} in MLflow"
@@ -242,6 +254,8 @@ class Estimate:
     price: Price
     offers: list[Price] = field(default_factory=list)
     max_cost: Optional[float] = None
+    work: Optional[Work] = None  # recompute and FP8, as the throughput assumed them
+    lora: bool = False  # model.lora.rank > 0: the frozen base's weight gradients are not computed
 
     @property
     def flops(self) -> float:
@@ -298,8 +312,10 @@ class Estimate:
         lines = [
             "# cost estimate",
             f"model:       N = {self.n_params:,} params (no input embedding);"
-            f" {self.flops_per_token / 1e6:,.2f} MFLOP/token (6N + 12*L*H*Q*T)",
+            f" {self.flops_per_token / 1e6:,.2f} MFLOP/token"
+            + (" (4N + 6 x adapter params + 12*L*H*Q*T: LoRA's frozen base)" if self.lora else " (6N + 12*L*H*Q*T)"),
             f"compute:     {self.tokens:,} tokens x FLOPs/token = {self.flops:.3e} FLOPs",
+            *(f"{label + ':':<12} {text}" for label, text in self.assumed()),
             f"throughput:  {self.throughput.tokens_per_s:,.0f} tok/s"
             f" on {self.hw.nodes} node(s) of {self.hw.accelerator}",
             f"  source:    {self.throughput.source}",
@@ -328,10 +344,27 @@ class Estimate:
                 lines.append(f"{p.label[:52]:<52} {p.usd_per_hour:>9,.2f} {self.cost_at(p):>10,.2f}")
         return "\n".join(lines)
 
+    def assumed(self) -> list[tuple[str, str]]:
+        """Recompute and FP8 as this estimate counts them: a measured run of this shape (its key
+        holds both) already paid for them; otherwise the work model's terms and their evidence."""
+        w = self.work
+        if w is None:
+            return []
+        if self.throughput.kind == "measured":
+            return [
+                (
+                    "assumes",
+                    f"parallel.ac={w.ac}, train.fp8={w.fp8} as the measured run of this shape ran them"
+                    " (its tokens/s includes their cost)",
+                )
+            ]
+        return w.assumed()
+
     def to_json(self) -> dict[str, Any]:
         return {
             "n_params": self.n_params,
             "flops_per_token": self.flops_per_token,
+            "work": None if self.work is None else {**asdict(self.work), "effective": self.work.effective},
             "steps": self.steps,
             "tokens": self.tokens,
             "flops": self.flops,
@@ -383,4 +416,6 @@ def estimate(
         price=choose_price(cfg["infra"], hw, catalog),
         offers=catalog,
         max_cost=max_cost,
+        work=work_per_token(cfg),
+        lora=bool(model.lora.rank),
     )

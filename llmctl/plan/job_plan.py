@@ -44,6 +44,27 @@ def kernel_lines(cfg: dict[str, Any], gpu: bool) -> list[str]:
     return [f"dtype:       {compute}{why}", f"loss kernel: {loss}", f"attention:   {attention}"]
 
 
+def lora_lines(cfg: dict[str, Any], gpu: bool) -> list[str]:
+    """What a LoRA run trains and what it freezes, from the config alone (``contract.shape``, the
+    counts the trainer's own LoRA line prints once the model exists): a user sizing an adapter sees
+    its parameters and the NF4 base's bytes before paying. None without ``model.lora.rank``."""
+    from workloads.pretrain.contract import shape
+    from workloads.pretrain.contract.config import typed
+
+    m = typed(cfg).model
+    if not m.lora.rank:
+        return []
+    trainable, total = shape.lora_params(m), shape.lora_total_params(m)
+    compute = 2 if typed(cfg).train.dtype.on("cuda" if gpu else "cpu") == "bf16" else 4  # NF4 scale factors
+    nf4 = shape.nf4_base_bytes(m, compute)
+    base = f"targets' weights in nf4: {nf4 / 2**30:.2f} GiB" if nf4 else "unquantized"
+    return [
+        f"lora:        rank {m.lora.rank}, alpha {m.lora.alpha:g} on {','.join(m.lora.targets)}:"
+        f" {trainable / 1e6:,.1f}M trainable params ({trainable / total:.2%} of {total / 1e9:,.2f}B, as PEFT"
+        f" counts); base frozen, no gradients or AdamW states ({base})"
+    ]
+
+
 @dataclass
 class Plan:
     cfg: dict[str, Any]
@@ -82,6 +103,7 @@ class Plan:
             f"processes:   {self.nodes} node(s) x {self.nproc_per_node} = {self.world_size} on {self.device}",
             f"mesh:        dp_replicate={lay['dp_replicate']} dp_shard={lay['dp_shard']} tp={lay['tp']}",
             *kernel_lines(self.cfg, bool(self.hardware.gpus_per_node)),
+            *lora_lines(self.cfg, bool(self.hardware.gpus_per_node)),
             f"tokens:      {train['steps'] * train['batch_size'] * train['seq_len']:,}"
             f" ({train['steps']} steps x {train['batch_size']} x {train['seq_len']})",
             f"command:     {redact(shlex.join(self.command))}",

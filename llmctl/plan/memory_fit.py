@@ -2,10 +2,11 @@
 
 The per-device estimate is the trainer's own (``workloads.pretrain.contract.memory_plan``, stdlib only, held
 against torch's memory tracker by tests/trainer/test_memory_plan.py); the device's memory comes from SkyPilot's catalog
-(``device_memory``) for cloud GPUs, ``nvidia-smi`` for local GPUs, and this machine's RAM shared by
-its processes on CPU, unless ``infra.device_memory_gib`` says. ``launch`` and ``resume`` refuse a job
-whose plan exceeds the usable memory (``RESERVE``: CUDA context, workspaces and allocator slack that
-no tensor accounts for), naming the cheapest change that fits, unless told ``--ignore-memory-plan``.
+(``device_memory``) for cloud GPUs (on Slurm, the same GPU name in the clouds' catalogs), ``nvidia-smi`` for
+local GPUs, and this machine's RAM shared by its processes on CPU, unless ``infra.device_memory_gib`` says.
+``launch`` and ``resume`` refuse a job whose plan exceeds the usable memory (``RESERVE``: CUDA context,
+workspaces and allocator slack that no tensor accounts for), naming the cheapest change that fits,
+unless told ``--ignore-memory-plan``.
 ``parallel.grad_sync=auto`` is decided here: gradients reduced once per step where that fits, else
 after every micro-batch (FSDP keeps them sharded).
 """
@@ -56,7 +57,10 @@ class MemoryFit:
 
     def verdict(self) -> str:
         if self.fits is None:
-            return f"fit unknown: no memory size for {self.device_label}"
+            return (
+                f"fit unknown: no memory size for {self.device_label}."
+                " Fix: infra.device_memory_gib=<GiB per device> to hold the job against it"
+            )
         share = self.plan.total / self.device_bytes
         head = (
             f"{'fits' if self.fits else 'DOES NOT FIT'}: {self.plan.total / GIB:.1f} GiB of "
@@ -82,20 +86,28 @@ def device_memory(plan: Any) -> tuple[Optional[int], str]:
     if given is not None:  # the user's figure (a MIG slice, a GPU the catalog lacks, a shared machine)
         return int(float(given) * GIB), f"{hw.gpu or 'CPU process'} (infra.device_memory_gib)"
     if hw.gpu:
-        gib = _catalog_gib(plan) or _local_gpu_gib(plan) or _gib_in_name(hw.gpu)
-        return (int(gib * GIB) if gib else None), hw.gpu
+        gib, source = _catalog_gib(plan)
+        gib = gib or _local_gpu_gib(plan) or _gib_in_name(hw.gpu)
+        return (int(gib * GIB) if gib else None), hw.gpu + (f" ({source})" if source else "")
     if plan.backend == "local":
         ram = _this_machine_ram()
         return (ram // max(1, plan.nproc_per_node) if ram else None), "CPU process (this machine's RAM shared)"
     return None, "CPU node"
 
 
-def _catalog_gib(plan: Any) -> Optional[float]:
+def _catalog_gib(plan: Any) -> tuple[Optional[float], str]:
+    """(GiB, where from: "" for the provider's own catalog). A provider whose catalog lists no memory
+    (Slurm) gets the same GPU name's memory from the clouds' catalogs (``rules.listed_memory_gib``)."""
     if plan.backend == "local" or not plan.hardware.gpu:
-        return None
-    from llmctl.backends.sky.rules import accelerator_memory_gib
+        return None, ""
+    from llmctl.backends.sky.rules import accelerator_memory_gib, listed_memory_gib
 
-    return accelerator_memory_gib(plan.cfg["infra"].get("provider"), plan.hardware.gpu)
+    gpu = plan.hardware.gpu
+    own = accelerator_memory_gib(plan.cfg["infra"].get("provider"), gpu)
+    if own:
+        return own, ""
+    gib, clouds = listed_memory_gib(gpu)
+    return gib, (f"as SkyPilot's {'/'.join(clouds)} catalog lists it" if gib else "")
 
 
 def _gib_in_name(name: str) -> Optional[float]:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -33,7 +34,7 @@ from llmctl.errors import ConfigError, LaunchError
 from llmctl.tracking.logged_models import URI_PREFIX
 from llmctl.tracking.logged_models import resolve as resolve_model
 from workloads.pretrain.contract.hardware import cpu_threads
-from workloads.pretrain.contract.protocol import EXPORT_INFO
+from workloads.pretrain.contract.protocol import EXPORT_DTYPES, EXPORT_INFO
 
 LM_EVAL_HINT = "lm-eval is not installed: `pip install lm-eval` (lm-evaluation-harness), then run again"
 # ``data.*`` overrides of an existing run would change how its tokenizer was built; for eval they
@@ -105,8 +106,15 @@ def _beside(url: str) -> Optional[Path]:
 
 
 def resolve_target(
-    target: str, overrides: list[str], tracking_uri: Optional[str], config_dir: Optional[str] = None
+    target: str,
+    overrides: list[str],
+    tracking_uri: Optional[str],
+    config_dir: Optional[str] = None,
+    untrained: Optional[Callable[[Any, Any], Optional[str]]] = None,
 ) -> Target:
+    """What ``target`` names: a run (by id or prefix), a logged model, or a checkpoint URL. ``untrained``
+    (client, run) says why a run has nothing to score (the CLI passes the sweep stage's
+    ``state.untrained``: a sweep's parent, a trial that never started), refused before anything is written."""
     from omegaconf import OmegaConf
 
     from llmctl.controller.workdir import RUNS_DIR, run_dir
@@ -115,8 +123,11 @@ def resolve_target(
     uri = runs.tracking_uri(tracking_uri)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     if target.startswith(URI_PREFIX):  # a checkpoint logged as an MLflow model: its run, at its step
-        from llmctl.tracking.mlflow_run import client
+        from llmctl.tracking.mlflow_run import client, missing_store
 
+        missing = missing_store(uri, f"no model {target}")
+        if missing:
+            raise ConfigError(f"{missing}. Fix: run llmctl where the run was launched, or pass --tracking-uri")
         target, step = resolve_model(client(uri), target)
         overrides = [f"eval.step={step}", *overrides]
     if not is_checkpoint_url(target):
@@ -124,6 +135,9 @@ def resolve_target(
         rid = run.info.run_id
         from llmctl.tracking.mlflow_run import client
 
+        why = untrained(client(uri), run) if untrained else None  # e.g. a sweep's parent: named, not "no config"
+        if why:
+            raise ConfigError(why)
         tmp = run_dir(rid) / f"eval-{stamp}"
         tmp.mkdir(parents=True, exist_ok=True)
         try:
@@ -279,10 +293,20 @@ def log_result(t: Target, result: dict[str, Any], prefix: str) -> None:
     mc.set_tag(t.run_id, "llmctl.eval.last_step", str(step))
 
 
-def export_hf(t: Target, out: Optional[str], echo: Callable[[str], None]) -> tuple[Path, int]:
-    """Write the checkpoint as a transformers Llama model; tag the run with where it is."""
+def check_export_dtype(dtype: str) -> None:
+    if dtype not in EXPORT_DTYPES:
+        raise ConfigError(f"--dtype {dtype}: an export is written in {', '.join(EXPORT_DTYPES)}. Fix: --dtype bf16")
+
+
+def export_hf(
+    t: Target, out: Optional[str], echo: Callable[[str], None], dtype: str = EXPORT_DTYPES[0]
+) -> tuple[Path, int]:
+    """Write the checkpoint as a transformers Llama model (weights in ``dtype``: bf16, fp16 or
+    fp32); tag the run with where it is."""
+    check_export_dtype(dtype)
     out_dir = Path(out).expanduser().resolve() if out else t.workdir.parent / "export-hf"
-    result = run_workload(t, 1, ["--export-hf", str(out_dir)] + (["--run-id", t.run_id] if t.run_id else []), echo)
+    args = ["--export-hf", str(out_dir), "--export-dtype", dtype] + (["--run-id", t.run_id] if t.run_id else [])
+    result = run_workload(t, 1, args, echo)
     step = int(result["step"])
     if t.run_id:
         from llmctl.tracking.mlflow_run import client
@@ -293,11 +317,40 @@ def export_hf(t: Target, out: Optional[str], echo: Callable[[str], None]) -> tup
     return out_dir, step
 
 
-def upload_export(t: Target, out_dir: Path) -> None:
+def check_peft(t: Target) -> None:
+    """``--format peft`` needs adapters: a run without LoRA is refused before any worker starts
+    (and the scratch directory ``resolve_target`` made is removed)."""
+    lora = ((t.cfg.get("model") or {}).get("lora") or {}).get("rank") or 0
+    if not int(lora):
+        shutil.rmtree(t.workdir, ignore_errors=True)
+        raise ConfigError(
+            "--format peft exports LoRA adapters, but this run trained every weight (model.lora.rank=0)."
+            " Fix: --format hf"
+        )
+
+
+def export_peft(t: Target, out: Optional[str], echo: Callable[[str], None]) -> tuple[Path, int]:
+    """Write a LoRA run's adapters as PEFT does (``adapter_config.json`` + ``adapter_model.safetensors``);
+    tag the run with where they are."""
+    check_peft(t)
+    out_dir = Path(out).expanduser().resolve() if out else t.workdir.parent / "export-peft"
+    args = ["--export-peft", str(out_dir)] + (["--run-id", t.run_id] if t.run_id else [])
+    result = run_workload(t, 1, args, echo)
+    step = int(result["step"])
     if t.run_id:
         from llmctl.tracking.mlflow_run import client
 
-        client(t.uri).log_artifacts(t.run_id, str(out_dir), "export/hf")
+        mc = client(t.uri)
+        mc.set_tag(t.run_id, "llmctl.export.peft", str(out_dir))
+        mc.set_tag(t.run_id, "llmctl.export.peft_step", str(step))
+    return out_dir, step
+
+
+def upload_export(t: Target, out_dir: Path, fmt: str = "hf") -> None:
+    if t.run_id:
+        from llmctl.tracking.mlflow_run import client
+
+        client(t.uri).log_artifacts(t.run_id, str(out_dir), f"export/{fmt}")
 
 
 def export_step(hf_dir: str) -> Optional[int]:

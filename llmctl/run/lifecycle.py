@@ -40,6 +40,7 @@ from llmctl.controller.procs import (
 from llmctl.controller.workdir import JOB_END_FILE, read_json, run_dir, update_json
 from llmctl.cost import hooks, ledger
 from llmctl.errors import ConfigError, LaunchError
+from llmctl.plan import data_check
 from llmctl.plan.job_plan import Plan
 from llmctl.tracking import mlflow_run as tracking
 from llmctl.tracking.mlflow_run import RunHandle
@@ -55,6 +56,10 @@ from workloads.pretrain.contract.protocol import (
 )
 
 TAG_BACKEND = "llmctl.backend"  # backend of the latest attempt (params keep the first attempt's infra.kind)
+# who asked the running attempt to stop, set before the signal is sent ({"by": "llmctl down"}, or a
+# sweep's pruner: {"by": ..., "what": "pruned", "resume": false}): the controller then reports the stop
+# as the requested one it is, not as a preemption or an error
+TAG_STOP_REQUEST = "llmctl.stop_request"
 TERMINAL = ("FINISHED", "FAILED", "KILLED")
 # the stop requests the controller acts on: Ctrl-C, SIGTERM (llmctl down, a scheduler) and SIGHUP
 # (the SSH session or terminal it ran in is gone); SIGTERM and SIGHUP are passed to the workers
@@ -90,7 +95,9 @@ RULES: dict[Outcome, Rule] = {
         "KILLED",
         75,
         "the workload was told to stop (SIGTERM/SIGUSR1: a spot reclaim, scancel,"
-        " llmctl down) and saved its state (tag llmctl.preempted); `llmctl resume RUN`",
+        " llmctl down, a sweep's pruner) and saved its state (tag llmctl.preempted); `llmctl resume RUN`."
+        " A stop someone asked for (llmctl down, the pruner) says so, as information, not an error; it"
+        " exits 75 all the same: the run did not finish, and resumes",
     ),
     Outcome.INTERRUPTED: Rule("KILLED", 130, "Ctrl-C (SIGINT) to llmctl: the workers were stopped"),
     Outcome.KILLED: Rule(
@@ -146,6 +153,7 @@ def launch(plan: Plan, *, max_cost: Optional[float], say: Say, ignore_memory_pla
     check_memory(plan, ignore_memory_plan, say)
     hooks.check_budget(plan.estimate, max_cost)  # before preflight: the plan alone decides it
     backend.preflight(plan)
+    data_check.check_plan(plan, say)  # bad records, no files, a validation split too short: refused now
     handle = tracking.create_run(plan.cfg, plan.choices)
     attempt = _open_attempt(handle, plan, max_cost, spent=0.0, from_step=0, first=True)
     return _run(
@@ -196,6 +204,7 @@ def resume(
     backend = backend_for(plan.backend)
     check_memory(plan, ignore_memory_plan, say)
     backend.preflight(plan)
+    data_check.check_plan(plan, say)
     rid = run.info.run_id
     mc = tracking.client(uri)
     ledger.reconcile(mc, rid)  # a managed job's recoveries are attempts before this one is numbered
@@ -209,7 +218,7 @@ def resume(
     # the previous attempt ends where its controller left it; what it was stays on its tags
     status = (run.data.tags.get("llmctl.status") or run.info.status.lower())[:500]
     ledger.close_open(mc, rid, previous_end, status)
-    for tag in (TAG_PREEMPTED, TAG_BUDGET_STOP, TAG_COMPLETED):  # facts about the previous attempt, not this one
+    for tag in (TAG_PREEMPTED, TAG_BUDGET_STOP, TAG_COMPLETED, TAG_STOP_REQUEST):  # the previous attempt's facts
         if tag in run.data.tags:
             mc.delete_tag(rid, tag)
     if max_cost is not None:
@@ -396,11 +405,11 @@ def _run(
     finally:  # closing takes a second: a stop request now must not leave the run half-closed
         _install(_note_late_stop, previous)
     try:
-        outcome, reason, cost_line = _close(plan, handle, attempt, cfg, code, error, mc)
+        outcome, reason, cost_line, requested = _close(plan, handle, attempt, cfg, code, error, mc)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    _report(outcome, reason, handle, time.monotonic() - started, cost_line, say)
+    _report(outcome, reason, handle, time.monotonic() - started, cost_line, say, requested)
     if unexpected is not None:
         raise unexpected
     return RULES[outcome].exit_code
@@ -426,11 +435,12 @@ def _close(
     code: Optional[int],
     error: Optional[BaseException],
     mc: Any,
-) -> tuple[Outcome, str, str]:
+) -> tuple[Outcome, str, str, bool]:
     """Classify, bill, upload and set the terminal status: each step runs whatever became of the one
     before (a tracking server that went away mid-close fails one step, not the rest). What the
     controller made of the attempt is kept in ``job_end.json`` first, so when the terminal status
-    cannot be written, ``llmctl status`` closes the run later with this outcome, billed to this end."""
+    cannot be written, ``llmctl status`` closes the run later with this outcome, billed to this end.
+    The last value: whether the stop was one someone asked for (``TAG_STOP_REQUEST``)."""
     from llmctl.controller import test_hooks
 
     rid = handle.run_id
@@ -475,7 +485,8 @@ def _close(
             file=sys.stderr,
             flush=True,
         )
-    return outcome, reason, cost_line
+    requested = outcome in (Outcome.PREEMPTED, Outcome.KILLED) and stop_request(tags) is not None
+    return outcome, reason, cost_line, requested
 
 
 def _warn_close(what: str, exc: BaseException) -> None:
@@ -556,8 +567,12 @@ def classify(
     an error, ``stop``: a stop request it received) and what the workload recorded (its tags, those of
     its current start only; ``attempt``: the controller's attempt number)."""
 
+    request = stop_request(tags)
+
     def killed(signum: Optional[int]) -> tuple[Outcome, str]:
         name = signal.Signals(signum).name if signum else "SIGTERM"
+        if request is not None:
+            return Outcome.KILLED, _requested_reason(request, None, run_id)
         return (
             Outcome.KILLED,
             f"killed: {name} to llmctl stopped the job without its checkpoint"
@@ -580,6 +595,8 @@ def classify(
         return (Outcome.BUDGET_STOP, hooks.budget_reason(budget)) if budget else (Outcome.FINISHED, "finished")
     preempted = current_fact(tags, TAG_PREEMPTED, attempt)
     if preempted:
+        if request is not None:
+            return Outcome.PREEMPTED, _requested_reason(request, preempted, run_id)
         return Outcome.PREEMPTED, _preempted_reason(preempted, run_id)
     if stop in (signal.SIGTERM, signal.SIGHUP):  # passed on to the workers, which ended without saving
         return killed(stop)
@@ -607,11 +624,54 @@ def _preempted_reason(raw: str, run_id: str) -> str:
     return f"preempted at step {info.get('step', '?')} ({saved}) — resume with: llmctl resume {run_id}"
 
 
-def _report(outcome: Outcome, reason: str, handle: RunHandle, elapsed: float, cost_line: str, say: Say) -> None:
+def stop_request(tags: dict[str, str]) -> Optional[dict[str, Any]]:
+    """Who asked the current attempt to stop (``TAG_STOP_REQUEST``), or None."""
+    raw = tags.get(TAG_STOP_REQUEST)
+    if not raw:
+        return None
+    try:
+        info = json.loads(raw)
+    except ValueError:
+        info = {"by": raw}
+    return info if isinstance(info, dict) else {"by": str(info)}
+
+
+def request_stop(mc: Any, run_id: str, by: str, what: str = "stopped", resume: bool = True) -> None:
+    """Record, before signalling, that ``by`` asks the run's attempt to stop (``llmctl down``, a pruner)."""
+    mc.set_tag(run_id, TAG_STOP_REQUEST, json.dumps({"by": by, "what": what, "resume": resume}))
+
+
+def _requested_reason(request: dict[str, Any], preempted: Optional[str], run_id: str) -> str:
+    """``stopped by llmctl down at step 37 (checkpoint step-37) — resume with: ...``; ``pruned by ...``."""
+    what, by = str(request.get("what") or "stopped"), str(request.get("by") or "request")
+    if preempted is None:
+        where, hint = "before its workers saved a checkpoint", "resume from the last one with"
+    else:
+        try:
+            info = json.loads(preempted)
+        except ValueError:
+            info = {}
+        ck = info.get("checkpoint") if isinstance(info, dict) else None
+        saved = f"checkpoint step-{ck}" if ck is not None else "no checkpoint: resume restarts from step 0"
+        where = f"at step {info.get('step', '?') if isinstance(info, dict) else '?'} ({saved})"
+        hint = "resume with"
+    tail = f" — {hint}: llmctl resume {run_id}" if request.get("resume", True) else ""
+    return f"{what} by {by} {where}{tail}"
+
+
+def _report(
+    outcome: Outcome,
+    reason: str,
+    handle: RunHandle,
+    elapsed: float,
+    cost_line: str,
+    say: Say,
+    requested: bool = False,
+) -> None:
     """The closing lines; the run is closed already, so a terminal that is gone (SIGHUP) or a store
     that cannot be read for the summary only loses them."""
     try:
-        _say_outcome(outcome, reason, handle, elapsed, cost_line, say)
+        _say_outcome(outcome, reason, handle, elapsed, cost_line, say, requested)
     except Exception as exc:
         try:
             print(f"warning: run {handle.run_id} closed {outcome.value}; report not shown ({exc})", file=sys.stderr)
@@ -619,8 +679,13 @@ def _report(outcome: Outcome, reason: str, handle: RunHandle, elapsed: float, co
             pass
 
 
-def _say_outcome(outcome: Outcome, reason: str, handle: RunHandle, elapsed: float, cost_line: str, say: Say) -> None:
+def _say_outcome(
+    outcome: Outcome, reason: str, handle: RunHandle, elapsed: float, cost_line: str, say: Say, requested: bool
+) -> None:
     rid = handle.run_id
+    if requested:  # the stop someone asked for: information, not an error
+        say(f"llmctl: run {rid} {reason}", err=True)
+        return
     if outcome in (Outcome.FINISHED, Outcome.BUDGET_STOP):
         say(tracking.summary(handle, elapsed))
         if cost_line:

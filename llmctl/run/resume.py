@@ -132,6 +132,8 @@ def resume(
     _check_not_running(run, uri)
     stored = _stored_config(tracking.client(uri), run)
     choices = {k[len("llmctl.choice.") :]: v for k, v in run.data.tags.items() if k.startswith("llmctl.choice.")}
+    if (stored.get("model") or {}).get("init_from"):  # tagged with the checkpoint's name, not a conf/model option:
+        choices.pop("model", None)  # the stored model values (the checkpoint's shape) are all there is to it
     composed = compose_resume(stored, choices, overrides, config_dir)
     root = composed.cfg["checkpoint"]["dir"]
     if not root:

@@ -8,6 +8,7 @@ supervisor, or does its job when it is gone.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -18,6 +19,7 @@ from typing import Any, Callable, Optional
 
 from llmctl.controller.procs import pid_alive
 from llmctl.errors import ConfigError
+from llmctl.plan import data_check
 from llmctl.sweep.state import (
     DOWN_GRACE_S,
     LOG_FILE,
@@ -40,6 +42,10 @@ from llmctl.sweep.trial_plans import SweepPlan, check_budget, gpu_slots, make_sw
 from llmctl.tracking.mlflow_run import redact
 
 
+def _data_shape(cfg: dict[str, Any]) -> str:
+    return json.dumps([cfg["data"], cfg["train"]["seq_len"], cfg["train"]["batch_size"]], sort_keys=True, default=str)
+
+
 def start(
     sp: SweepPlan, metric: str = "val/loss", mode: str = "min", max_cost: Optional[float] = None
 ) -> dict[str, Any]:
@@ -53,6 +59,9 @@ def start(
         raise ConfigError(f"--mode {mode}: use min or max")
     for infra in {t.plan.cfg["infra"]["name"]: t for t in sp.trials}.values():  # once per infra
         backend_for(infra.plan.backend).preflight(infra.plan)
+    shapes = {_data_shape(t.plan.cfg): t.plan for t in sp.trials}
+    for plan in shapes.values():  # the data preflight, once per data and batch shape
+        data_check.check_plan(plan)
     sweep_id = new_sweep_id()
     first = sp.trials[0].plan
     cfg = {

@@ -172,6 +172,9 @@ def load_spec(sweep_id: str, uri: Optional[str] = None) -> dict[str, Any]:
     from llmctl.tracking import mlflow_run as tracking
 
     store = tracking.resolve_uri(uri)
+    missing = tracking.missing_store(store, f"no sweep '{sweep_id}' in ./llmctl-runs/sweeps, and no runs yet")
+    if missing:  # opening the store would create it
+        raise ConfigError(f"{missing}. Fix: run llmctl from where you launched, or pass --tracking-uri")
     mc = tracking.client(store)
     exps = [e.experiment_id for e in mc.search_experiments()]
     parents = (
@@ -208,6 +211,32 @@ def _children(mc: Any, experiment_id: str, sweep_id: str) -> list[Any]:
         [experiment_id], f"tags.`{TAG_SWEEP_ID}` = '{sweep_id}' and tags.`{TAG_KIND}` = 'trial'", max_results=50000
     )
     return sorted(runs, key=lambda r: int(r.data.tags.get(TAG_TRIAL, 0)))
+
+
+def untrained(mc: Any, run: Any) -> Optional[str]:
+    """Why a sweep's run has no checkpoint to eval or export (its parent, or a trial that never
+    started), naming what to use instead; None for a run that trained (or is no sweep's)."""
+    tags, rid = run.data.tags, run.info.run_id
+    sid = tags.get(TAG_SWEEP_ID)
+    if not sid:
+        return None
+    if tags.get(TAG_KIND) == "sweep":
+        trials = [
+            f"trial {r.data.tags.get(TAG_TRIAL, '?')} {r.info.run_id[:12]} ({r.info.run_name or ''}, {r.info.status})"
+            for r in _children(mc, run.info.experiment_id, sid)
+            if ledger.attempts(r.data.tags)
+        ]
+        listed = "; ".join(trials[:8]) + (f"; and {len(trials) - 8} more" if len(trials) > 8 else "")
+        return f"run {rid} is the parent of sweep {sid}: it trains nothing itself, its trials do." + (
+            f" Fix: give one of its trials' run ids: {listed}" if trials else " None of its trials has started yet"
+        )
+    if tags.get(TAG_KIND) == "trial" and not ledger.attempts(tags):
+        return (
+            f"run {rid} is trial {tags.get(TAG_TRIAL, '?')} of sweep {sid}, which never started"
+            f" ({tags.get('llmctl.status') or run.info.status}): it has no checkpoint. Fix: `llmctl status {sid}`"
+            " lists the trials that ran"
+        )
+    return None
 
 
 def write_pid(directory: Path, pid: int) -> None:

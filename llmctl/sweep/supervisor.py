@@ -107,7 +107,7 @@ class _Followed:
 
     def poll(self) -> Optional[int]:
         """None while the job runs; -1 once its run is closed or its job ended (a managed job that
-        ended is closed here, as ``llmctl status RUN`` would)."""
+        ended is closed here, as ``llmctl status RUN`` would): a placeholder, not an exit code."""
         from llmctl.run import lifecycle
         from llmctl.tracking.mlflow_run import client
 
@@ -244,6 +244,8 @@ class Supervisor:
         """Report each running trial's new metric points to its Optuna trial; stop those it prunes."""
         import optuna
 
+        from llmctl.run import lifecycle
+
         if not self.search or self.search["prune"] == "none":
             return
         for index, (proc, _) in list(self.running.items()):
@@ -260,6 +262,9 @@ class Supervisor:
             if new[-1][0] < self.last_step(index) and trial.should_prune():  # a last-step report: nothing left to save
                 self.pruned[index] = new[-1]
                 self.mc.set_tag(self.run_ids[index], state.TAG_PRUNE_DECIDED, f"{new[-1][0]} {new[-1][1]!r}")
+                lifecycle.request_stop(  # its controller then says pruned, not preempted
+                    self.mc, self.run_ids[index], f"the sweep's {self.search['prune']} pruner", "pruned", resume=False
+                )
                 proc.send_signal(signal.SIGTERM)  # as a preemption: the workers save, then stop
                 _say(f"trial {index} pruned at step {new[-1][0]} ({self.spec['metric']} {new[-1][1]:.4f})")
 
@@ -424,16 +429,15 @@ class Supervisor:
                 self.mark_pruned(index)
             # a controller that died before closing its run leaves it open: close it here
             outcome = lifecycle.Outcome.KILLED if self.cancelled else lifecycle.Outcome.FAILED
-            lifecycle.close_run(
-                self.spec["uri"], self.run_ids[index], outcome, f"trial controller exited with code {code}"
-            )
+            if isinstance(proc, _Followed):  # an earlier supervisor's child: its exit code went to that one
+                ended, why = "followed after a supervisor restart: exit code not seen", "trial controller ended"
+            else:
+                ended, why = f"controller exit {code}", f"trial controller exited with code {code}"
+            lifecycle.close_run(self.spec["uri"], self.run_ids[index], outcome, why)
             status = self.mc.get_run(self.run_ids[index]).info.status
             self.outcome[index] = status
             self.tell(index)
-            _say(
-                f"trial {index} {'PRUNED' if index in self.pruned and status != 'FINISHED' else status}"
-                f" (controller exit {code})"
-            )
+            _say(f"trial {index} {'PRUNED' if index in self.pruned and status != 'FINISHED' else status} ({ended})")
 
     def stop_running(self) -> None:
         """SIGTERM each trial controller (it stops its workers and marks its run KILLED); then force."""

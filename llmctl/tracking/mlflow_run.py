@@ -60,6 +60,20 @@ def sqlite_path(uri: str) -> Optional[Path]:
     return Path(uri[len("sqlite:///") :]) if uri.startswith("sqlite:///") else None
 
 
+def missing_store(uri: str, lead: str = "no runs yet") -> Optional[str]:
+    """For a sqlite store whose file does not exist, the one line that says so (``no runs yet: no
+    tracking store at ./mlflow.db``); None for any other store. Commands that only read (``status``,
+    ``runs``, ``cost``, ``resume``...) say it instead of opening the store, which would create it."""
+    path = sqlite_path(uri)
+    if path is None or path.is_file():
+        return None
+    try:
+        shown = f"./{path.resolve().relative_to(Path.cwd().resolve())}"
+    except ValueError:
+        shown = str(path)
+    return f"{lead}: no tracking store at {shown}"
+
+
 def redact(value: str) -> str:
     """Strip credentials from URLs (``https://user:token@host`` → ``https://***@host``)."""
 
@@ -178,8 +192,26 @@ def client(uri: str) -> Any:
     if path is None:
         return _RetryingClient(MlflowClient(tracking_uri=uri))
     path.parent.mkdir(parents=True, exist_ok=True)
-    with _directory_lock(path.parent):  # the constructor opens the store (creating it if new): once per process
+    with _directory_lock(path.parent), _quiet_store_creation():  # the constructor opens the store (creating it if new)
         return _RetryingClient(retry(MlflowClient, tracking_uri=uri))
+
+
+@contextmanager
+def _quiet_store_creation() -> Iterator[None]:
+    """MLflow logs "Creating initial MLflow database tables..." and "Updating database tables" (INFO,
+    its own handler) when it creates a sqlite store, and alembic its migrations: the first command in a
+    directory would print them. Their loggers say only warnings while the store is opened."""
+    import logging
+
+    loggers = [logging.getLogger(name) for name in ("mlflow.store.db.utils", "alembic", "alembic.runtime.migration")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
 
 
 # MLflow 3 opens an experiment on its GenAI overview unless told it holds model training
@@ -212,6 +244,8 @@ def create_run(
 ) -> RunHandle:
     """Create the run with provenance tags; ``describe_run`` adds the final config once known."""
     uri = resolve_uri(cfg["tracking"]["uri"])
+    if cfg["model"].get("init_from") and "model" in choices:  # its shape and weights are the checkpoint's
+        choices = {**choices, "model": cfg["model"]["name"]}
     mc = client(uri)
     exp_id = experiment_id(mc, cfg["tracking"]["experiment"], uri)
     tags = {

@@ -10,7 +10,7 @@ import re
 from typing import Any, Optional
 
 from llmctl.errors import ConfigError
-from llmctl.tracking.mlflow_run import client, redact, resolve_uri
+from llmctl.tracking.mlflow_run import client, missing_store, redact, resolve_uri
 
 RECENT = 20
 
@@ -29,6 +29,12 @@ def get_run(ref: str, uri: str) -> Any:
     wherever an id is asked for. ConfigError (exit 3) when no run or several runs match."""
     from mlflow.exceptions import MlflowException
 
+    missing = missing_store(uri, f"no run '{ref}'")
+    if missing:  # opening it would create an empty store, then report it
+        raise ConfigError(
+            f"{missing} (no runs yet here). Fix: run llmctl where the run was launched, or pass --tracking-uri"
+            " (or set MLFLOW_TRACKING_URI) if it is tracked elsewhere"
+        )
     mc = client(uri)
     try:
         return mc.get_run(ref)
@@ -67,6 +73,8 @@ def _by_prefix(mc: Any, prefix: str) -> list[Any]:
 
 
 def recent(uri: str, limit: int = RECENT) -> list[Any]:
+    if missing_store(uri):
+        return []
     mc = client(uri)
     exps = mc.search_experiments()
     if not exps:

@@ -1,10 +1,11 @@
 """``benchmarks/gpu_agenda.sh`` on a machine without CUDA, end to end, so the GPU hour's script cannot rot.
 
-GPU time is rare and short (three 10-minute commands), so the script must not be found broken on
+GPU time is rare and short (four 10-minute commands), so the script must not be found broken on
 the GPU. Here each part runs for real with ``OUT`` in a temporary folder: the CUDA-only steps (the
 GPU suite, both torchtitan comparisons, FP8) record themselves as skipped, and the rest runs its
 CPU branch at tiny shapes (the probe, the memory plan's fake-process-group check with real tensors,
-the document mask's benchmark through ``DOCUMENT_MASK_SHAPE=tiny``). No wheel folder is given, so
+the document mask's benchmark through ``DOCUMENT_MASK_SHAPE=tiny``, LoRA and QLoRA built by the
+trainer's ``init_sharded`` and stepped through ``GPU_LORA_SHAPES=tiny``). No wheel folder is given, so
 the install step records that it had none; the wheels' pins are checked against the repo's.
 """
 
@@ -28,6 +29,7 @@ PARTS = {
     "A": (["install", "probe", "gpu-suite", "memplan"], {"gpu-suite"}),
     "B": (["install", "titan-sdpa", "titan-flex"], {"titan-sdpa", "titan-flex"}),
     "C": (["install", "fp8", "document-mask"], {"fp8"}),
+    "D": (["install", "lora-1b", "lora-8b"], set()),
 }
 # What each step that runs on CPU ends with.
 CPU_LAST = {
@@ -35,6 +37,8 @@ CPU_LAST = {
     "probe": "gpu_probe: no CUDA",
     "memplan": "memory_plan_cpu_max_error: ",
     "document-mask": "document_mask: ",
+    "lora-1b": "gpu_lora: ",
+    "lora-8b": "gpu_lora: ",
 }
 SUMMARY_LINE = re.compile(r"^(?P<name>[\w-]+): rc=(?P<rc>\d+) (?P<secs>\d+)s \| (?P<last>.*)$")
 
@@ -50,6 +54,7 @@ def _agenda(part: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
         "GPU_AGENDA_SITE": str(tmp_path / "site"),
         "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
         "DOCUMENT_MASK_SHAPE": "tiny",
+        "GPU_LORA_SHAPES": "tiny",
     }
     cmd = ["bash", str(AGENDA), part]
     return subprocess.run(cmd, cwd=tmp_path, env=env, text=True, capture_output=True, timeout=300)
@@ -81,9 +86,9 @@ def test_each_part_runs_on_cpu_skipping_what_needs_cuda(part: str, tmp_path: Pat
 
 
 def test_unknown_part_is_refused_with_the_usage() -> None:
-    proc = subprocess.run(["bash", str(AGENDA), "D"], text=True, capture_output=True, timeout=30)
+    proc = subprocess.run(["bash", str(AGENDA), "E"], text=True, capture_output=True, timeout=30)
     assert proc.returncode == 3
-    assert proc.stderr.strip().startswith("usage: bash benchmarks/gpu_agenda.sh A|B|C (got 'D')"), proc.stderr
+    assert proc.stderr.strip().startswith("usage: bash benchmarks/gpu_agenda.sh A|B|C|D (got 'E')"), proc.stderr
 
 
 def test_wheel_pins_are_the_repos_pins() -> None:

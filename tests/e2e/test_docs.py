@@ -185,7 +185,7 @@ def test_config_reference_covers_every_key_and_option() -> None:
 
 
 # A key row of docs/config.md's tables: | `section.key` | type | default | meaning |
-KEY_ROW = re.compile(r"^\|\s*`([a-z_]+\.[a-z_0-9]+)`\s*\|(.*)$", re.M)
+KEY_ROW = re.compile(r"^\|\s*`([a-z_]+(?:\.[a-z_0-9]+)+)`\s*\|(.*)$", re.M)
 
 
 def _cells(rest: str) -> list[str]:
@@ -242,16 +242,23 @@ def _schema_fields() -> dict:
     """{"section.key": (type hint, default)} of every leaf of llmctl's root schema (the trainer's
     sections, ``workloads.pretrain.contract.schema``, plus ``infra`` and ``tracking``)."""
     import typing
-    from dataclasses import MISSING, fields
+    from dataclasses import MISSING, fields, is_dataclass
 
     from llmctl.config.root_schema import RootCfg
 
     out = {}
-    for section, cls in typing.get_type_hints(RootCfg).items():
+
+    def leaves(prefix: str, cls) -> None:  # a nested group of keys (model.lora) adds its own leaves
         hints = typing.get_type_hints(cls)
         for f in fields(cls):
+            if is_dataclass(hints[f.name]):
+                leaves(f"{prefix}.{f.name}", hints[f.name])
+                continue
             default = f.default if f.default is not MISSING else f.default_factory()
-            out[f"{section}.{f.name}"] = (hints[f.name], default)
+            out[f"{prefix}.{f.name}"] = (hints[f.name], default)
+
+    for section, cls in typing.get_type_hints(RootCfg).items():
+        leaves(section, cls)
     return out
 
 

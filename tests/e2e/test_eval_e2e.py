@@ -80,8 +80,9 @@ def test_export_loads_in_transformers_and_accelerate_eval_matches(trained) -> No
     from workloads.pretrain.evaluate import load_model
 
     cwd, env, uri, run_id = trained
-    out = run_cli(["export", run_id, "--format", "hf", "--out", str(cwd / "hf")], cwd, env)
+    out = run_cli(["export", run_id, "--format", "hf", "--dtype", "fp32", "--out", str(cwd / "hf")], cwd, env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "eval |" not in out.stdout and f"export | step 10 to {cwd / 'hf'}" in out.stdout, out.stdout
     from mlflow.tracking import MlflowClient
 
     tags = MlflowClient(tracking_uri=uri).get_run(run_id).data.tags

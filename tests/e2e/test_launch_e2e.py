@@ -38,6 +38,9 @@ def test_launch_finishes_with_tracked_run(cli_env: dict[str, str], tmp_path: Pat
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "FINISHED" in out.stdout and "mlflow ui --backend-store-uri" in out.stdout
     assert not (tmp_path / "from-env.db").exists() and not (tmp_path / "mlflow.db").exists()
+    # the first command in a directory: no MLflow store-creation lines, no dataset-source UserWarning
+    for noise in ("Creating initial MLflow database tables", "Updating database tables", "UserWarning"):
+        assert noise not in out.stdout + out.stderr, noise
 
     runs = mlflow_runs(uri)
     assert len(runs) == 1

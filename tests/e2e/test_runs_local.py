@@ -76,10 +76,16 @@ def test_down_stops_a_running_local_run(cli_env: dict[str, str], tmp_path: Path)
         assert "alive" in run_cli(["status", run_id], tmp_path, cli_env).stdout
         out = run_cli(["down", run_id], tmp_path, cli_env)
         assert out.returncode == 0, out.stderr
-        proc.wait(timeout=60)
+        _, said = proc.communicate(timeout=60)
         with pytest.raises(ProcessLookupError):
             os.killpg(workers, 0)
-        assert [r.info.status for r in mlflow_runs(f"sqlite:///{tmp_path / 'mlflow.db'}")] == ["KILLED"]
+        (run,) = mlflow_runs(f"sqlite:///{tmp_path / 'mlflow.db'}")
+        assert run.info.status == "KILLED"
+        # the launching terminal: the stop the user asked for, as information (exit 75: not finished, resumable)
+        assert proc.returncode == 75, said
+        assert f"llmctl: run {run_id} stopped by llmctl down at step " in said, said
+        assert f"resume with: llmctl resume {run_id}" in said and "error:" not in said and "preempted" not in said
+        assert run.data.tags["llmctl.status"].startswith("stopped by llmctl down at step ")
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -95,3 +101,16 @@ def test_runs_shows_the_steps_of_a_resumed_run(resumed: dict[str, Any]) -> None:
     assert (row["run_id"], row["steps"], row["steps_target"], row["attempts"]) == (rid, 4, 4, 2), row
     table = run_cli(["runs"], cwd, env).stdout
     assert " 4/4 " in next(line for line in table.splitlines() if rid[:12] in line), table
+
+
+def test_resume_onto_bad_data_is_refused_and_leaves_the_run_as_it_was(resumed: dict[str, Any]) -> None:
+    """The data preflight runs at resume too (llmctl.plan.data_check): refused before attempt 3 exists."""
+    cwd, env, rid = resumed["cwd"], resumed["env"], resumed["run_id"]
+    bad = cwd / "bad.jsonl"
+    bad.write_text("".join(json.dumps({"text": f"doc {i}"}) + "\n" for i in range(5)) + '{"text": "cut short\n')
+    out = run_cli(["resume", rid, "train.steps=6", "data=files", f"data.source={bad}"], cwd, env)
+    assert out.returncode == 3, out.stdout[-2000:] + out.stderr[-2000:]
+    said = out.stderr.strip()
+    assert said.startswith(f"error: {bad}:6: not JSON (") and said.endswith("Fix: one JSON object per line"), said
+    (run,) = mlflow_runs(f"sqlite:///{cwd / 'mlflow.db'}")
+    assert run.info.status == "FINISHED" and run.data.tags["llmctl.attempt"] == "2"

@@ -178,4 +178,12 @@ def test_down_cancels_running_and_pending_trials(cli_env: dict[str, str], tmp_pa
     # the pending one never ran: closed without an attempt
     assert children[2].data.tags["llmctl.status"] == "sweep cancelled before this trial started"
     assert "llmctl.attempt" not in children[2].data.tags
+    # eval/export say what these are: the parent (naming its trials) and a trial that never started
+    ev = run_cli(["eval", parent.info.run_id], tmp_path, cli_env)
+    assert ev.returncode == 3 and f"is the parent of sweep {sid}" in ev.stderr, ev.stderr
+    assert all(c.info.run_id[:12] in ev.stderr for c in children[:2]) and children[2].info.run_id[:12] not in ev.stderr
+    ex = run_cli(["export", children[2].info.run_id], tmp_path, cli_env)
+    assert ex.returncode == 3 and f"is trial 2 of sweep {sid}, which never started" in ex.stderr, ex.stderr
+    assert "config.yaml" not in ev.stderr + ex.stderr
+    assert not (tmp_path / "llmctl-runs" / parent.info.run_id).exists()  # refused before any eval directory
     assert _processes_mentioning(sid, *(c.info.run_id for c in children)) == []

@@ -125,6 +125,10 @@ def test_tpe_search_prunes_some_trials(store: Store, tpe_sweep: dict[str, Any]) 
         assert json.loads(c.data.tags["llmctl.preempted"])["checkpoint"] is not None  # SIGTERM → checkpoint
         steps = [m.step for m in store.client().get_metric_history(c.info.run_id, "val/loss")]
         assert int(c.data.tags["llmctl.pruned"]) in steps and max(steps) < STEPS
+        # the trial's own log says pruned, as information: not a preemption, not an error
+        log = (store.sweep_dir(sid) / f"trial-{c.data.tags['llmctl.trial']}.log").read_text()
+        assert "pruned by the sweep's asha pruner at step" in log, log[-2000:]
+        assert "preempted" not in log and "error:" not in log and "resume with" not in log, log[-2000:]
     # Optuna's study saw the same outcome for each trial, by trial number
     study = store.study(sid)
     states = {t.number: t.state.name for t in study.trials}
@@ -234,6 +238,10 @@ def test_killed_supervisor_resumes_every_trial_once(store: Store) -> None:
     tags = by_index[dead_index].data.tags
     assert tags["llmctl.attempt"] == "2" and int(tags["llmctl.attempt.2.from_step"]) >= 6, tags
     assert by_index[live_index].data.tags["llmctl.attempt"] == "1"  # followed, not restarted
-    assert f"trial {dead_index} resumed" in (sdir / "supervisor.log").read_text()
+    log = (sdir / "supervisor.log").read_text()
+    assert f"trial {dead_index} resumed" in log
+    # the followed trial's controller was the dead supervisor's child: no made-up exit code
+    assert f"trial {live_index} FINISHED (followed after a supervisor restart: exit code not seen)" in log, log
+    assert "controller exit -1" not in log
     steps = sorted(m.step for m in mc.get_metric_history(by_index[dead_index].info.run_id, "train/loss"))
     assert steps[-1] == 24

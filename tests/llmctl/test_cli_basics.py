@@ -105,3 +105,12 @@ def test_help_lists_every_command_on_one_untruncated_line(cli_env: dict[str, str
         assert command in names, command
     for line in lines:
         assert line.startswith("  ") and not line.startswith("   ") and not line.rstrip().endswith("..."), line
+
+
+def test_export_refuses_an_unknown_dtype_before_creating_anything(cli_env: dict[str, str], tmp_path: Path) -> None:
+    out = run_cli(["export", "some-run", "--dtype", "fp64"], tmp_path, cli_env)
+    assert out.returncode == 3, out.stdout + out.stderr
+    assert out.stderr.strip().splitlines() == [
+        "error: --dtype fp64: an export is written in bf16, fp16, fp32. Fix: --dtype bf16"
+    ]
+    assert not (tmp_path / "llmctl-runs").exists()

@@ -54,6 +54,25 @@ def test_a_stop_after_the_last_step_is_a_finished_run() -> None:
     assert classify(1, None, stale, "r1", signal.SIGTERM)[0] is Outcome.KILLED
 
 
+def test_a_stop_someone_asked_for_is_named_as_such() -> None:
+    """``llmctl down`` and a sweep's pruner record who asks before they signal: the stop then reads as
+    theirs (stopped / pruned), not as a preemption; without the record it stays a preemption."""
+    pre = json.dumps({"step": 9, "checkpoint": 9, "start": 1, "attempt": 1})
+    tags = {**dict([_start(1)]), "llmctl.preempted": pre}
+    down = {**tags, lifecycle.TAG_STOP_REQUEST: json.dumps({"by": "llmctl down", "what": "stopped", "resume": True})}
+    assert classify(75, None, down, "r1") == (
+        Outcome.PREEMPTED,
+        "stopped by llmctl down at step 9 (checkpoint step-9) — resume with: llmctl resume r1",
+    )
+    prune = json.dumps({"by": "the sweep's asha pruner", "what": "pruned", "resume": False})
+    got = classify(75, None, {**tags, lifecycle.TAG_STOP_REQUEST: prune}, "r1")
+    assert got == (Outcome.PREEMPTED, "pruned by the sweep's asha pruner at step 9 (checkpoint step-9)")
+    asked = {lifecycle.TAG_STOP_REQUEST: down[lifecycle.TAG_STOP_REQUEST]}
+    got, reason = classify(1, None, asked, "r1", signal.SIGTERM)
+    assert got is Outcome.KILLED and reason.startswith("stopped by llmctl down before its workers saved"), reason
+    assert classify(75, None, tags, "r1")[1].startswith("preempted at step 9")
+
+
 def test_sighup_and_unexpected_errors_are_named() -> None:
     got, reason = classify(None, Interrupted(signal.SIGHUP), {}, "r1", signal.SIGHUP)
     assert got is Outcome.KILLED and reason.startswith("killed: SIGHUP to llmctl"), reason

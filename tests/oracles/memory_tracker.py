@@ -8,8 +8,9 @@ the way ``train.train`` runs them (``train.step_loss``, micro-batches with gradi
 one only, ``loss_parallel`` under TP, the trainer's autocast (none: FSDP's bf16 parameters, on a
 1-rank mesh for one process), grad clipping, the trainer's own ``optim.build_optimizer``,
 ``zero_grad``) under ``torch.distributed._tools``' tracker:
-``FSDPMemTracker`` when the model is FSDP-sharded, else ``MemTracker``. The second step counts
-(AdamW's states exist by then): its peak, in bytes per category.
+``FSDPMemTracker`` when the model is FSDP-sharded (with its hooks kept grouped for a unit of
+several modules, ``_grouped_mem_tracker``), else ``MemTracker``. The second step counts (AdamW's
+states exist by then): its peak, in bytes per category.
 
 Recipe and its pitfalls: TP and ``fully_shard`` run on ``meta`` *outside* fake
 mode; ``to_empty``, the optimizer and the steps inside ``FakeTensorMode(allow_non_fake_inputs=True)``.
@@ -111,6 +112,86 @@ def _train_step(model, optimizer, micro_batches, dims, autocast, grad_clip: floa
     optimizer.zero_grad(set_to_none=True)
 
 
+def _grouped_mem_tracker():
+    """``FSDPMemTracker`` that keeps a grouped unit's forward hooks grouped (``apply_fsdp``'s
+    ``fully_shard([norm, output])``).
+
+    torch's tracker (2.11-2.13) swaps each FSDP state's forward hooks for one pair per module, so a
+    group runs its post-forward after each module and its post-backward after each module's
+    backward: under the tracker, [norm, head] reshards after the head's backward, is gathered again
+    for the norm's and reduce-scatters twice, which a run without the tracker never does (one
+    post-backward, after the norm's). Here single-module units are instrumented as torch does it; a
+    group gets torch's group hooks (``_register_group_forward_hooks``) around the tracker's
+    wrappers, its backward methods wrapped once, and its group hooks back on exit.
+    """
+    import inspect
+
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType, _SavedFSDPMethods
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_state import _register_group_forward_hooks
+
+    def group_hooks(state, pre: Callable, post: Callable):
+        extra = {}  # torch 2.13 also casts the outputs of a group's other modules
+        if "cast_output_dtype" in inspect.signature(_register_group_forward_hooks).parameters:
+            extra["cast_output_dtype"] = state._cast_output_dtype
+        return _register_group_forward_hooks(state._modules, pre, post, state._modules_to_run_forward, **extra)
+
+    def remove_hooks(state) -> None:
+        state._pre_forward_hook_handle.remove()
+        if state._post_forward_hook_handle is not state._pre_forward_hook_handle:
+            state._post_forward_hook_handle.remove()
+
+    class GroupedFSDPMemTracker(FSDPMemTracker):
+        def _instrument_fsdp_module(self) -> None:
+            states = []
+            for module in self._root_mod.modules():
+                state = module._get_fsdp_state() if isinstance(module, FSDPModule) else None
+                if state is not None and state._fsdp_param_group and state not in states:
+                    states.append(state)
+            for state in states:
+                group, modules = state._fsdp_param_group, tuple(state._modules)
+                remove_hooks(state)
+                self._instrument_fsdp_sharded_params_grads(group)
+                # the tracker's wrappers, its statistics under the unit's first module (torch 2.11's
+                # group hooks run the pre-forward on the first module only, 2.13's on each)
+                pre = self._fsdp_state_pre_forward(modules[0], state._pre_forward)
+                post = self._fsdp_state_post_forward(modules[0], state._post_forward)
+                if len(modules) == 1:
+                    state._pre_forward_hook_handle = modules[0].register_forward_pre_hook(
+                        pre, prepend=True, with_kwargs=True
+                    )
+                    state._post_forward_hook_handle = modules[0].register_forward_hook(
+                        post, prepend=False, always_call=True
+                    )
+                else:
+                    handle = group_hooks(state, pre, post)
+                    state._pre_forward_hook_handle = state._post_forward_hook_handle = handle
+                self._fsdp_mod_to_saved_methods[modules[0]] = _SavedFSDPMethods(group.pre_backward, group.post_backward)
+                group.pre_backward = self._fsdp_param_group_pre_backward(modules[0], group.pre_backward)
+                group.post_backward = self._fsdp_param_group_post_backward(modules[0], group.post_backward)
+            for buffer in self._root_mod.buffers():
+                self._update_and_maybe_create_winfos(buffer, _FSDPRefType.BUFFER)
+
+        def _deregister_module_and_optimizer_hooks(self) -> None:
+            for module, saved in self._fsdp_mod_to_saved_methods.items():
+                state = module._get_fsdp_state()
+                remove_hooks(state)
+                if len(state._modules) == 1:  # as ``FSDPState.init`` registers them
+                    state._pre_forward_hook_handle = module.register_forward_pre_hook(
+                        state._pre_forward, prepend=True, with_kwargs=True
+                    )
+                    state._post_forward_hook_handle = module.register_forward_hook(state._post_forward, prepend=False)
+                else:
+                    handle = group_hooks(state, state._pre_forward, state._post_forward)
+                    state._pre_forward_hook_handle = state._post_forward_hook_handle = handle
+                state._fsdp_param_group.pre_backward = saved.pre_backward
+                state._fsdp_param_group.post_backward = saved.post_backward
+            self._fsdp_mod_to_saved_methods.clear()
+            super()._deregister_module_and_optimizer_hooks()  # the optimizer's hooks
+
+    return GroupedFSDPMemTracker
+
+
 def fake_tensors_tracked() -> bool:
     """Whether this torch's ``FSDPMemTracker`` reads FSDP2 training on fake tensors right: torch 2.11's
     does not (it counts the sharded AdamW state many times over and misses the unsharded parameters
@@ -140,7 +221,6 @@ def tracked_peak(
     the CUDA allocator's peak there, so its peak covers the same step as the tracker's.
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch.distributed.fsdp import FSDPModule
 
@@ -164,6 +244,7 @@ def tracked_peak(
             model.to_empty(device=device)
             if fake:
                 model.tie_weights()
+                _fill_nf4(model)
             else:
                 model.init_weights(buffer_device=torch.device(device), seed=0)
             optimizer = build_optimizer(model, tc)
@@ -175,7 +256,7 @@ def tracked_peak(
             autocast = autocast_context(model, cfg, device)  # the trainer's: none under FSDP
             micro_batches = Batch(inputs, targets, int(tc.batch_size) * seq, **packed).split(tc.micro_batch_size)
             if isinstance(model, FSDPModule):
-                tracker = FSDPMemTracker(model, optimizer)
+                tracker = _grouped_mem_tracker()(model, optimizer)
                 tracker.track_inputs((inputs, targets))
             else:
                 tracker = MemTracker()
@@ -195,6 +276,16 @@ def tracked_peak(
                         tracker,
                     )
             return _by_part(tracker.get_tracker_snapshot("peak"))
+
+
+def _fill_nf4(model) -> None:
+    """QLoRA's NF4 weights on fake tensors: ``to_empty`` moves NF4's packed codes and scales but not
+    its code table and scale mean, which stay on meta; quantizing a (fake) weight into each, as
+    ``init_weights`` does with real values, gives them the device."""
+    from workloads.pretrain.model import nf4
+
+    for _, linear in nf4.linears(model):
+        nf4.fill(linear, torch.empty(linear.weight.shape, device=nf4.device(linear)))
 
 
 def _by_part(snapshot: dict) -> dict[str, Any]:
@@ -218,13 +309,17 @@ def _case(
     parallel: dict | None = None,
     data: dict | None = None,
     slow: bool = False,
+    tolerance: float | None = None,
 ) -> dict[str, Any]:
     """A case: a trainer config (``max_seq_len`` 4096 unless given) at ``world_size`` processes.
-    ``slow``: the test marks it ``pytest.mark.slow`` (10-25 s on a busy 2-core machine)."""
+    ``slow``: the test marks it ``pytest.mark.slow`` (10-25 s on a busy 2-core machine).
+    ``tolerance``: the test's bound on the plan's relative error, where tighter than its default
+    (a case that checks one modelling choice whose error would stay within the default)."""
     cfg = {"model": {"max_seq_len": 4096, **model}, "train": train, "parallel": parallel or {}}
     if data:
         cfg["data"] = data
-    return {"name": name, "world_size": world_size, "cfg": cfg, "slow": slow}
+    case = {"name": name, "world_size": world_size, "cfg": cfg, "slow": slow}
+    return {**case, "tolerance": tolerance} if tolerance is not None else case
 
 
 _D512 = {"dim": 512, "n_layers": 4, "n_heads": 8, "n_kv_heads": 4, "vocab_size": 8192}
@@ -288,11 +383,33 @@ CASES = [
         {"ac": "none"},
         {"document_mask": True},
     ),
+    # The embedding and [norm, head] as FSDP units of their own (``apply_fsdp``), at a vocabulary
+    # larger than the blocks: one root unit kept both gathered all step; here the embedding is not
+    # gathered at the loss, the peak. Replicas with one shard each (dp_shard 1), where no all-gather
+    # buffer stands in for the embedding as [norm, head]'s does with dp_shard > 1; one chunk of the
+    # fused loss. Held tighter than the rest: planned as one root unit, it falls outside.
+    _case(
+        "hsdp2x1 d256 v32k untied",
+        2,
+        {"dim": 256, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 32000},
+        {"batch_size": 2, "seq_len": 256},
+        {"dp_replicate": 2},
+        tolerance=0.03,
+    ),
     _case(
         "fsdp2 d768 qwen2 tied none",
         2,
         {**_D768, "arch": "qwen2", "tie_embeddings": True, "n_kv_heads": 2},
         {"batch_size": 4, "seq_len": 1024},
+    ),
+    # LoRA (frozen base, adapters train) under FSDP, and QLoRA (NF4 base, a buffer in one process:
+    # the 24 GB-card case); hidden_dim 1536 so every target splits into whole NF4 scale groups
+    _case("fsdp2 d512 lora r16 none", 2, {**_D512, "lora": {"rank": 16}}, {"batch_size": 4, "seq_len": 1024}),
+    _case(
+        "w1 d512 qlora r16 none",
+        1,
+        {**_D512, "hidden_dim": 1536, "lora": {"rank": 16, "quantize_base": "nf4"}},
+        {"batch_size": 2, "seq_len": 1024},
     ),
 ]
 

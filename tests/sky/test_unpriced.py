@@ -42,6 +42,11 @@ def test_plan_shows_unpriced_and_the_refusal(sky_env: dict[str, str], tmp_path: 
     assert any(line.startswith("price:       unpriced (slurm: no catalog price;") for line in lines), lines
     assert "total:       unpriced estimated" in lines
     assert not any("$0.00" in line for line in lines), lines
+    assert "$0 by default" not in out.stdout  # the offers section agrees: unpriced, not "$0"
+    assert "offline catalog for this provider: unpriced until infra.price_per_gpu_hour is set" in out.stdout
+    # a Slurm cluster keeps checkpoints on its shared filesystem, as conf/infra/slurm.yaml says; a bucket is second
+    [note] = [line for line in out.stdout.splitlines() if "checkpoints stay on the nodes" in line]
+    assert "point checkpoint.dir at the cluster's shared filesystem" in note, note
     [cap] = [line for line in lines if line.startswith("max cost:")]
     assert "REFUSED: launch will refuse" in cap and "infra 'slurm' is unpriced" in cap and FIX in cap, cap
     priced = run_cli(["plan", *SLURM, "infra.price_per_gpu_hour=2.5", "--max-cost", "1000000"], tmp_path, sky_env)

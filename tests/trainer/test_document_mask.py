@@ -64,7 +64,7 @@ def test_masked_windows_compute_what_transformers_computes_per_document(
     torch.manual_seed(0)
     model = build_model(cfg.model).eval()
     hf = transformers.LlamaForCausalLM.from_pretrained(
-        str(export(model.state_dict(), cfg.model, tmp_path / "hf"))
+        str(export(model.state_dict(), cfg.model, tmp_path / "hf", dtype="fp32"))
     ).eval()
 
     rng = np.random.default_rng(0)
@@ -106,7 +106,7 @@ def test_eval_of_a_masked_run_matches_transformers_per_document(make_tiny_cfg, c
     torch.manual_seed(0)
     model = build_model(cfg.model).eval()
     hf = transformers.LlamaForCausalLM.from_pretrained(
-        str(export(model.state_dict(), cfg.model, tmp_path / "hf"))
+        str(export(model.state_dict(), cfg.model, tmp_path / "hf", dtype="fp32"))
     ).eval()
     byte_len = torch.from_numpy(token_byte_lengths(corpus.tokenizer))
     (batch,) = eval_batches(cfg, corpus, 0, 1, torch.device("cpu"))

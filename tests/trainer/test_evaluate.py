@@ -62,7 +62,9 @@ def test_loaded_checkpoint_has_the_weights_and_cached_generation_matches(tmp_pat
 def test_two_rank_fsdp_checkpoint_evaluates_the_same_in_one_and_two_processes(
     tmp_path: Path, write_tiny_config, workload_env, workload
 ) -> None:
-    """Train 2 ranks (FSDP, dp_shard=2) with checkpoints; eval at world size 1 and 2 equals training."""
+    """Train 2 ranks (FSDP, dp_shard=2) with checkpoints; eval at world size 1 and 2 equals training;
+    the export of that sharded checkpoint (one process, tensor by tensor, in shards) computes in
+    transformers what the checkpoint computes."""
     cfg = write_tiny_config(
         **{
             "train.steps": 6,
@@ -96,3 +98,20 @@ def test_two_rank_fsdp_checkpoint_evaluates_the_same_in_one_and_two_processes(
     assert abs(one["val_loss"] - two["val_loss"]) <= 1e-5
     assert one["tokens"] == two["tokens"] and one["bytes"] == two["bytes"]
     assert results[1]["samples"][0]["greedy_ids"] == results[2]["samples"][0]["greedy_ids"]
+
+    transformers = pytest.importorskip("transformers")
+    from workloads.pretrain.contract.config import load
+
+    hf_dir = tmp_path / "hf"
+    cmd = [sys.executable, "-m", "workloads.pretrain.evaluate", "--config", str(cfg), "--export-hf", str(hf_dir)]
+    cmd += ["--export-dtype", "fp32", "--export-max-shard-size", "200000"]
+    done = subprocess.run(
+        cmd, cwd=Path(__file__).resolve().parents[2], env=workload_env, text=True, capture_output=True, timeout=300
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert len(list(hf_dir.glob("model-*.safetensors"))) > 2 and (hf_dir / "model.safetensors.index.json").is_file()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+    native = load_model(load(str(cfg)).model, str(tmp_path / "ck" / "step-6"))
+    tokens = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():  # fp32 tolerance: same math, different kernels/association order
+        torch.testing.assert_close(hf(tokens).logits, native(tokens), atol=2e-5, rtol=1e-4)

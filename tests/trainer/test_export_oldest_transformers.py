@@ -48,7 +48,10 @@ def worker(spec_path: str) -> None:
         "exports": {},
     }
     for name, path in spec["exports"].items():
-        model, info = transformers.AutoModelForCausalLM.from_pretrained(path, output_loading_info=True)
+        # fp32 whatever the export's dtype (5.x would load a bf16 export as bf16, 4.45 as fp32)
+        model, info = transformers.AutoModelForCausalLM.from_pretrained(
+            path, output_loading_info=True, torch_dtype=torch.float32
+        )
         model.eval()
         tok = transformers.AutoTokenizer.from_pretrained(path)
         eos = tok.convert_tokens_to_ids(spec["eos_token"])
@@ -80,6 +83,8 @@ def worker(spec_path: str) -> None:
             "tokenizer_class": type(tok).__name__,
             "eos_token": tok.eos_token,
             "eos_id": eos,
+            "bos_token": tok.bos_token,
+            "config_bos": model.config.bos_token_id,
             "config_eos": model.config.eos_token_id,
             "generation_eos": model.generation_config.eos_token_id,
             "ids": ids,
@@ -197,7 +202,12 @@ def _variants() -> dict[str, dict[str, Any]]:
         "qwen2": {**base, "arch": "qwen2", "n_kv_heads": 1},
         # a model loaded with model.init_from keeps Hugging Face's RoPE layout: exported unpermuted
         "llama-init_from-layout": {**base, "rope_layout": "half"},
+        "llama-bf16-shards": base,  # as shipped by default: bf16, here in several shards (SHIPPED)
     }
+
+
+# export options other than fp32 in one file, by variant; the native model is then rounded the same way
+SHIPPED = {"llama-bf16-shards": {"dtype": "bf16", "max_shard_size": 40_000}}
 
 
 def _build(fields: dict[str, Any], seed: int = 0) -> tuple[torch.nn.Module, Any]:
@@ -230,9 +240,14 @@ def test_export_loads_in_oldest_allowed_transformers(tmp_path: Path) -> None:
     exports, native = {}, {}
     for name, fields in _variants().items():
         model, cfg = _build(fields)
-        exports[name] = str(export(model.state_dict(), cfg, tmp_path / name, tokenizer_file=tok_file, eos_token=EOT))
+        options = SHIPPED.get(name, {"dtype": "fp32"})
+        exports[name] = str(export(model.state_dict(), cfg, tmp_path / name, tok_file, EOT, **options))
         with torch.no_grad():
+            if name in SHIPPED:  # the weights as the export holds them, computed in fp32
+                for p in model.parameters():
+                    p.copy_(p.bfloat16().float())
             native[name] = model(tokens)
+    assert len(list(Path(exports["llama-bf16-shards"]).glob("model-*-of-*.safetensors"))) > 2
     # the variants exercise what they claim: without the scaling / the biases the logits differ by
     # far more than the tolerance below (atol 2e-5), so a loader that dropped either could not match
     plain, _ = _build({**_variants()["llama-tied-llama3-rope"], "rope_scaling": None})
@@ -268,6 +283,7 @@ def test_export_loads_in_oldest_allowed_transformers(tmp_path: Path) -> None:
             assert info.get("mismatched_keys", []) == [] and info.get("error_msgs", []) == [], (where, info)
             eos = got["eos_id"]
             assert got["eos_token"] == EOT and got["config_eos"] == got["generation_eos"] == eos == eot_id, (where, got)
+            assert got["bos_token"] is None and got["config_bos"] is None, where  # llmctl's BPE has no BOS
             if not (name == "qwen2" and run is new):  # see test_qwen2_export_tokenizer_in_transformers_5
                 assert got["ids"] == trained_ids, (where, got["tokenizer_class"], got["ids"])  # as in training
             assert got["decoded"] == TEXT, where

@@ -79,12 +79,35 @@ def test_generation_refuses_to_run_past_max_seq_len() -> None:
         generate(model, torch.zeros(1, 90, dtype=torch.long), max_new_tokens=10)
 
 
-@pytest.mark.parametrize("tie", [False, True])
-def test_hf_export_matches_native_logits(tie: bool, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "tie, dtype, shard_bytes",
+    [(False, "fp32", None), (True, "fp32", 40_000), (False, "bf16", 40_000), (True, "fp16", None)],
+)
+def test_hf_export_matches_native_logits(tie: bool, dtype: str, shard_bytes: int | None, tmp_path: Path) -> None:
+    """transformers' logits on the export equal the native model's whose weights are rounded to the
+    export's dtype, both computed in fp32: the export is exactly the weights, rounded once, in the
+    one file or the shards (with an index) that ``save_pretrained`` would write."""
+    import json
+
     transformers = pytest.importorskip("transformers")
+    from workloads.pretrain.checkpoint.hf_export import DTYPES
+
     model, cfg = _model(tie=tie)
-    out = export(model.state_dict(), cfg, tmp_path / "hf")
-    hf = transformers.LlamaForCausalLM.from_pretrained(str(out), torch_dtype=torch.float32).eval()
+    kwargs = {"max_shard_size": shard_bytes} if shard_bytes else {}
+    out = export(model.state_dict(), cfg, tmp_path / "hf", dtype=dtype, **kwargs)
+    shards = sorted(p.name for p in out.glob("*.safetensors"))
+    if shard_bytes:
+        index = json.loads((out / "model.safetensors.index.json").read_text())
+        assert len(shards) >= 3 and set(index["weight_map"].values()) == set(shards), shards
+        assert shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    else:
+        assert shards == ["model.safetensors"] and not (out / "model.safetensors.index.json").exists()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    written = json.loads((out / "config.json").read_text())
+    assert written["torch_dtype"] == written["dtype"] == str(DTYPES[dtype]).removeprefix("torch.")
+    with torch.no_grad():  # the weights as the export holds them, computed in fp32 like transformers
+        for p in model.parameters():
+            p.copy_(p.to(DTYPES[dtype]).float())
     tokens = torch.randint(0, 300, (2, 33), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         ours = model(tokens)
@@ -108,8 +131,12 @@ def _tokenizer(tmp_path: Path) -> Path:
 
 def test_hf_export_is_complete_for_transformers(tmp_path: Path) -> None:
     """No missing or unexpected weights; special-token ids from the tokenizer in config.json and
-    generation_config.json, so generate() stops at end-of-text; the tokenizer round-trips text."""
+    generation_config.json, so generate() stops at end-of-text; the tokenizer round-trips text.
+    llmctl's own BPE has an end-of-text token and no BOS: the export has none either (not the
+    end-of-text token twice, nor LlamaConfig's default id 1)."""
     transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer
+
     from workloads.pretrain.data import EOT
 
     model, cfg = _model()
@@ -128,6 +155,9 @@ def test_hf_export_is_complete_for_transformers(tmp_path: Path) -> None:
     tok = transformers.AutoTokenizer.from_pretrained(str(out))
     eos = tok.convert_tokens_to_ids(EOT)
     assert tok.eos_token == EOT and hf.config.eos_token_id == hf.generation_config.eos_token_id == eos
+    assert tok.bos_token is None and tok.bos_token_id is None
+    assert hf.config.bos_token_id is None and hf.generation_config.bos_token_id is None
+    assert tok("Return a")["input_ids"] == Tokenizer.from_file(str(tok_file)).encode("Return a").ids  # nothing added
     text = "def f(x):\n    return x  # naïve, but fine"
     assert tok.decode(tok(text)["input_ids"]) == text
 
@@ -144,19 +174,45 @@ def test_hf_export_is_complete_for_transformers(tmp_path: Path) -> None:
 
 
 def test_hf_export_appears_whole_or_not_at_all(tmp_path: Path) -> None:
+    from workloads.pretrain.checkpoint.tensor_source import StateDictSource
+
     model, cfg = _model()
     tok_file = _tokenizer(tmp_path)
-    with pytest.raises(ValueError, match="no token"):  # fails after the weights were written
+    with pytest.raises(ValueError, match="no token"):  # a bad tokenizer fails before any weight is written
         export(model.state_dict(), cfg, tmp_path / "hf", tokenizer_file=tok_file, eos_token="<|no such token|>")
+    assert list(tmp_path.iterdir()) == [tok_file]
+
+    class FailsLast(StateDictSource):  # the checkpoint becomes unreadable after some shards were written
+        def read(self, name: str) -> torch.Tensor:
+            if name == "output.weight":
+                assert len(list(tmp_path.glob(".hf.tmp-*/model-*.safetensors"))) >= 2
+                raise OSError("connection reset")
+            return super().read(name)
+
+    with pytest.raises(OSError, match="connection reset"):
+        export(FailsLast(model.state_dict()), cfg, tmp_path / "hf", tok_file, "<|endoftext|>", max_shard_size=40_000)
     assert list(tmp_path.iterdir()) == [tok_file]  # no directory, no leftovers
     first = export(model.state_dict(), cfg, tmp_path / "hf", tokenizer_file=tok_file, eos_token="<|endoftext|>")
     other, _ = _model(seed=1)
-    again = export(other.state_dict(), cfg, tmp_path / "hf", tokenizer_file=tok_file, eos_token="<|endoftext|>")
+    again = export(other.state_dict(), cfg, tmp_path / "hf", tok_file, "<|endoftext|>", dtype="fp32")
     assert again == first and sorted(p.name for p in tmp_path.iterdir()) == ["hf", "tokenizer.json"]
     from safetensors.torch import load_file
 
     weights = load_file(str(again / "model.safetensors"))
     assert torch.equal(weights["model.embed_tokens.weight"], other.state_dict()["tok_embeddings.weight"])
+
+
+def test_hf_export_refuses_fp16_for_weights_beyond_its_range(tmp_path: Path) -> None:
+    """fp16 tops out at 65504: a weight beyond it would be written as inf. Refused, naming the
+    tensor and the fix, and nothing is left behind; bf16 (the default) holds it."""
+    model, cfg = _model()
+    with torch.no_grad():
+        model.layers["1"].feed_forward.w2.weight[0, 0] = 1e5
+    with pytest.raises(ValueError, match=r"layers\.1\.feed_forward\.w2\.weight holds 1e\+05.*--dtype bf16"):
+        export(model.state_dict(), cfg, tmp_path / "hf", dtype="fp16")
+    assert list(tmp_path.iterdir()) == []
+    export(model.state_dict(), cfg, tmp_path / "hf")
+    assert (tmp_path / "hf" / "model.safetensors").is_file()
 
 
 def test_hf_export_needs_no_transformers(tmp_path: Path) -> None:

@@ -231,6 +231,7 @@ def test_launch_fine_tunes_exports_and_transformers_agrees(
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     mc = MlflowClient(tracking_uri=uri)
     (run,) = mc.search_runs([e.experiment_id for e in mc.search_experiments()])
+    assert run.data.tags["llmctl.choice.model"] == ckpt.name  # what it is, not the conf/model default (smoke)
     p = run.data.params
     assert (p["model.dim"], p["model.hidden_dim"], p["model.rope_layout"], p["model.init_from"]) == (
         "64",
@@ -263,7 +264,7 @@ def test_launch_fine_tunes_exports_and_transformers_agrees(
     assert torch.equal(flat["tok_embeddings.weight"], flat["output.weight"])  # still one matrix after training
     assert not torch.equal(flat["tok_embeddings.weight"], hf.model.embed_tokens.weight)  # and it trained
 
-    out = run_cli(["export", run.info.run_id, "--out", str(tmp_path / "export")], tmp_path, cli_env)
+    out = run_cli(["export", run.info.run_id, "--dtype", "fp32", "--out", str(tmp_path / "export")], tmp_path, cli_env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     exported, info = transformers.AutoModelForCausalLM.from_pretrained(
         str(tmp_path / "export"), dtype=torch.float32, output_loading_info=True

@@ -47,6 +47,19 @@ def test_upstream_gradient_is_applied():
     torch.testing.assert_close(cw, gw)
 
 
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+def test_frozen_head_gets_no_gradient_and_the_same_hidden_gradient(autocast):
+    """LoRA freezes the LM head: the loss then skips its weight gradient; the hidden one is unchanged."""
+    h, w, t = inputs()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        (expected,) = torch.autograd.grad(chunked_linear_cross_entropy(h, w, t, chunk_size=8), (h,))
+        frozen = w.detach()
+        loss = chunked_linear_cross_entropy(h, frozen, t, chunk_size=8)
+    loss.backward()
+    assert frozen.grad is None
+    torch.testing.assert_close(h.grad, expected)
+
+
 def test_batched_input_and_no_grad_path():
     h, w, t = inputs()
     hb, tb = h.detach().view(1, N, D), t.view(1, N)

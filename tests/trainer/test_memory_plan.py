@@ -3,8 +3,9 @@ and its contract.
 
 Every case of ``memory_tracker.CASES`` (the list ``benchmarks/memory_plan.py`` prints) must plan within
 15% of ``FSDPMemTracker`` / ``MemTracker`` over real training steps of the real model on fake tensors
-(measured: within 0.3%). The tracker runs in this process on a fake process group it tears down
-again; a few seconds a case, no real memory.
+(measured: within 1%), or within a case's own tighter ``tolerance`` where the case checks one
+modelling choice. The tracker runs in this process on a fake process group it tears down again; a
+few seconds a case, no real memory.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def test_plan_within_tolerance_of_tracker(case):
 
     plan, tracked, err = compare(case)
     detail = {p: (getattr(plan, p) >> 20, tracked.get(p, 0) >> 20) for p in PARTS}
-    assert abs(err) <= TOLERANCE, (
+    assert abs(err) <= case.get("tolerance", TOLERANCE), (
         f"{case['name']}: plan {plan.total >> 20} MiB vs tracker {tracked['total'] >> 20} MiB "
         f"({err:+.1%}); (plan, tracker) MiB by part: {detail}; plan's peak: {plan.phase}"
     )

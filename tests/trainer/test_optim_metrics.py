@@ -161,3 +161,16 @@ def test_extension_pins_a_decayed_cosine_and_lets_a_stable_wsd_extend():
     jump = 3e-4 * f(21, _train(steps=60))
     assert jump > 2e-4 and pin is None and f"jumps from 3.00e-05 (step 20) to {jump:.2e} (step 21)" in said
     assert extension(_train(steps=20), _train(steps=20), 10) == (None, "")
+
+
+def test_extension_with_fewer_steps_says_the_decay_is_cut_short():
+    """Resuming with fewer steps keeps the horizon too, and says what that means for a shorter run
+    (it ends before its decay), not the longer run's "after step N it stays at" line."""
+    from workloads.pretrain.contract.schedule import extension
+    from workloads.pretrain.contract.schedule import lr_factor as f
+
+    pin, said = extension(_train(steps=40), _train(steps=30), 20)
+    assert pin == 40 and "train.steps 40 -> 30" in said
+    end = 3e-4 * f(30, _train(steps=30, schedule_steps=40))
+    assert f"ends at step 30, before its decay does (learning rate {end:.2e} there, not the floor 3.00e-05)" in said
+    assert "add train.schedule_steps=30" in said and "after step" not in said and "extends cleanly" not in said

@@ -137,6 +137,67 @@ def test_messages_without_a_chat_template_are_refused() -> None:
         encode_example({"messages": CHATS[0]}, Tokenizer(models.BPE()), 0, None, "f.jsonl:3")
 
 
+# Templates whose assistant turns cannot be found by rendering prefixes. DeepSeek-R1 distills: the
+# generation prompt opens a "<think>\n" that history does not hold, so the span would start 8
+# characters into the answer. Qwen3: a think block on the last turn only, so a turn renders one way
+# as the conversation's last and another inside it.
+R1_STYLE = TEMPLATE.replace("<|end_header_id|>\n\n{% endif %}", "<|end_header_id|>\n\n<think>\n{% endif %}")
+LAST_TURN_THINKS = TEMPLATE.replace(
+    "{% generation %}", "{% generation %}{% if loop.last %}<think>\n\n</think>\n\n{% endif %}"
+)
+
+
+@pytest.mark.parametrize(
+    "template, parting",
+    [
+        (
+            R1_STYLE,
+            "the generation prompt differently from message 1 as history ({src}:1): after "
+            "'nd_header_id|>\\n\\n', the generation prompt has '<think>\\n' but message 1 as history has "
+            "'An immutable seq'",
+        ),
+        (
+            LAST_TURN_THINKS,  # line 1 (one turn) renders alike; line 2's first answer does not
+            "the conversation up to message 2 differently from the whole conversation ({src}:2): after "
+            "'nd_header_id|>\\n\\n', the conversation up to message 2 has '<think>\\n\\n</think' but the "
+            "whole conversation has 'Unordered, uniqu'",
+        ),
+    ],
+    ids=["prompt-opens-think", "last-turn-thinks"],
+)
+def test_a_template_whose_turns_cannot_be_located_is_a_config_error(
+    tokenizer_dir: Path, tmp_path: Path, template: str, parting: str
+) -> None:
+    """Refused while the data is prepared, nothing cached, as data.tokenizer's fault (a ConfigError:
+    the trainer prints it as a config error and exits EXIT_CONFIG), naming the template's file, the
+    characters where its renderings part, and the fix. The committed check let the first through,
+    marking 'rld<|eot_id|>' of an answer 'hello world'."""
+    import shutil
+
+    from workloads.pretrain.contract.schema import DataCfg
+    from workloads.pretrain.contract.validate import ConfigError
+    from workloads.pretrain.data import prepare_corpus
+
+    bad = tmp_path / "tok"
+    shutil.copytree(tokenizer_dir, bad)
+    config = json.loads((bad / "tokenizer_config.json").read_text())
+    (bad / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
+    (bad / "chat_template.jinja").unlink(missing_ok=True)  # transformers 5 saves the template there
+    src = tmp_path / "chats.jsonl"
+    src.write_text("".join(json.dumps({"messages": c}) + "\n" for c in CHATS))
+    cache = tmp_path / "cache"
+    with pytest.raises(ConfigError) as info:
+        prepare_corpus(DataCfg(format="sft", source=str(src), tokenizer=str(bad), cache_dir=str(cache)))
+    message = str(info.value)
+    assert message.startswith(
+        f"data.tokenizer: {bad}/tokenizer_config.json's chat_template renders {parting.format(src=src)}; "
+    ), message
+    assert message.endswith(
+        "(data.tokenizer=<Hugging Face tokenizer directory>), or give these examples as prompt/completion records"
+    )
+    assert not list(cache.glob("*/meta.json"))
+
+
 @pytest.mark.parametrize("kernels", ["reference", "fused"])
 def test_packed_examples_compute_what_each_example_computes_alone(make_tiny_cfg, kernels: str) -> None:
     """Per-example positions and block-causal attention: a packed row's logits and summed loss

@@ -9,8 +9,11 @@
   on rank 0 generate a greedy and a sampled completion (KV cache) per ``eval.prompts``.
 * ``--hf DIR``: the same metrics for a Hugging Face export, loaded by transformers with
   ``device_map="auto"`` (accelerate places it on the available devices). One process.
-* ``--export-hf DIR``: write the checkpoint as a transformers Llama model (export_hf.py) plus the
-  run's tokenizer. One process.
+* ``--export-peft DIR``: a LoRA run's adapters as PEFT writes them (``lora_export``): one process.
+* ``--export-hf DIR``: write the checkpoint as a transformers Llama model (``hf_export``: sharded
+  safetensors in ``--export-dtype``, bf16 by default) plus the run's tokenizer, with the special
+  tokens and chat template of the tokenizer's source. One process, which reads the checkpoint one
+  tensor at a time and never builds the model.
 
 Any world size loads any checkpoint: every rank builds the whole (unsharded) model and DCP reads
 the pieces of each tensor from whatever shards the saving layout wrote. Ranks then split each
@@ -56,7 +59,7 @@ from workloads.pretrain.contract.checkpoint_layout import (
 )
 from workloads.pretrain.contract.config import parse_args
 from workloads.pretrain.contract.hardware import cpu_threads
-from workloads.pretrain.contract.protocol import EXPORT_INFO
+from workloads.pretrain.contract.protocol import EXPORT_DTYPES, EXPORT_INFO
 from workloads.pretrain.contract.schema import ModelCfg, TrainerCfg
 from workloads.pretrain.data import EOT, Corpus, Windows, load_texts, prepare_corpus, val_batches
 from workloads.pretrain.model.losses import IGNORE_INDEX
@@ -264,6 +267,9 @@ def run(
     hf_dir: Optional[str] = None,
     export_dir: Optional[str] = None,
     run_id: Optional[str] = None,
+    export_dtype: str = EXPORT_DTYPES[0],
+    export_max_shard_size: Optional[int] = None,
+    peft_dir: Optional[str] = None,
 ) -> dict[str, Any]:
     """Do the requested mode; returns the result (rank 0's is complete)."""
     rank, world, device = _init()
@@ -294,17 +300,37 @@ def run(
     if dist.is_initialized():  # one listing, so every rank loads the same step
         dist.broadcast_object_list(found, src=0)
     step_dir, step = found[0]
-    model = load_model(cfg.model, step_dir, device)
     result.update(step=step, checkpoint=step_dir)
-    say(f"eval | loaded {step_dir} (step {step}) in {world} process(es), {time.perf_counter() - t0:.1f}s")
+    if peft_dir:
+        if world > 1:
+            raise ValueError("--export-peft runs in one process")
+        from workloads.pretrain.checkpoint.lora_export import export_peft
+        from workloads.pretrain.checkpoint.tensor_source import DcpSource
 
+        info = {"run_id": run_id, "step": step, "checkpoint": step_dir, "format": "peft"}
+        export_peft(DcpSource(step_dir), cfg, peft_dir, extra_files={EXPORT_INFO: json.dumps(info, indent=2)})
+        result.update(export=str(peft_dir), format="peft")
+        say(f"export | step {step} adapters to {peft_dir} (PEFT LoRA) in {time.perf_counter() - t0:.1f}s")
+        return result
     if export_dir:
         if world > 1:
             raise ValueError("--export-hf runs in one process")
-        export_model(model, cfg.model, corpus, export_dir, {"run_id": run_id, "step": step, "checkpoint": step_dir})
-        result["export"] = str(export_dir)
-        say(f"eval | exported step {step} to {export_dir} (transformers Llama, safetensors + tokenizer)")
+        info = {"run_id": run_id, "step": step, "checkpoint": step_dir, "dtype": export_dtype}
+        export_checkpoint(cfg, step_dir, corpus, export_dir, export_dtype, info, export_max_shard_size)
+        result.update(export=str(export_dir), dtype=export_dtype)
+        say(
+            f"export | step {step} to {export_dir} ({export_dtype} safetensors + tokenizer for transformers)"
+            f" in {time.perf_counter() - t0:.1f}s"
+        )
         return result
+
+    if cfg.model.lora.rank:  # adapters only in the checkpoint: merged into the base the run read
+        from workloads.pretrain.checkpoint.lora_export import merged_model
+
+        model = merged_model(cfg, step_dir, device)
+    else:
+        model = load_model(cfg.model, step_dir, device)
+    say(f"eval | loaded {step_dir} (step {step}) in {world} process(es), {time.perf_counter() - t0:.1f}s")
 
     bf16 = cfg.train.dtype.on(device.type) == "bf16"
     autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if bf16 else nullcontext
@@ -323,20 +349,37 @@ def run(
     return result
 
 
-def export_model(
-    model: Transformer, model_cfg: ModelCfg, corpus: Corpus, out_dir: str, info: Optional[dict[str, Any]] = None
+def export_checkpoint(
+    cfg: TrainerCfg,
+    step_dir: str,
+    corpus: Corpus,
+    out_dir: str,
+    dtype: str = EXPORT_DTYPES[0],
+    info: Optional[dict[str, Any]] = None,
+    max_shard_size: Optional[int] = None,
 ) -> None:
-    """The checkpoint's model and the run's tokenizer as a transformers Llama (no transformers needed)."""
-    from workloads.pretrain.checkpoint.hf_export import export
+    """The checkpoint's model, read from DCP tensor by tensor, and the run's tokenizer as a
+    transformers Llama / Qwen2 (no transformers needed)."""
+    from workloads.pretrain.checkpoint.hf_export import MAX_SHARD_SIZE, export
+    from workloads.pretrain.checkpoint.hf_tokenizer import source_dir
+    from workloads.pretrain.checkpoint.tensor_source import DcpSource
 
     extra = {EXPORT_INFO: json.dumps(info, indent=2)} if info else None
+    source = DcpSource(step_dir)
+    if cfg.model.lora.rank:  # the checkpoint holds adapters only: merged into the base the run read
+        from workloads.pretrain.checkpoint.lora_export import MergedSource, base_source
+
+        source = MergedSource(base_source(cfg), source, cfg)
     export(
-        dict(model.state_dict()),
-        model_cfg,
+        source,
+        cfg.model,
         out_dir,
         tokenizer_file=corpus.path / "tokenizer.json",
         eos_token=corpus.eos_token,
+        dtype=dtype,
         extra_files=extra,
+        tokenizer_source=source_dir(cfg.data.tokenizer),
+        max_shard_size=max_shard_size or MAX_SHARD_SIZE,
     )
 
 
@@ -356,10 +399,24 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--checkpoint", help="checkpoint root or step-N directory (default: checkpoint.dir)")
     parser.add_argument("--hf", help="score this Hugging Face export instead of a checkpoint")
     parser.add_argument("--export-hf", help="export the checkpoint to this directory")
+    parser.add_argument("--export-peft", help="export a LoRA run's adapters (PEFT's format) to this directory")
+    parser.add_argument("--export-dtype", choices=EXPORT_DTYPES, default=EXPORT_DTYPES[0], help="the export's weights")
+    parser.add_argument(
+        "--export-max-shard-size", type=int, help="bytes per safetensors shard (default 5e9, as save_pretrained)"
+    )
     parser.add_argument("--run-id", help="the run the checkpoint belongs to, recorded in the export's provenance")
     try:
         args, cfg = parse_args(parser, argv, config_required=True)
-        result = run(cfg, args.checkpoint, args.hf, args.export_hf, args.run_id)
+        result = run(
+            cfg,
+            args.checkpoint,
+            args.hf,
+            args.export_hf,
+            args.run_id,
+            args.export_dtype,
+            args.export_max_shard_size,
+            args.export_peft,
+        )
         if args.out and int(os.environ.get("RANK", "0")) == 0:
             with open(args.out, "w") as f:
                 json.dump(result, f, indent=2)

@@ -238,7 +238,9 @@ def init_sharded(cfg: TrainerCfg, env: DistEnv) -> torch.nn.Module:
 
 def load_pretrained(cfg: TrainerCfg, env: DistEnv) -> torch.nn.Module:
     """``model.init_from``: meta → parallelize → materialise empty → RoPE tables → the checkpoint's
-    weights (``hf_checkpoint``): no rank ever holds more than its shards."""
+    weights (``hf_checkpoint``): no rank ever holds more than its shards. With LoRA the checkpoint
+    is the frozen base (NF4 with QLoRA, quantized as it is read); the adapters, which it lacks,
+    start from ``train.seed`` as PEFT starts them (B = 0: step 0 computes the base model)."""
     from workloads.pretrain.checkpoint import hf_load as hf_checkpoint
     from workloads.pretrain.data.cache import cache_root
 
@@ -248,6 +250,10 @@ def load_pretrained(cfg: TrainerCfg, env: DistEnv) -> torch.nn.Module:
     model.to_empty(device=env.device)
     model.init_rope(env.device)
     hf_checkpoint.load(model, str(cfg.model.init_from), cache_root(cfg.data))
+    if cfg.model.lora.rank:
+        from workloads.pretrain.model import lora
+
+        lora.init_adapters(model, cfg.train.seed)
     return model
 
 
@@ -317,6 +323,10 @@ def train(cfg: TrainerCfg) -> dict:
         f"{f', fp8 {fp8_recipe}' if fp8_recipe != 'none' else ''}"
         f"{', compiled' if mc.compile else ''}"
     )
+    if mc.lora.rank:
+        from workloads.pretrain.model import lora
+
+        say(lora.describe(model, mc.lora))
     say(f"pretrain | loss {loss_name} | attention {attention}")
     say(
         f"pretrain | data {cfg.data.name}: {_describe(train_seqs, val_seqs)}, "

@@ -313,7 +313,9 @@ class SkyBackend:
                 f" for {infra.nodes} node(s)"
             )
         if str(resolved["checkpoint"]["dir"]).startswith("llmctl-runs/"):
-            notes.append("checkpoints stay on the nodes and vanish with them; set infra.bucket=s3://... to keep them")
+            notes.append(
+                "checkpoints stay on the nodes and vanish with them; " + sky_rules.keep_checkpoints(infra.provider)
+            )
         if infra.managed and str(resolved["checkpoint"]["dir"]).startswith("llmctl-runs/"):
             notes.append("a managed job restarts from scratch after a preemption unless checkpoints go to a bucket")
         return SkyPlan(
@@ -332,7 +334,7 @@ class SkyBackend:
             notes=notes,
             task_yaml=task_yaml(config),
             refusals=[r for r in [sky_rules.tracking_refusal(infra.name, uri)] if r],
-            offers_text=sky_rules.format_offers(found),
+            offers_text=sky_rules.format_offers(found, resolved["infra"]),
             settings=infra,
         )
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import functools
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Optional, Union
 
@@ -128,9 +129,30 @@ def tracking_refusal(infra_name: str, tracking_uri: str) -> Optional[str]:
     )
 
 
+CLOUD_EXTRA = "pip install 'llmctl[cloud]'"
+
+
+def require_sky(infra_name: str) -> None:
+    """SkyPilot is the optional ``cloud`` extra: without it, a cloud or Slurm plan is refused in one
+    line naming the extra, not with the ``ModuleNotFoundError`` of whichever rule imports ``sky``
+    first. ``find_spec`` looks for the package without importing it (``import sky`` costs seconds)."""
+    import importlib.util
+
+    try:
+        found = importlib.util.find_spec("sky") is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        raise ConfigError(
+            f"infra={infra_name} runs through SkyPilot, which is not installed in this Python ({sys.executable})."
+            f" Fix: {CLOUD_EXTRA} (from a checkout: pip install -e '.[cloud]'), or infra=local"
+        )
+
+
 def check(cfg: Mapping[str, Any], settings: Optional[SkySettings] = None) -> None:
     """Every rule a provider states in its infra config, plus the catalog's accelerator list.
     ``settings``: the plan's (default: built from ``cfg["infra"]``)."""
+    require_sky(str(cfg["infra"].get("name") or cfg["infra"].get("provider")))
     infra = settings or SkySettings.from_cfg(cfg)
     provider = infra.provider
     if not provider or provider not in known_providers():
@@ -239,7 +261,11 @@ def _accelerator_counts(provider: str) -> dict[str, list[int]]:
 
 @remembered
 def accelerator_memory_gib(provider: Optional[str], gpu: str) -> Optional[float]:
-    """One ``gpu``'s memory as SkyPilot's catalog lists it (None: not listed, or no catalog here)."""
+    """One ``gpu``'s memory as SkyPilot's catalog lists it (None: not listed, or no catalog here). A
+    provider without an offline catalog (Slurm) is not asked: its catalog is the live cluster, which a
+    plan does not contact (SkyPilot would also write its state database for it)."""
+    if provider and not _has_offline_catalog(provider):
+        return None
     try:
         with _sky_quiet():
             found = _catalog().list_accelerators(gpus_only=True, name_filter=gpu, clouds=provider, case_sensitive=False)
@@ -252,6 +278,27 @@ def accelerator_memory_gib(provider: Optional[str], gpu: str) -> Optional[float]
         if i.device_memory and i.device_memory >= 1 and str(i.accelerator_name).lower() == gpu.lower()
     ]
     return min(sizes) if sizes else None  # catalogs list MiB as GiB for some clouds: sizes < 1 are skipped
+
+
+# Whose catalogs size a GPU for a provider that sells none (Slurm): the clouds conf/infra ships.
+MEMORY_CATALOG_CLOUDS = ("aws", "lambda", "runpod")
+
+
+def listed_memory_gib(gpu: str) -> tuple[Optional[float], list[str]]:
+    """(GiB, clouds): the memory of a ``gpu`` by that name in SkyPilot's cloud catalogs, for a
+    provider whose catalog lists none (Slurm: a GRES name such as ``H100`` says the chip, never its
+    memory). Trusted because it is the table the aws/lambda/runpod plans already hold jobs against,
+    kept by SkyPilot per instance type from the providers' own GPU descriptions, so a Slurm H100 and
+    a cloud H100 are planned alike. Where the clouds disagree (one name, several memory variants)
+    the smallest wins: a job that fits it fits every variant, and a cluster with a larger one says
+    so with ``infra.device_memory_gib``. (None, []) when no catalog here lists the name (offline,
+    without the catalogs: SkyPilot downloads them as for a cloud plan)."""
+    found = {cloud: accelerator_memory_gib(cloud, gpu) for cloud in MEMORY_CATALOG_CLOUDS}
+    sizes = {cloud: gib for cloud, gib in found.items() if gib}
+    if not sizes:
+        return None, []
+    least = min(sizes.values())
+    return least, [cloud for cloud, gib in sizes.items() if gib == least]
 
 
 @_catalog_reachable
@@ -326,12 +373,25 @@ def check_credentials(provider: str) -> None:
     )
 
 
+# Where a provider's plan tells users to keep checkpoints that must outlive the nodes (provider data,
+# read by the plan's note): a Slurm cluster has a shared filesystem, as conf/infra/slurm.yaml says
+KEEP_CHECKPOINTS = {
+    "slurm": "point checkpoint.dir at the cluster's shared filesystem to keep them"
+    " (checkpoint.dir=/shared/<you>/checkpoints), or set infra.bucket=s3://...",
+}
+KEEP_CHECKPOINTS_DEFAULT = "set infra.bucket=s3://... to keep them"
+
+
+def keep_checkpoints(provider: Optional[str]) -> str:
+    """The plan's advice for checkpoints that should outlive ``provider``'s nodes."""
+    return KEEP_CHECKPOINTS.get(str(provider), KEEP_CHECKPOINTS_DEFAULT)
+
+
 def format_offers(found: list[Offer], infra: Optional[Mapping[str, Any]] = None) -> str:
-    if not found:
-        return (
-            "(none in SkyPilot's offline catalog for this provider; "
-            "Slurm is priced by slurm/pricing.csv, $0 by default)"
-        )
+    if not found:  # llmctl prices it by infra.price_per_gpu_hour (cost.estimate.configured_price)
+        priced = infra is not None and infra.get("price_per_gpu_hour") is not None
+        how = "priced by infra.price_per_gpu_hour" if priced else "unpriced until infra.price_per_gpu_hour is set"
+        return f"(none in SkyPilot's offline catalog for this provider: {how})"
     lines = [f"{'provider':<9} {'instance type':<24} {'region':<14} {'$/h per node':>13} {'$/h total':>10}"]
     for o in found:
         lines.append(

@@ -23,6 +23,14 @@ pure function of it); the sampler's position (world-size independent); RNG state
 seeds identically and the training step draws no random numbers, so all ranks hold the same RNG
 state: rank 0's copy (CPU, and CUDA when present) is stored once and restored on every rank,
 which stays right under any resharding.
+
+With LoRA (``model.lora.rank > 0``) the model part holds only what trains, the adapters
+(``ignore_frozen_params``), and the optimizer state holds only theirs: the frozen base is not
+written a second time (it would be the bulk of every checkpoint: 16 GB for an 8B base in bf16,
+for adapters of tens of MB). Resume rebuilds the base first, as the run's start does (read from
+``model.init_from``, NF4-quantized again for QLoRA, or drawn from ``train.seed`` without it), then
+loads adapters, optimizer, sampler and RNG over it (``strict=False`` for the base's keys only:
+every adapter key must be in the checkpoint, DCP refuses a missing one).
 """
 
 from __future__ import annotations
@@ -36,7 +44,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from workloads.pretrain.components import test_hooks
 from workloads.pretrain.contract.checkpoint_layout import (
@@ -95,6 +103,8 @@ class Checkpointer:
         self.root = str(ck.dir) if ck.dir else None
         self.every, self.keep, self.async_save = int(ck.every), int(ck.keep), bool(ck.async_save)
         self.env, self.model, self.optimizer, self.sampler = env, model, optimizer, sampler
+        # LoRA: the frozen base stays out of the checkpoint (see the module docstring)
+        self.options = StateDictOptions(ignore_frozen_params=True, strict=False) if cfg.model.lora.rank else None
         self._pending: tuple[int, Future, float] | None = None  # (step, upload future, start time)
         self._uploaded_at: Optional[float] = None  # when the pending save's future resolved
         self.last_committed: int | None = None  # newest step with a marker (loaded or saved)
@@ -112,7 +122,7 @@ class Checkpointer:
     # ------------------------------------------------------------------ state
 
     def _state(self, step: int) -> dict[str, Any]:
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self.options)
         return {
             "model": model_sd,
             "optim": optim_sd,
@@ -140,7 +150,13 @@ class Checkpointer:
             return 0
         state = self._state(0)
         dcp.load(state, checkpoint_id=self._step_dir(step), no_dist=not dist.is_initialized())
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+            options=self.options,
+        )
         self.last_committed = step
         self.sampler.load_state_dict(state["train"]["sampler"])
         _set_rng_state(state["train"]["rng"])
@@ -186,7 +202,8 @@ class Checkpointer:
         replicated shard once). Counted once the optimizer has its state (after the first step)."""
         if self._state_bytes is not None:
             return self._state_bytes
-        params = sum(_local_bytes(p) for p in self.model.parameters())
+        saved = (p for p in self.model.parameters() if p.requires_grad or self.options is None)  # LoRA: adapters
+        params = sum(_local_bytes(p) for p in saved)
         optim = sum(
             _local_bytes(v) for st in self.optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)
         )

@@ -1,29 +1,48 @@
-"""Export to the Hugging Face Llama format: safetensors, config, generation config, tokenizer.
+"""Export to the Hugging Face Llama format: sharded safetensors, config, generation config, tokenizer.
 
-So a trained model can go on to transformers, lm-eval-harness or vLLM. Two conversions matter:
-parameter names, and RoPE's layout — this model rotates interleaved pairs (Meta's Llama), HF's
-Llama rotates the two halves of each head, so q/k projection rows are permuted per head.
+So a trained model can go on to transformers, lm-eval-harness or vLLM, and be shipped. Two
+conversions matter: parameter names, and RoPE's layout — this model rotates interleaved pairs
+(Meta's Llama), HF's Llama rotates the two halves of each head, so q/k projection rows are
+permuted per head.
+
+The weights are written as ``save_pretrained`` writes them: in bf16 unless asked otherwise
+(``config.json``'s ``torch_dtype``/``dtype`` say which), in safetensors shards of at most
+``max_shard_size`` bytes (5 GB, its default) named ``model-0000i-of-0000n.safetensors`` with
+``model.safetensors.index.json``, or one ``model.safetensors`` when they fit in one. They are
+read from a ``TensorSource`` one tensor at a time, converted, and each shard is written once it is
+full, so the process holds about one shard (plus the tensor being converted), never the model: a
+DCP checkpoint (``DcpSource``) is exported without building the model at all. Merging LoRA
+adapters into the base belongs in such a source (``tensor_source``).
+
+The tokenizer files and the special-token ids come from where the run's tokenizer came from
+(``hf_tokenizer``): the real BOS and EOS, the source's chat template and generation config.
 
 Written with safetensors and JSON only (transformers is not needed to export, only to load). The
-special-token ids come from the tokenizer, so ``generate()`` stops at its end-of-text token; the
-tokenizer config names ``PreTrainedTokenizerFast``, which transformers 4.x loads as itself and 5.x
-as its tokenizers backend. The directory is written beside its destination and renamed into place:
-it appears whole or not at all.
+directory is written beside its destination and renamed into place: it appears whole or not at all.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import torch
 
 from workloads.pretrain.checkpoint.hf_load import hf_name
+from workloads.pretrain.checkpoint.hf_tokenizer import TokenizerExport, tokenizer_export
+from workloads.pretrain.checkpoint.tensor_source import StateDictSource, TensorSource
+from workloads.pretrain.contract.protocol import EXPORT_DTYPES
 from workloads.pretrain.contract.schema import ModelCfg
 from workloads.pretrain.contract.shape import hidden_dim
+
+DTYPES = dict(zip(EXPORT_DTYPES, (torch.bfloat16, torch.float16, torch.float32)))
+MAX_SHARD_SIZE = 5 * 10**9  # save_pretrained's default "5GB" (decimal, as huggingface_hub counts)
+SINGLE_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
+_LAYER = re.compile(r"^layers\.(\d+)\.")
 
 
 def interleaved_to_halves(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -67,85 +86,158 @@ def hf_config(
     }
 
 
+def exported_name(name: str) -> str:
+    """The Hugging Face name of a native tensor; a tensor without one is refused by name."""
+    hf = hf_name(name)
+    if hf is None:
+        raise ValueError(
+            f"{name}: no Hugging Face name; an export holds the model's own weights (merge adapters"
+            " into them in the TensorSource, see workloads/pretrain/checkpoint/tensor_source.py)"
+        )
+    return hf
+
+
+def to_hf_tensor(name: str, tensor: torch.Tensor, model_cfg: ModelCfg) -> Optional[tuple[str, torch.Tensor]]:
+    """One native tensor as (HF name, HF layout); None for a tied LM head (the embedding, saved
+    once). A model that rotates RoPE in Meta's interleaved pairs has its q/k rows (and biases)
+    permuted per head into HF's halves; one already in HF's layout (loaded from HF:
+    ``rope_layout=half``) is not."""
+    if name == "output.weight" and model_cfg.tie_embeddings:
+        return None
+    hf = exported_name(name)
+    if model_cfg.rope_layout == "interleaved" and name.split(".", 2)[-1].startswith(("attention.wq.", "attention.wk.")):
+        heads = int(model_cfg.n_heads) if ".wq." in name else int(model_cfg.n_kv_heads or model_cfg.n_heads)
+        tensor = interleaved_to_halves(tensor if tensor.dim() == 2 else tensor[:, None], heads).reshape(tensor.shape)
+    return hf, tensor
+
+
 def to_hf_state_dict(state: dict[str, torch.Tensor], model_cfg: ModelCfg) -> dict[str, torch.Tensor]:
-    """Native parameter names/layout → HF's. ``state`` is a full (unsharded) state dict. A model
-    that rotates RoPE in Meta's interleaved pairs has its q/k rows (and biases) permuted per head
-    into HF's halves; one already in HF's layout (loaded from HF: ``rope_layout=half``) is not."""
-    n_heads, n_kv = int(model_cfg.n_heads), int(model_cfg.n_kv_heads or model_cfg.n_heads)
-    permute = model_cfg.rope_layout == "interleaved"
-    out: dict[str, torch.Tensor] = {}
+    """A whole (unsharded) native state dict, converted (``to_hf_tensor``) in memory."""
+    out = {}
     for name, tensor in state.items():
+        converted = to_hf_tensor(name, tensor, model_cfg)
+        if converted is not None:
+            out[converted[0]] = converted[1].detach().to("cpu").contiguous()
+    return out
+
+
+def plan_shards(
+    source: TensorSource, model_cfg: ModelCfg, dtype: torch.dtype, max_shard_size: int = MAX_SHARD_SIZE
+) -> list[list[tuple[str, str, int]]]:
+    """Output shards before any tensor is read: lists of (native name, HF name, bytes written), in
+    model order (embedding, layers by index, the rest), filled in order as ``save_pretrained``
+    does (a tensor that would overflow the shard starts the next; one larger than the limit is a
+    shard of its own)."""
+    specs = source.specs()
+
+    def order(name: str) -> tuple[int, int]:
+        layer = _LAYER.match(name)
+        return (1, int(layer.group(1))) if layer else (0 if name.startswith("tok_embeddings.") else 2, 0)
+
+    itemsize = dtype.itemsize
+    shards: list[list[tuple[str, str, int]]] = [[]]
+    size = 0
+    for name in sorted(specs, key=order):
         if name == "output.weight" and model_cfg.tie_embeddings:
-            continue  # the embedding, saved once
-        if (
-            permute
-            and name.startswith("layers.")
-            and name.split(".", 2)[2].startswith(("attention.wq.", "attention.wk."))
-        ):
-            heads = n_heads if ".wq." in name else n_kv
-            tensor = interleaved_to_halves(tensor if tensor.dim() == 2 else tensor[:, None], heads).reshape(
-                tensor.shape
-            )
-        out[hf_name(name) or name] = tensor
-    return {k: v.detach().to("cpu").contiguous() for k, v in out.items()}
+            continue
+        hf = exported_name(name)
+        nbytes = specs[name].numel * itemsize
+        if shards[-1] and size + nbytes > max_shard_size:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, hf, nbytes))
+        size += nbytes
+    return shards
 
 
-def generation_config(bos_token_id: Optional[int], eos_token_id: Optional[int]) -> dict[str, Any]:
-    """What ``generate()`` reads first: stop at the tokenizer's end-of-text token."""
-    return {k: v for k, v in (("bos_token_id", bos_token_id), ("eos_token_id", eos_token_id)) if v is not None}
+def shard_names(n: int) -> list[str]:
+    return [SINGLE_FILE] if n == 1 else [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
 
 
-def tokenizer_files(tokenizer_file: str | Path, eos_token: str, max_seq_len: int) -> dict[str, str]:
-    """``tokenizer.json`` as it is, plus the two small files transformers' ``AutoTokenizer`` reads."""
-    special = {"bos_token": eos_token, "eos_token": eos_token}
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        **special,
-        "model_max_length": int(max_seq_len),
-        "clean_up_tokenization_spaces": False,
-    }
-    return {
-        "tokenizer.json": Path(tokenizer_file).read_text(),
-        "tokenizer_config.json": json.dumps(config, indent=2),
-        "special_tokens_map.json": json.dumps(special, indent=2),
-    }
+def write_weights(
+    source: TensorSource,
+    model_cfg: ModelCfg,
+    out_dir: Path,
+    dtype: torch.dtype,
+    max_shard_size: int = MAX_SHARD_SIZE,
+) -> dict[str, str]:
+    """The shards (and the index, for more than one) into ``out_dir``; returns {HF name: file}.
+    Holds one shard's tensors at a time: each is read, converted and cast, the shard is written
+    when complete and dropped."""
+    from safetensors.torch import save_file
+
+    shards = plan_shards(source, model_cfg, dtype, max_shard_size)
+    files = shard_names(len(shards))
+    weight_map: dict[str, str] = {}
+    total_bytes = total_params = 0
+    for shard, file in zip(shards, files):
+        tensors: dict[str, torch.Tensor] = {}
+        for name, hf, nbytes in shard:
+            tensors[hf] = _cast(name, to_hf_tensor(name, source.read(name), model_cfg)[1], dtype)
+            weight_map[hf] = file
+            total_bytes += nbytes
+            total_params += tensors[hf].numel()
+        save_file(tensors, str(out_dir / file), metadata={"format": "pt"})
+        del tensors
+    if len(files) > 1:
+        index = {
+            "metadata": {"total_parameters": total_params, "total_size": total_bytes},
+            "weight_map": dict(sorted(weight_map.items())),
+        }
+        (out_dir / INDEX_FILE).write_text(json.dumps(index, indent=2))
+    return weight_map
+
+
+def _cast(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``tensor`` in the export's dtype; a weight fp16 cannot hold is refused rather than written as inf."""
+    if dtype == torch.float16 and tensor.is_floating_point() and tensor.numel():
+        biggest = float(tensor.abs().max())
+        if biggest > torch.finfo(torch.float16).max:
+            raise ValueError(f"{name} holds {biggest:.3g}, beyond fp16's range: export with --dtype bf16 (or fp32)")
+    return tensor.to(dtype).contiguous()
 
 
 def export(
-    state: dict[str, torch.Tensor],
+    state: Mapping[str, torch.Tensor] | TensorSource,
     model_cfg: ModelCfg,
     out_dir: str | Path,
     tokenizer_file: Optional[str | Path] = None,
     eos_token: Optional[str] = None,
-    dtype: torch.dtype = torch.float32,
+    dtype: str | torch.dtype = EXPORT_DTYPES[0],
     extra_files: Optional[dict[str, str]] = None,
+    tokenizer_source: Optional[str] = None,
+    max_shard_size: int = MAX_SHARD_SIZE,
 ) -> Path:
-    """Write ``model.safetensors``, ``config.json``, ``generation_config.json`` and, when given, the
-    tokenizer (``eos_token``: its end-of-text token, also used as bos) into ``out_dir``, atomically."""
-    from safetensors.torch import save_file
-
+    """Write the weights (``state``: a native state dict or a ``TensorSource``), ``config.json``,
+    ``generation_config.json`` and, when given, the tokenizer (``eos_token``: the run's end-of-text
+    token; ``tokenizer_source``: the Hugging Face directory it came from, whose special tokens, chat
+    template and generation config are handed on) into ``out_dir``, atomically."""
+    torch_dtype = DTYPES.get(dtype) if isinstance(dtype, str) else dtype
+    if torch_dtype not in DTYPES.values():
+        raise ValueError(f"dtype {dtype}: choose one of {', '.join(EXPORT_DTYPES)}")
+    source = state if hasattr(state, "specs") and hasattr(state, "read") else StateDictSource(state)
+    # the tokenizer first: a bad one fails before gigabytes of weights are written
+    tok = TokenizerExport()
+    if tokenizer_file is not None:
+        tok = tokenizer_export(tokenizer_file, eos_token, int(model_cfg.max_seq_len), tokenizer_source)
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        eos_id = None
-        if tokenizer_file is not None and eos_token is not None:
-            eos_id = json_token_id(Path(tokenizer_file), eos_token)
-        tensors = {k: v.to(dtype) for k, v in to_hf_state_dict(state, model_cfg).items()}
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        config = hf_config(model_cfg, eos_id, eos_id)
-        config["torch_dtype"] = str(dtype).removeprefix("torch.")
+        write_weights(source, model_cfg, tmp, torch_dtype, max_shard_size)
+        config = {**hf_config(model_cfg), **tok.token_ids}
+        name = str(torch_dtype).removeprefix("torch.")
+        config.update(torch_dtype=name, dtype=name)  # transformers 4.x reads the first, 5.x the second
         files = {
             "config.json": json.dumps(config, indent=2),
-            "generation_config.json": json.dumps(generation_config(eos_id, eos_id), indent=2),
+            "generation_config.json": json.dumps(tok.generation_config, indent=2),
+            **tok.files,
             **(extra_files or {}),
         }
-        if tokenizer_file is not None:
-            files.update(tokenizer_files(tokenizer_file, eos_token or "", int(model_cfg.max_seq_len)))
         for name, text in files.items():
-            (tmp / name).write_text(text)
+            (tmp / name).write_text(text, encoding="utf-8")
         if out.exists():  # replace a previous export: the old one goes only once the new one is complete
             old = out.with_name(f".{out.name}.old-{os.getpid()}")
             os.rename(out, old)
@@ -157,15 +249,3 @@ def export(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
-
-
-def json_token_id(tokenizer_file: Path, token: str) -> int:
-    """The id of a special token, read from ``tokenizer.json`` (no tokenizers import needed)."""
-    spec = json.loads(tokenizer_file.read_text())
-    for added in spec.get("added_tokens", []):
-        if added.get("content") == token:
-            return int(added["id"])
-    vocab = spec.get("model", {}).get("vocab", {})
-    if token in vocab:
-        return int(vocab[token])
-    raise ValueError(f"{tokenizer_file} has no token {token!r}")

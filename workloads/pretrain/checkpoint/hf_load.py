@@ -104,9 +104,14 @@ def load(model: torch.nn.Module, init_from: str, cache_root: Path) -> None:
         set_model_state_dict,
     )
 
+    from workloads.pretrain.model import lora, nf4
+
     path = local_dir(init_from, cache_root)
     state = get_model_state_dict(model)
-    mapping = names(list(state), bool(getattr(model, "tie_embeddings", False)))
+    # LoRA's adapters are not in a base checkpoint (``lora.init_adapters`` starts them); a QLoRA
+    # base stored in NF4 is read whole and quantized (``_load_nf4``), not copied slice by slice
+    base = [fqn for fqn, value in state.items() if not lora.is_adapter(fqn) and not nf4.is_nf4(value)]
+    mapping = names(base, bool(getattr(model, "tie_embeddings", False)))
     hf_state = {hf: state[fqn] for fqn, hf in mapping.items()}
     try:
         dcp.load(
@@ -122,3 +127,29 @@ def load(model: torch.nn.Module, init_from: str, cache_root: Path) -> None:
     set_model_state_dict(model, loaded, options=StateDictOptions(strict=False))
     if getattr(model, "tie_embeddings", False):
         model.tie_weights()
+    _load_nf4(model, path, init_from)
+
+
+def _load_nf4(model: torch.nn.Module, path: Path, init_from: str) -> None:
+    """QLoRA (``model.lora.quantize_base=nf4``): each NF4 weight read whole from the safetensors
+    file holding it, quantized, and this rank's rows kept (``nf4.fill``). NF4 groups span rows, so
+    a shard cannot be quantized alone: every rank reads every target weight, one at a time (the
+    peak is one weight in full precision, as when initialising)."""
+    from safetensors import safe_open
+
+    from workloads.pretrain.model import nf4
+    from workloads.pretrain.model.init_weights import canonical_name
+
+    targets = nf4.linears(model)
+    if not targets:
+        return
+    index = path / "model.safetensors.index.json"
+    files = json.loads(index.read_text())["weight_map"] if index.is_file() else None
+    for fqn, linear in targets:
+        name = hf_name(canonical_name(f"{fqn}.weight"))
+        if name is None or (files is not None and name not in files):
+            raise ValueError(f"model.init_from={init_from}: the checkpoint has no {name or fqn}")
+        file = path / (files[name] if files else "model.safetensors")
+        with safe_open(str(file), framework="pt") as f:
+            full = f.get_tensor(name)
+        nf4.fill(linear, full)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -24,10 +25,15 @@ def corpus_dataset(name: str, corpus_dir: Path) -> Any:
 
     meta = json.loads((corpus_dir / "meta.json").read_text())
     where = str(meta.get("source") or corpus_dir)
-    try:
-        source: FileSystemDatasetSource = resolve_dataset_source(where)
-    except Exception:
-        source = resolve_dataset_source(str(corpus_dir))
+    with warnings.catch_warnings():
+        # MLflow registers its local-file source twice and warns at every path that both match
+        # ("can be interpreted in multiple ways: LocalArtifactDatasetSource, LocalArtifactDatasetSource"):
+        # one class either way, so the warning says nothing to a user
+        warnings.filterwarnings("ignore", message="The specified dataset source can be interpreted in multiple ways")
+        try:
+            source: FileSystemDatasetSource = resolve_dataset_source(where)
+        except Exception:
+            source = resolve_dataset_source(str(corpus_dir))
     profile = {k: meta[k] for k in ("tokens", "documents", "chars", "vocab_size") if k in meta}
 
     class CorpusDataset(MetaDataset):

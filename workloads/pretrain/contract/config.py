@@ -17,7 +17,7 @@ import argparse
 import enum
 import typing
 from collections.abc import Mapping
-from dataclasses import fields
+from dataclasses import fields, is_dataclass
 from functools import lru_cache
 from typing import Any, Optional, Sequence
 
@@ -137,6 +137,11 @@ def _coerce(key: str, hint: Any, value: Any) -> Any:
         origin, args = typing.get_origin(hint), typing.get_args(hint)
     if hint is Any:
         return value
+    if isinstance(hint, type) and is_dataclass(hint):  # a nested group of keys (model.lora)
+        if isinstance(value, hint):
+            return value
+        if isinstance(value, Mapping):
+            return _section(hint, key, value)
     if isinstance(hint, type) and issubclass(hint, enum.Enum):
         try:
             return hint(value)

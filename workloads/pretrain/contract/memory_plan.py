@@ -10,19 +10,33 @@ The plan walks one optimizer step the way ``train.py`` runs it and keeps the lar
 
 * static: this rank's fp32 parameter shards, AdamW's two fp32 states per element, the token ids;
 * forward of each micro-batch: FSDP (at every world size; one process has a 1-rank mesh) gathers
-  one block at a time, in bf16 for bf16 compute (the root unit, i.e. embedding,
-  final norm and LM head, stays gathered until its backward), and every block leaves behind what
-  autograd saves for backward (``block_saved``: per token, per activation-checkpointing mode);
-* the loss: the chunked fused linear+cross-entropy (one chunk of logits alive, but the LM head's
-  gradient is made in the forward), or under TP the vocab-parallel loss over [tokens, vocab/tp]
-  fp32 log-probabilities;
-* backward, block by block from the last: the block's recomputation (AC), its gradient
-  temporaries, its weight gradients (FSDP: gathered, reduce-scattered, then sharded), the next
-  block's prefetched all-gather; the saved activations of the blocks behind it;
+  one unit at a time, in bf16 for bf16 compute (``outer_units``: the embedding for its forward,
+  then each block, then [final norm, LM head], kept through the loss; tied embeddings instead
+  keep one root unit with embedding and norm gathered all step), and every block leaves behind
+  what autograd saves for backward (``block_saved``: per token, per activation-checkpointing mode);
+* the loss: the chunked fused linear+cross-entropy (a chunk of logits alive, and the previous
+  chunk's gradient until the next replaces it; the LM head's gradient is made in the forward),
+  or under TP the vocab-parallel loss over [tokens, vocab/tp] fp32 log-probabilities;
+* backward: [norm, head] reshards and reduces its gradient after the norm's backward; then block
+  by block from the last: the block's recomputation (AC), its gradient temporaries, its weight
+  gradients (FSDP: gathered, reduce-scattered, then sharded), the next unit's prefetched
+  all-gather, the previous unit's reduce-scatter input; the saved activations of the blocks
+  behind it; last the embedding, gathered again for its backward;
 * between micro-batches, FSDP keeps every gathered fp32 gradient until the last micro-batch reduces
   them (``parallel.grad_sync=step``, and ``auto`` when not resolved), or only the shards when it
   reduces after each (``micro_batch``);
 * the optimizer step (fused AdamW: no temporaries beyond its states).
+
+LoRA and QLoRA (``model.lora``) change what trains, not the walk: the base is frozen, so it has no
+gradients and no AdamW states, and backward makes no weight gradient for it (only the gradients
+flowing through it to the activations); FSDP still gathers it unit by unit. The adapters train:
+their fp32 shards, gradients and AdamW states (``adapter_shapes``), and what they save for
+backward (``adapter_saved``: A's rank-r output, and with ``model.lora.dropout`` the mask and the
+dropped input). QLoRA stores the targets' frozen weights in NF4 exactly as torchao's ``NF4Tensor``
+does (``nf4_bytes``: 4 bits per weight, an int8 scale per 64-weight block, a factor per 256
+scales, a scale mean and code table per tensor), gathered in NF4 form where FSDP shards them, and
+each NF4 linear dequantizes its weight to the compute dtype in forward and again in backward: that
+transient is counted at the moments it exists (``nf4_dequantized``).
 
 Each quantity is counted in bytes on rank 0 (the rank that gets the rounded-up shards). What it
 does not count, like the tracker: the CUDA context, cuBLAS/NCCL workspaces and the caching
@@ -141,6 +155,16 @@ class Setup:
     rope_interleaved: bool
     packed: bool  # sft or data.document_mask: per-token RoPE positions and a block-causal attention mask
     grad_sync: str = "step"  # parallel.grad_sync resolved: "step" or "micro_batch" ("auto" plans as "step")
+    lora_rank: int = 0  # model.lora.rank: 0 trains every weight; else only the adapters train
+    lora_targets: tuple = ()  # the block linears with adapters (``schema.LORA_TARGETS`` names)
+    lora_dropout: bool = False  # model.lora.dropout > 0: a dropout (mask and output) per adapter
+    nf4: bool = False  # model.lora.quantize_base=nf4: the targets' frozen weights stored in NF4
+
+    @property
+    def nf4_sharded(self) -> bool:
+        """NF4 weights are FSDP parameters (split and gathered as 4-bit bytes) when FSDP shards
+        over more than one rank; on one shard they are buffers FSDP leaves alone (``nf4.placeholder``)."""
+        return self.nf4 and self.dp_shard > 1
 
     @property
     def fsdp(self) -> bool:
@@ -246,6 +270,10 @@ def setup(cfg: TrainerCfg, world_size: int, device: str = "cuda") -> Setup:
         rope_interleaved=model.rope_layout == "interleaved",
         packed=data.format == "sft" or bool(data.document_mask),
         grad_sync="micro_batch" if par.grad_sync == "micro_batch" else "step",
+        lora_rank=int(model.lora.rank),
+        lora_targets=tuple(model.lora.targets) if model.lora.rank else (),
+        lora_dropout=bool(model.lora.rank and model.lora.dropout),
+        nf4=bool(model.lora.rank) and model.lora.quantize_base == "nf4",
     )
 
 
@@ -257,7 +285,8 @@ def _ceil(a: int, b: int) -> int:
 
 
 def param_shapes(s: Setup) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-    """(one block's, the root unit's) parameters as this rank's TP-local (rows, cols).
+    """(one block's, those outside the blocks) parameters as this rank's TP-local (rows, cols): the
+    latter are the embedding, the final norm and (untied) the LM head, ``outer_units``' FSDP units.
 
     Mirrors ``model.py`` and ``parallelize.apply_tp``: q/k/v/w1/w3 and the LM head split their
     rows (Colwise), wo/w2 their columns (Rowwise), the embedding its rows (vocab); norms are
@@ -284,6 +313,21 @@ def param_shapes(s: Setup) -> tuple[list[tuple[int, int]], list[tuple[int, int]]
     return block, root
 
 
+def outer_units(s: Setup) -> tuple[list[tuple[int, int]], list[tuple[int, int]], list[tuple[int, int]]]:
+    """The FSDP units of the parameters outside the blocks (``parallelize.apply_fsdp``), as
+    (embedding, [final norm, LM head], root) shapes of ``param_shapes``' root part.
+
+    Untied, each is gathered only while it runs: the embedding for its forward and its backward,
+    [norm, head] from the norm's forward to the norm's backward; the root unit holds no parameter.
+    Tied, embedding and head are one matrix: the root unit holds it with the norm, gathered for
+    the whole step.
+    """
+    _, root = param_shapes(s)
+    if s.tied:
+        return [], [], root
+    return root[:1], root[1:], []
+
+
 def _sharded(shapes: list[tuple[int, int]], s: Setup) -> int:
     """Elements this rank keeps: FSDP2 splits every parameter's dim 0 over dp_shard (rank 0 gets
     the rounded-up rows)."""
@@ -294,6 +338,58 @@ def _sharded(shapes: list[tuple[int, int]], s: Setup) -> int:
 def _gathered(shapes: list[tuple[int, int]], s: Setup) -> int:
     """Elements of a gathered FSDP unit (each parameter padded to a multiple of dp_shard rows)."""
     return _sharded(shapes, s) * (s.dp_shard if s.fsdp else 1)
+
+
+# The block's linears in ``param_shapes``' order, by the model's names (``schema.LORA_TARGETS``).
+_BLOCK_LINEARS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
+
+
+def adapter_shapes(s: Setup) -> list[tuple[int, int]]:
+    """One block's LoRA adapters as this rank's TP-local (rows, cols): per target, A [rank, in] and
+    B [out, rank] (``lora.add_adapters``: under TP, A is split like the base's input features, B
+    like its output rows, so both follow the base's local shape). Empty without LoRA."""
+    block, _ = param_shapes(s)
+    shapes: list[tuple[int, int]] = []
+    for name, (rows, cols) in zip(_BLOCK_LINEARS, block):
+        if name in s.lora_targets:
+            shapes += [(s.lora_rank, cols), (rows, s.lora_rank)]
+    return shapes
+
+
+def nf4_shapes(s: Setup) -> list[tuple[int, int]]:
+    """One block's weights stored in NF4 (QLoRA: the targets' frozen weights), else none."""
+    block, _ = param_shapes(s)
+    return [shp for name, shp in zip(_BLOCK_LINEARS, block) if s.nf4 and name in s.lora_targets]
+
+
+def _in_nf4(s: Setup, i: int) -> bool:
+    """Whether the block's ``i``-th linear (``_BLOCK_LINEARS``) is stored in NF4."""
+    return s.nf4 and _BLOCK_LINEARS[i] in s.lora_targets
+
+
+def nf4_bytes(shapes: list[tuple[int, int]], s: Setup, gathered: bool = False) -> int:
+    """Bytes of NF4 weights as torchao's ``NF4Tensor`` stores them, this rank's shard (or, with
+    ``gathered``, the whole weights FSDP's all-gather rebuilds): two 4-bit codes per byte
+    (``quantized_data``), one int8 scale per block of ``NF4_BLOCK`` weights (``quantized_scalers``),
+    one compute-dtype factor per ``NF4_SCALER_BLOCK`` scales (``quantization_factor``); each shard
+    also carries the whole tensor's scale mean and its 16-entry code table in the compute dtype,
+    which the all-gather does not move."""
+    c, k = s.compute_bytes, (s.dp_shard if s.nf4_sharded else 1)
+    total = 0
+    for rows, cols in shapes:
+        n = _ceil(rows, k) * cols * (k if gathered else 1)
+        total += shape.nf4_weight_bytes(n, c)
+        total += 0 if gathered else 17 * c
+    return total
+
+
+def nf4_dequantized(s: Setup) -> int:
+    """What dequantizing the largest NF4 weight holds at once (torchao's ``get_original_weight``,
+    run by each NF4 linear in its forward and again in its backward): both halves of the codes as
+    int64 indices (8 bytes per weight), the looked-up and the scaled values (each half, compute
+    dtype) and the interleaved weight (compute dtype), all alive until it returns."""
+    biggest = max((rows * cols for rows, cols in nf4_shapes(s)), default=0)
+    return biggest * (8 + 3 * s.compute_bytes)
 
 
 # ----------------------------------------------------------------------------- activations
@@ -328,14 +424,36 @@ def block_saved(s: Setup, ac: str | None = None) -> float:
         kept = r * d / t + c * (d + 2 * dkv + 2 * H) / t + 2 * c * d + c * d / t + lse
         if t > 1:
             kept += 2 * r * d + 2 * c * d / t
-        return kept
+        return kept + adapter_saved(s, ac)
     norm = 4 * d / t + 4 / t + (4 * d / t if s.composite_norm else 0)
     matmul_inputs = (3 + 2) * c * d if s.autocast_casts else 2 * r * d
     # SDPA keeps k and v as they are when it takes grouped heads (``Attention.native_gqa``); else
     # repeat_kv copies them to all query heads, unless this rank has a single kv head (a view)
     kv = dkv if s.native_gqa or s.kv_heads // t <= 1 else d
     mask = c * s.seq if s.packed and not s.fused_kernels else 0  # reference: each layer's ~mask and masked scores
-    return 2 * norm + matmul_inputs + c * (d + 2 * kv) / t + c * d / t + lse + 4 * c * H / t + mask
+    saved = 2 * norm + matmul_inputs + c * (d + 2 * kv) / t + c * d / t + lse + 4 * c * H / t + mask
+    return saved + adapter_saved(s, ac)
+
+
+def adapter_saved(s: Setup, ac: str) -> float:
+    """Per token, what one block's LoRA adapters add to its saved activations (``lora.LoRAMixin``):
+    per target, ``lora_b`` keeps its rank-r input (A's output), and with ``model.lora.dropout`` the
+    dropout keeps its mask (1 byte per input feature) and ``lora_a`` the dropped input (compute
+    dtype). The adapters' own input is the base's, already kept; ``scaling`` and the sum save
+    nothing. Selective AC keeps both adapter matmuls' outputs instead (rank r, and the base's
+    output width). Full AC keeps the block input only."""
+    if not s.lora_rank or ac == "full":
+        return 0
+    block, _ = param_shapes(s)
+    c, total = s.compute_bytes, 0.0
+    for name, (rows, cols) in zip(_BLOCK_LINEARS, block):
+        if name not in s.lora_targets:
+            continue
+        if ac == "selective":  # the two matmul outputs; the dropout runs again in the recomputation
+            total += c * (s.lora_rank + rows)
+        else:
+            total += c * s.lora_rank + ((1 + c) * cols if s.lora_dropout else 0)
+    return total
 
 
 def weight_casts(s: Setup) -> int:
@@ -388,7 +506,9 @@ def loss_memory(s: Setup) -> tuple[int, int]:
     Fused chunked CE (``losses.py``): the LM head's gradients are computed during the forward, so
     it holds grad_hidden [T, d] and an fp32 grad_weight [V, d] plus one chunk of logits and
     log-probs (8 bytes per logit; under autocast the bf16 matmul output and, per chunk off CUDA, a
-    bf16 [V, d] product and its fp32 copy, and the head weight's bf16 copy). TP's vocab-parallel loss:
+    bf16 [V, d] product and its fp32 copy, and the head weight's bf16 copy), and from the second
+    chunk on the previous chunk's logit gradient (4 bytes per logit, 6 with its bf16 copy): the
+    loop's names still hold it while the next chunk's log-softmax runs. TP's vocab-parallel loss:
     fp32 log-probs [T, V/t] saved; its backward holds three more of that size (gradient, softmax,
     their product).
     """
@@ -404,19 +524,27 @@ def loss_memory(s: Setup) -> tuple[int, int]:
         return forward, backward
     chunk = s.loss_chunk * V
     hidden = r * tokens * d
-    grads = hidden + 4 * V * d  # grad_hidden, fp32 grad_weight
+    # a frozen head (LoRA) gets no weight gradient: the loss makes none (``needs_input_grad``)
+    head_grad = 0 if s.lora_rank else V * d
+    grads = hidden + 4 * head_grad  # grad_hidden, fp32 grad_weight
+    # Past the first chunk, the previous chunk's fp32 logit gradient (and its bf16 copy, bf16
+    # weights without autocast) lives on until the next chunk's log-softmax replaces it
+    bf16_copy = 2 if s.dtype == "bf16" and not s.autocast_casts else 0
+    previous = (4 + bf16_copy) * chunk if tokens > s.loss_chunk else 0
     if s.dtype == "bf16":
         weight_copy = 2 * V * d if s.autocast_casts else 0
         # CPU: a bf16 [V, d] product and its fp32 copy per chunk; CUDA adds it into the fp32
         # gradient in place (``losses._add_weight_grad``), holding only the chunk's bf16 gradient
-        per_chunk = 8 * chunk if s.device == "cuda" else max(8 * chunk, 6 * chunk + 6 * V * d)
+        per_chunk = 8 * chunk + previous
+        if s.device != "cuda" and head_grad:
+            per_chunk = max(per_chunk, 6 * chunk + 6 * V * d)
         forward = hidden + grads + weight_copy + per_chunk
     else:
-        forward = hidden + grads + 8 * chunk
-    saved = hidden + s.param_bytes * V * d
+        forward = hidden + grads + 8 * chunk + previous
+    saved = hidden + s.param_bytes * head_grad
     # grad_hidden * grad_output, and grad_weight * grad_output: the weight's gradient, made while
     # the saved one still exists
-    backward = saved + hidden + s.param_bytes * V * d
+    backward = saved + hidden + s.param_bytes * head_grad
     return forward, backward
 
 
@@ -466,23 +594,42 @@ def plan_memory(cfg: TrainerCfg, world_size: int, device: str = "cuda") -> Memor
 def _walk_step(s: Setup) -> _Peak:
     """One optimizer step, event by event, as ``train.py`` runs it (see the module doc)."""
     block_p, root_p = param_shapes(s)
+    emb_p, head_p, whole_p = outer_units(s)
     L, tokens, d, t, pb = s.layers, s.micro * s.seq, s.dim, s.tp, s.param_bytes
-    shard_block, shard_root = _sharded(block_p, s), _sharded(root_p, s)
-    full_block, full_root = _gathered(block_p, s), _gathered(root_p, s)
+    lora = bool(s.lora_rank)
+    # LoRA: the base is frozen (no gradients, no optimizer state), the adapters train; QLoRA keeps
+    # the targets' weights in NF4, FSDP-gathered as NF4 (``nf4_bytes``) where it shards them
+    adapters, nf4_p = adapter_shapes(s), nf4_shapes(s)
+    # the block's parameters FSDP handles as plain tensors: all but the NF4 weights, and the adapters
+    plain_block = [shp for i, shp in enumerate(block_p) if not (i < len(_BLOCK_LINEARS) and _in_nf4(s, i))] + adapters
+    train_block, train_root = (adapters, []) if lora else (block_p, root_p)
+    shard_block, shard_root = _sharded(plain_block, s), _sharded(root_p, s)
+    train_shard_block, train_shard_root = _sharded(train_block, s), _sharded(train_root, s)
+    grad_block = _gathered(train_block, s)  # a gathered block's gradients (FSDP reduce-scatters these)
+    nf4_gathered = nf4_bytes(nf4_p, s, gathered=True) if s.nf4_sharded else 0
+    unit_block = pb * _gathered(plain_block, s) + nf4_gathered  # a gathered block's parameters, bytes
+    full_emb, full_head, full_whole = _gathered(emb_p, s), _gathered(head_p, s), _gathered(whole_p, s)
     head = _ceil(s.vocab, t) * d  # the LM head's local elements (its gradient appears in the loss)
-    w2 = d * _ceil(s.hidden, t)  # the first weight gradient of a block's backward, there at its peak
+    head_grad = 0 if lora else head  # frozen under LoRA: the loss's weight gradient is dropped
+    # the first weight gradient of a block's backward, there at its peak: w2's (LoRA: its adapters')
+    w2 = d * _ceil(s.hidden, t)
+    if lora:
+        w2 = s.lora_rank * (d + _ceil(s.hidden, t)) if "w2" in s.lora_targets else 0
     # Under TP the embedding's gradient comes back Replicate: the full vocabulary on every rank
     # (DTensor's embedding backward), in .grad without FSDP, among the gathered gradients with it.
-    embedding_grad = (s.vocab * d if t > 1 else head) if not s.tied else 0
-    root_grads = full_root + (embedding_grad - head if not s.tied else 0)
+    embedding_grad = (s.vocab * d if t > 1 else head) if not s.tied and not lora else 0
+    emb_grads = full_emb + embedding_grad - head if emb_p and not lora else 0  # the embedding unit's gathered gradient
+    head_grads, whole_grads = (0, 0) if lora else (full_head, full_whole)  # [norm, head]'s / the root's
+    dequant = nf4_dequantized(s)
 
     ledger = _Peak()
     now = ledger.now
     now["params"] = 4 * (L * shard_block + shard_root) + 4 * s.max_seq_len * s.head_dim  # + RoPE cos/sin
+    now["params"] += L * nf4_bytes(nf4_p, s)
     # AdamW: exp_avg and exp_avg_sq in fp32, and a scalar step count per parameter tensor (fused
-    # AdamW keeps it on the device: a 512-byte block there)
-    now["optimizer"] = 2 * 4 * (L * shard_block + shard_root) + (512 if s.device == "cuda" else 4) * (
-        L * len(block_p) + len(root_p)
+    # AdamW keeps it on the device: a 512-byte block there); only what trains
+    now["optimizer"] = 2 * 4 * (L * train_shard_block + train_shard_root) + (512 if s.device == "cuda" else 4) * (
+        L * len(train_block) + len(train_root)
     )
     now["activations"] = 2 * 8 * s.local_batch * s.seq  # token ids and targets of the whole local batch
 
@@ -498,10 +645,26 @@ def _walk_step(s: Setup) -> _Peak:
     # which every layer's SDPA keeps for its backward: alive until the backward ends
     packed_inputs = s.micro * s.seq * ((0 if s.fused_kernels else s.seq) + 4 * s.head_dim) if s.packed else 0
     shared_mask = s.micro * s.seq * s.seq * s.compute_bytes if s.packed and s.fused_kernels else 0
-    # one block's all-gather output, ahead of its use; with one shard (one process, or HSDP's
-    # dp_shard=1) FSDP2 copies the parameters out of the shard without an all-gather buffer
-    gather = pb * full_block if s.fsdp and s.dp_shard > 1 else 0
+
+    def gather_of(nbytes: int) -> int:
+        """A unit's all-gather output, ahead of its copy-out; with one shard (one process, or HSDP's
+        dp_shard=1) FSDP2 copies the parameters out of the shard without an all-gather buffer."""
+        return nbytes if s.fsdp and s.dp_shard > 1 else 0
+
+    gather = gather_of(unit_block)  # one block's
     prefetch = gather
+
+    def settle(first: bool, last: bool, shard: int, kept: int) -> None:
+        """A unit's post-backward, after its parameters are resharded and the gradient it just
+        made is dropped from ``now``: reduce-scattered into this rank's fp32 shard, or (no sync
+        before the last micro-batch) its ``kept`` gathered elements stay, in fp32."""
+        if s.reduce_each_micro_batch:
+            now["grads"] += 4 * shard if first else 0
+        elif last:
+            now["grads"] += 4 * shard
+            now["unsharded"] -= 0 if first else 4 * kept
+        elif first:
+            now["unsharded"] += 4 * kept
 
     # Micro-batches between the second and the last repeat the second exactly: walk 1, 2 and the last.
     for k in sorted({0, 1, s.micro_batches - 1} & set(range(s.micro_batches))):
@@ -512,59 +675,71 @@ def _walk_step(s: Setup) -> _Peak:
         # the kept fp32 gradients in place, except FSDP's bf16 ones (cast to fp32 after each backward)
         # and any FSDP reduced after the previous micro-batch (its gathered gradients were freed).
         new_grads = first or pb != 4 or s.reduce_each_micro_batch
-        # forward: FSDP gathers the root unit first; it stays gathered until the end of its backward
+        # forward: FSDP gathers the root unit first (tied embeddings: embedding, norm and head), and
+        # it stays gathered until the end of its backward; untied, the embedding is gathered for
+        # its forward only
         if s.fsdp:
-            now["unsharded"] += pb * full_root
-        now["activations"] += packed_inputs + shared_mask
+            now["unsharded"] += pb * full_whole
+        now["activations"] += packed_inputs
+        if s.fsdp and emb_p:
+            ledger.moment(f"embedding forward {tag}", unsharded=pb * full_emb, comm=gather_of(pb * full_emb))
+        now["activations"] += shared_mask
         for i in range(L):
             if s.fsdp:  # this block's all-gather output and its copy-out into the parameters
-                ledger.moment(f"forward of layer {i} {tag}", unsharded=pb * full_block, comm=gather)
+                ledger.moment(f"forward of layer {i} {tag}", unsharded=unit_block, comm=gather, temporaries=dequant)
             now["activations"] += saved + cast_cache
         now["activations"] += norm_saved
+        if s.fsdp:  # [norm, head] (untied): gathered as the norm runs, kept through the loss
+            now["unsharded"] += pb * full_head
         if s.ac == "none":
             now["activations"] -= packed_inputs
-        # FSDP keeps the last all-gather's output until the next one (the root's backward prefetch)
-        ledger.moment(f"loss forward {tag}", logits=loss_fwd, comm=prefetch)
+        # FSDP keeps the forward's last all-gather output until the forward ends: the last
+        # block's, or (untied) [norm, head]'s
+        ledger.moment(f"loss forward {tag}", logits=loss_fwd, comm=gather_of(pb * full_head) if head_p else prefetch)
         now["activations"] -= L * cast_cache
-        ledger.moment(f"loss backward {tag}", logits=loss_bwd, comm=prefetch)
+        # The last block's all-gather, prefetched by the unit whose output the loss is: the root, or
+        # [norm, head] for the fused loss. With logits out of the head (TP's loss, reference
+        # kernels) the cross-entropy's backward runs before [norm, head]'s pre-backward.
+        loss_prefetch = 0 if head_p and s.vocab_parallel_loss else prefetch
+        ledger.moment(f"loss backward {tag}", logits=loss_bwd, comm=loss_prefetch)
         now["activations"] -= norm_saved
         if new_grads:  # the LM head's gradient, from the loss
-            now["unsharded" if s.fsdp else "grads"] += (pb if s.fsdp else 4) * head
+            now["unsharded" if s.fsdp else "grads"] += (pb if s.fsdp else 4) * head_grad
+        if s.fsdp and head_p:  # [norm, head] reshards after the norm's backward, before the blocks'
+            now["unsharded"] -= pb * (full_head + (head_grad if new_grads else 0))
+            settle(first, last, _sharded(head_p if not lora else [], s), head_grads)
         for i in reversed(range(L)):
-            moment = {"temporaries": backward_extra}
+            moment = {"temporaries": backward_extra + dequant}
             if s.fsdp:
-                moment["unsharded"] = pb * full_block + (pb * w2 if new_grads else 0)  # parameters, first gradient
-                moment["comm"] = prefetch if i > 0 else 0  # the next block's all-gather
-                if reduce and i < L - 1:
-                    moment["comm"] += 4 * full_block  # the previous block's reduce-scatter input (fp32)
+                moment["unsharded"] = unit_block + (pb * w2 if new_grads else 0)  # parameters, first gradient
+                # the next unit's all-gather: the block below, or (untied) the embedding
+                moment["comm"] = prefetch if i > 0 else gather_of(pb * full_emb)
+                if reduce:  # the previous unit's reduce-scatter input (fp32): the block above, or [norm, head]
+                    moment["comm"] += 4 * (grad_block if i < L - 1 else head_grads)
             elif new_grads:
                 moment["grads"] = 4 * w2
             ledger.moment(f"backward of layer {i} {tag}", **moment)
             now["activations"] -= saved
             if not s.fsdp:
-                now["grads"] += 4 * shard_block if new_grads else 0
-            elif s.reduce_each_micro_batch:  # reduce-scattered, then added into the fp32 shard
-                now["grads"] += 4 * shard_block if first else 0
-            elif last:  # reduce-scattered into this rank's fp32 shard; the kept gradient goes
-                now["grads"] += 4 * shard_block
-                now["unsharded"] -= 0 if first else 4 * full_block
-            elif first:  # no sync before the last micro-batch: the gradient stays gathered, in fp32
-                now["unsharded"] += 4 * full_block
+                now["grads"] += 4 * train_shard_block if new_grads else 0
+            else:
+                settle(first, last, train_shard_block, grad_block)
         now["activations"] -= shared_mask + (packed_inputs if s.ac != "none" else 0)
-        # embedding backward, then (FSDP) the root unit reshards and reduce-scatters
+        # embedding backward, then (FSDP) its unit reshards and reduce-scatters
         if not s.fsdp:
-            if new_grads:
+            if new_grads and not lora:
                 now["grads"] += 4 * (embedding_grad + shard_root - head - (head if not s.tied else 0))
             ledger.moment(f"end of backward {tag}")
             continue
-        now["unsharded"] -= pb * (full_root + (head if new_grads else 0))
-        if s.reduce_each_micro_batch:
-            now["grads"] += 4 * shard_root if first else 0
-        elif last:
-            now["grads"] += 4 * shard_root
-            now["unsharded"] -= 0 if first else 4 * root_grads
-        elif first:
-            now["unsharded"] += 4 * root_grads
-        ledger.moment(f"end of backward {tag}", comm=4 * full_root if reduce else 0)
+        if emb_p:  # gathered again (prefetched during layer 0's backward), its gradient made
+            block_rs = 4 * grad_block if reduce else 0  # layer 0's reduce-scatter input
+            grad = pb * embedding_grad if new_grads else 0
+            ledger.moment(f"embedding backward {tag}", unsharded=pb * full_emb + grad, comm=block_rs)
+            settle(first, last, _sharded(emb_p if not lora else [], s), emb_grads)
+            ledger.moment(f"end of backward {tag}", comm=4 * full_emb if reduce and not lora else 0)
+        else:  # tied: the root unit reshards, its gradient (head's and embedding's) reduced
+            now["unsharded"] -= pb * (full_whole + (head_grad if new_grads else 0))
+            settle(first, last, _sharded(whole_p if not lora else [], s), whole_grads)
+            ledger.moment(f"end of backward {tag}", comm=4 * whole_grads if reduce else 0)
     ledger.moment("optimizer step")
     return ledger

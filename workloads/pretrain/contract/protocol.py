@@ -43,6 +43,8 @@ TAG_COMPLETED = "llmctl.completed"
 TAG_TASK_ID = "llmctl.sky.task_id"
 
 EXPORT_INFO = "llmctl_export.json"  # in an HF export: what it was made from (step, checkpoint, run)
+# the weight dtypes an HF export can be written in (``llmctl export --dtype``); the first is the default
+EXPORT_DTYPES = ("bf16", "fp16", "fp32")
 
 EXIT_CONFIG = 2
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped on request with state saved; a resume continues it

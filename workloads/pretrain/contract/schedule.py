@@ -73,6 +73,15 @@ def extension(old: TrainCfg, new: TrainCfg, from_step: int) -> tuple[Optional[in
             f" {before:.2e} (step {from_step}) to {after:.2e} (step {from_step + 1})"
         )
     pinned = dataclasses.replace(new, schedule_steps=old_h)
+    steps = int(new.steps)
+    if steps < old_h:  # fewer steps: the run now ends before its decay does
+        end, floor = lr * lr_factor(steps, pinned), lr * float(new.min_lr_ratio)
+        return old_h, (
+            f"train.steps {old_h} -> {steps}: the LR schedule keeps its horizon of {old_h} steps, so the learning"
+            f" rate does not jump; the run now ends at step {steps}, before its decay does (learning rate"
+            f" {end:.2e} there, not the floor {floor:.2e}). To finish the decay at step {steps}, add"
+            f" train.schedule_steps={steps} (the learning rate then jumps at the resume)"
+        )
     tail = f"{lr * lr_factor(max(new_h, old_h), pinned):.2e}"
     return old_h, (
         f"train.steps {old_h} -> {int(new.steps)}: the LR schedule keeps its horizon of {old_h}"

@@ -117,6 +117,33 @@ class Schedule(str, enum.Enum):
     constant = "constant"
 
 
+class QuantizeBase(str, enum.Enum):
+    """How LoRA stores the frozen base weights it adapts: as they are (``none``) or in 4-bit NF4
+    (``nf4``: QLoRA, torchao's NF4 tensor, computed in the compute dtype; ``model/nf4.py``)."""
+
+    none = "none"
+    nf4 = "nf4"
+
+
+# The model's linears LoRA may adapt (``model.lora.targets``): attention's q/k/v/o and the SwiGLU
+# FFN's gate (w1), down (w2) and up (w3) projections, Hugging Face's q_proj ... gate_proj, down_proj, up_proj.
+LORA_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
+
+
+@dataclass
+class LoraCfg:
+    """Low-rank adapters (LoRA, Hu et al. 2021) on the model's linears: the base weights stay frozen
+    and each target learns ``W + B A * alpha / rank``. ``rank=0`` (the default) trains every weight."""
+
+    rank: int = 0  # r, the adapters' inner dimension; 0: no adapters, every weight trains
+    alpha: float = 16.0  # the adapters' output is scaled by alpha / rank (PEFT's lora_alpha)
+    dropout: float = 0.0  # dropout on the adapters' input (PEFT's lora_dropout); 0: none
+    # the linears that get adapters, by the model's names (LORA_TARGETS): attention and MLP, as PEFT users expect
+    targets: List[str] = field(default_factory=lambda: list(LORA_TARGETS))
+    # the frozen base of the target linears: as loaded, or 4-bit NF4 (QLoRA)
+    quantize_base: QuantizeBase = QuantizeBase.none
+
+
 @dataclass
 class ModelCfg:
     """Llama-style decoder shape. ``ffn_dim_multiplier``/``multiple_of`` follow Llama's rule."""
@@ -150,6 +177,8 @@ class ModelCfg:
     # a Hugging Face checkpoint (directory or fsspec URL: config.json + safetensors) to start from;
     # its config.json sets the shape fields above (``hf_config``)
     init_from: Optional[str] = None
+    # LoRA / QLoRA: frozen base, trained low-rank adapters (rank 0: off, every weight trains)
+    lora: LoraCfg = field(default_factory=LoraCfg)
 
 
 @dataclass

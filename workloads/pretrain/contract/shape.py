@@ -54,6 +54,128 @@ def flops_per_token(model: ModelCfg, seq_len: int) -> int:
     """Training FLOPs per token: 6N (fwd+bwd matmuls) + 12·L·H·Q·T (attention scores and values).
 
     PaLM appendix B / nanoGPT / torchtitan; N excludes the input embedding.
+
+    With LoRA (``model.lora.rank``) the base is frozen: its matmuls run forward (2N) and produce
+    input gradients (2N) but no weight gradients, so the base counts 4N, and the adapters, which
+    train, 6 per parameter (``lora_params``), as LoRA's peers count it (the trainer's loss and
+    linears skip the frozen weights' gradient GEMMs, so this is the work done). Attention has no
+    weights: its 12·L·H·Q·T stays.
     """
     heads = int(model.n_heads)
-    return 6 * num_params(model) + 12 * int(model.n_layers) * heads * (int(model.dim) // heads) * seq_len
+    attention = 12 * int(model.n_layers) * heads * (int(model.dim) // heads) * seq_len
+    if model.lora.rank:
+        return 4 * num_params(model) + 6 * lora_params(model) + attention
+    return 6 * num_params(model) + attention
+
+
+def forward_flops_per_token(model: ModelCfg, seq_len: int) -> int:
+    """FLOPs of one token's forward (a validation pass): 2N + 4·L·H·Q·T, a third of training's
+    without LoRA; with it, the adapters' 2 per parameter too (forward is half a LoRA step, not a third)."""
+    heads = int(model.n_heads)
+    attention = 4 * int(model.n_layers) * heads * (int(model.dim) // heads) * seq_len
+    return 2 * num_params(model) + (2 * lora_params(model) if model.lora.rank else 0) + attention
+
+
+def _block_linears(model: ModelCfg) -> list[tuple[int, int]]:
+    """(in, out) features of one block's linears: q k v o, then SwiGLU's w1 w3 w2."""
+    dim, heads = int(model.dim), int(model.n_heads)
+    kv_heads, head_dim, hidden = int(model.n_kv_heads or heads), dim // heads, hidden_dim(model)
+    return [
+        (dim, heads * head_dim),
+        (dim, kv_heads * head_dim),
+        (dim, kv_heads * head_dim),
+        (heads * head_dim, dim),
+        (dim, hidden),
+        (dim, hidden),
+        (hidden, dim),
+    ]
+
+
+def target_linears(model: ModelCfg) -> dict[str, tuple[int, int]]:
+    """(in, out) features of one block's linears by the model's names (``schema.LORA_TARGETS``)."""
+    return dict(zip(("wq", "wk", "wv", "wo", "w1", "w3", "w2"), _block_linears(model)))
+
+
+def lora_params(model: ModelCfg) -> int:
+    """The adapters' parameters, the only ones LoRA trains: rank x (in + out) per target linear
+    per block (A is rank x in, B is out x rank); 0 with ``model.lora.rank=0``."""
+    lora = model.lora
+    shapes = target_linears(model)
+    return int(model.n_layers) * sum(int(lora.rank) * (shapes[t][0] + shapes[t][1]) for t in set(lora.targets))
+
+
+# QLoRA's NF4 storage (``model/nf4.py``, torchao's and bitsandbytes' defaults): one absmax scale per
+# block of 64 weights, the scales quantized to 8 bits in groups of 256 blocks. A weight quantizes
+# only if its size is a multiple of both (64 x 256 weights); FSDP must split whole groups.
+NF4_BLOCK = 64
+NF4_SCALER_BLOCK = 256
+
+
+def nf4_weight_bytes(n: int, compute_bytes: int) -> int:
+    """Bytes torchao's ``NF4Tensor`` keeps for ``n`` weights (or a shard's ``n``): two 4-bit codes per
+    byte (``quantized_data``), an int8 scale per ``NF4_BLOCK`` weights (``quantized_scalers``) and a
+    compute-dtype factor per ``NF4_SCALER_BLOCK`` scales (``quantization_factor``). Each tensor (each
+    shard) also keeps its scale mean and 16-entry code table: ``17 * compute_bytes`` more."""
+    return n // 2 + n // NF4_BLOCK + n // (NF4_BLOCK * NF4_SCALER_BLOCK) * compute_bytes
+
+
+def lora_total_params(model: ModelCfg) -> int:
+    """Every parameter of the adapted model, the input embedding and the adapters included: the
+    denominator of the trainable share as PEFT's ``print_trainable_parameters`` and the trainer's
+    LoRA line give it (Llama-3.1-8B, rank 16 on every linear: 41,943,040 of 8,072,204,288)."""
+    return num_params(model, exclude_embedding=False) + lora_params(model)
+
+
+def nf4_base_bytes(model: ModelCfg, compute_bytes: int) -> int:
+    """The whole model's NF4 storage under QLoRA (``model.lora.quantize_base=nf4``): every target
+    linear's frozen weight, whole (``nf4_weight_bytes`` plus its scale mean and code table); the
+    embedding, norms and LM head stay in their own dtype. 0 without NF4."""
+    lora = model.lora
+    if not lora.rank or lora.quantize_base != "nf4":
+        return 0
+    shapes = target_linears(model)
+    per_block = sum(
+        nf4_weight_bytes(i * o, compute_bytes) + 17 * compute_bytes for t, (i, o) in shapes.items() if t in lora.targets
+    )
+    return int(model.n_layers) * per_block
+
+
+def _fp8_able(linears: list[tuple[int, int]]) -> int:
+    return sum(i * o for i, o in linears if i % 16 == 0 and o % 16 == 0)
+
+
+def fp8_linear_params(model: ModelCfg) -> int:
+    """Weights of the linears ``train.fp8`` runs in FP8: every block linear whose features are both
+    multiples of 16 (``parallel/fp8.py``'s ``module_filter``; the LM head stays bf16)."""
+    return int(model.n_layers) * _fp8_able(_block_linears(model))
+
+
+def fp8_flops_per_token(model: ModelCfg, ac: str) -> int:
+    """Hardware FLOPs per training token in FP8 linears: 6 per converted weight (forward and
+    backward), plus the forward again under ``ac=full`` (``recompute_flops_per_token``: all but w2)."""
+    flops = 6 * fp8_linear_params(model)
+    if ac == "full":
+        flops += 2 * int(model.n_layers) * _fp8_able(_block_linears(model)[:-1])
+    return flops
+
+
+def recompute_flops_per_token(model: ModelCfg, seq_len: int, ac: str) -> int:
+    """Hardware FLOPs activation checkpointing adds per token, beyond ``flops_per_token`` (the model
+    FLOPs, MFU's numerator, which recompute does not change):
+
+    - ``full``: each block's forward runs again in backward, up to the last tensor backward needs:
+      torch's non-reentrant checkpoint stops there, so the block's last matmul (SwiGLU's ``w2``,
+      whose output backward does not keep) is not repeated. 2 x the other linears' weights +
+      4·L·H·Q·T (attention's forward third of 12·L·H·Q·T). The embedding, final norm and LM head
+      are outside the blocks. tests/trainer/test_recompute_flops.py counts the matmuls torch runs.
+    - ``selective``: only the ops between matmuls (norms, RoPE, SiLU, adds; ``parallelize._SAC_SAVE``
+      keeps every matmul and attention output): no matmul FLOPs. Their time (memory-bound) is a
+      cost of its own, which llmctl's estimate states as a prior.
+    - ``none``: 0.
+    """
+    if ac != "full":
+        return 0
+    heads = int(model.n_heads)
+    *repeated, _w2 = _block_linears(model)
+    linears = int(model.n_layers) * sum(i * o for i, o in repeated)
+    return 2 * linears + 4 * int(model.n_layers) * heads * (int(model.dim) // heads) * seq_len

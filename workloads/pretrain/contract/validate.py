@@ -114,11 +114,93 @@ def validate(cfg: TrainerCfg) -> None:
             f"FP8 with tensor parallelism (parallel.tp={cfg.parallel.tp}) is not supported yet. "
             "Fix: parallel.tp=1 (FSDP shards any size), or train.fp8=none",
         )
+    check_lora(cfg)
     ckpt = cfg.checkpoint
     _require(ckpt.every >= 0, "checkpoint.every", "must be >= 0 (0 saves only at the end)")
     _require(ckpt.keep >= 1, "checkpoint.keep", "must keep at least 1 checkpoint")
     check_static_layout(cfg)
     check_fp8_tokens(cfg)
+
+
+def check_lora(cfg: TrainerCfg) -> None:
+    """``model.lora.*``: ranges, target names, and what LoRA / QLoRA cannot run with."""
+    from workloads.pretrain.contract.schema import LORA_TARGETS
+    from workloads.pretrain.contract.shape import NF4_BLOCK, NF4_SCALER_BLOCK, target_linears
+
+    lora, par = cfg.model.lora, cfg.parallel
+    rank = lora.rank
+    _require(rank >= 0, "model.lora.rank", f"must be >= 0 (0: no adapters), got {rank}. Fix: model.lora.rank=16")
+    nf4 = lora.quantize_base == "nf4"
+    _require(
+        not nf4 or lora.rank > 0,
+        "model.lora.quantize_base",
+        "nf4 quantizes the frozen base under LoRA adapters, but model.lora.rank=0 trains every weight."
+        " Fix: model.lora.rank=16 (or another rank > 0), or model.lora.quantize_base=none",
+    )
+    if not lora.rank:
+        return
+    _require(lora.alpha > 0, "model.lora.alpha", f"must be > 0, got {lora.alpha}. Fix: model.lora.alpha=16")
+    _require(
+        0 <= lora.dropout < 1,
+        "model.lora.dropout",
+        f"must lie in [0, 1), got {lora.dropout}. Fix: model.lora.dropout=0.05",
+    )
+    unknown = [t for t in lora.targets if t not in LORA_TARGETS]
+    _require(
+        not unknown and bool(lora.targets),
+        "model.lora.targets",
+        f"{unknown or 'an empty list'}: name the model's linears, some of {', '.join(LORA_TARGETS)} (PEFT's"
+        " q_proj, k_proj, v_proj, o_proj, gate_proj, down_proj, up_proj are wq, wk, wv, wo, w1, w2, w3)."
+        f" Fix: model.lora.targets=[{','.join(LORA_TARGETS)}]",
+    )
+    _require(
+        cfg.train.fp8 == "none",
+        "train.fp8",
+        "FP8 with LoRA (model.lora.rank > 0) is not supported yet. Fix: train.fp8=none, or model.lora.rank=0",
+    )
+    _require(
+        lora.dropout == 0 or par.ac == "none",
+        "model.lora.dropout",
+        f"parallel.ac={par.ac.value} recomputes each block in backward without replaying its random state, so the"
+        " adapters' dropout would draw another mask there. Fix: model.lora.dropout=0, or parallel.ac=none",
+    )
+    if not nf4:
+        return
+    _require(
+        par.tp == 1,
+        "model.lora.quantize_base",
+        f"nf4 cannot run under tensor parallelism (parallel.tp={par.tp}): torchao's NF4 weight does not work inside"
+        " TP's sharded tensors. Fix: parallel.tp=1 (FSDP shards the 4-bit base), or model.lora.quantize_base=none",
+    )
+    group = NF4_BLOCK * NF4_SCALER_BLOCK
+    for name, (fan_in, fan_out) in target_linears(cfg.model).items():
+        _require(
+            name not in lora.targets or (fan_in * fan_out) % group == 0,
+            "model.lora.quantize_base",
+            f"nf4 quantizes weights in groups of {group} ({NF4_BLOCK} x {NF4_SCALER_BLOCK}), but {name} holds"
+            f" {fan_in} x {fan_out} = {fan_in * fan_out} weights of model '{cfg.model.name}'. Fix: a model whose"
+            f" linears are multiples of {group} weights, leave {name} out of model.lora.targets,"
+            " or model.lora.quantize_base=none",
+        )
+
+
+def check_lora_layout(cfg: TrainerCfg, dp_shard: int) -> None:
+    """QLoRA under FSDP: each of ``dp_shard`` ranks keeps whole rows and whole NF4 groups of every
+    target weight, so the shards gather back into the tensor quantized in one process."""
+    from workloads.pretrain.contract.shape import NF4_BLOCK, NF4_SCALER_BLOCK, target_linears
+
+    lora = cfg.model.lora
+    if not lora.rank or lora.quantize_base != "nf4" or dp_shard == 1:
+        return
+    group = NF4_BLOCK * NF4_SCALER_BLOCK
+    for name, (fan_in, fan_out) in target_linears(cfg.model).items():
+        _require(
+            name not in lora.targets or (fan_out % dp_shard == 0 and (fan_in * fan_out // group) % dp_shard == 0),
+            "parallel.dp_shard",
+            f"{dp_shard} FSDP ranks cannot split {name}'s NF4 weight ({fan_out} rows, {fan_in * fan_out // group}"
+            f" groups of {group} weights) evenly. Fix: a parallel.dp_shard that divides both, or"
+            " model.lora.quantize_base=none",
+        )
 
 
 def check_static_layout(cfg: TrainerCfg) -> None:
@@ -194,4 +276,5 @@ def resolve_layout(cfg: TrainerCfg, world_size: int) -> dict[str, int]:
         dataclasses.replace(cfg, parallel=dataclasses.replace(par, dp_replicate=rep, dp_shard=shard, tp=tp))
     )
     check_fp8_tokens(cfg, rep * shard)
+    check_lora_layout(cfg, shard)
     return layout

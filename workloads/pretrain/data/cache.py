@@ -29,6 +29,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 
+from workloads.pretrain.contract import data_split
 from workloads.pretrain.contract.schema import DataCfg
 from workloads.pretrain.data.chat import ChatTemplate, ExampleError, encode_example, load_chat_template
 from workloads.pretrain.data.sources import (
@@ -155,7 +156,7 @@ class Corpus:
 
     def split(self, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
         """(train, val): val is the last ``val_fraction`` of tokens, never seen in training."""
-        n_val = int(len(self.tokens) * val_fraction)
+        n_val = data_split.val_count(len(self.tokens), val_fraction)
         if n_val <= 0:
             raise ValueError(f"data.val_fraction={val_fraction} leaves no validation tokens")
         return self.tokens[:-n_val], self.tokens[-n_val:]
@@ -170,7 +171,7 @@ class Corpus:
             eos = self.eos_id if document_mask else None
             return tuple(Windows(part, seq_len, eos) for part in self.split(val_fraction))
         n = len(self.offsets) - 1
-        n_val = int(n * val_fraction)
+        n_val = data_split.val_count(n, val_fraction)
         if n_val <= 0 or n_val >= n:
             raise ValueError(
                 f"data.val_fraction={val_fraction} of {n} examples leaves no validation or no training examples"

@@ -6,8 +6,11 @@ assistant turns only. Which characters are an assistant turn is found by renderi
 turn i spans from ``render(messages[:i], add_generation_prompt=True)`` to
 ``render(messages[:i + 1])`` (so the template's end-of-turn token is learned, its role header is
 not). That works for any template whose renderings of a conversation's prefixes are prefixes of
-its rendering, which is what ``add_generation_prompt`` promises; a template that breaks it is
-refused by name. A token is a target when it holds a character of such a span.
+its rendering, and whose generation prompt is how it starts an assistant turn in history, which
+is what ``add_generation_prompt`` promises. A template that breaks either (DeepSeek-R1 distills
+prompt with a ``<think>`` line that their history drops) would shift the mask into the answer,
+so it is refused (``TemplateError``, a config error) naming its file and where the renderings
+part. A token is a target when it holds a character of such a span.
 
 ``prompt``/``completion``: the prompt is encoded with the tokenizer's special tokens (BOS), the
 completion without, then the end-of-text token; the loss covers the completion and that token.
@@ -21,18 +24,29 @@ from typing import Any, Optional
 
 import numpy as np
 
+from workloads.pretrain.contract.records import RecordError, check_example
+from workloads.pretrain.contract.validate import ConfigError
 
-class ExampleError(ValueError):
-    """A fine-tuning record the user can fix; the message names the file and line."""
+
+class ExampleError(RecordError):
+    """A fine-tuning record the user can fix; the message names the file and line. Its shape is
+    checked by ``contract.records.check_example`` (a ``RecordError``, as llmctl's preflight raises it)."""
+
+
+class TemplateError(ConfigError):
+    """A chat template whose assistant turns cannot be located: every chat would be masked wrong,
+    so it is data.tokenizer to fix, not a record (the trainer reports it as a config error)."""
 
 
 @dataclass(frozen=True)
 class ChatTemplate:
-    """A tokenizer's chat template and the special tokens it refers to."""
+    """A tokenizer's chat template and the special tokens it refers to; ``origin`` names the file it
+    came from, for messages."""
 
     source: str
     bos_token: str = ""
     eos_token: str = ""
+    origin: str = "the chat template"
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
         return _compiled(self.source).render(
@@ -91,56 +105,74 @@ def load_chat_template(tokenizer_dir: Optional[str]) -> Optional[ChatTemplate]:
     except FileNotFoundError:
         config = {}
     source = config.get("chat_template")
+    origin = f"{base}/tokenizer_config.json's chat_template"
     if isinstance(source, list):  # named templates: the default one
         source = next((t["template"] for t in source if t.get("name") == "default"), None)
     try:
         with fsspec.open(f"{base}/chat_template.jinja", "r", encoding="utf-8") as f:
-            source = f.read()
+            source, origin = f.read(), f"{base}/chat_template.jinja"
     except FileNotFoundError:
         pass
     if not source:
         return None
-    return ChatTemplate(source, _token_text(config.get("bos_token")), _token_text(config.get("eos_token")))
+    bos, eos = _token_text(config.get("bos_token")), _token_text(config.get("eos_token"))
+    return ChatTemplate(source, bos, eos, origin)
 
 
 def _token_text(tok: Any) -> str:
     return (tok.get("content") if isinstance(tok, dict) else tok) or ""
 
 
-def assistant_spans(template: ChatTemplate, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
-    """(rendered text, [start, end) character spans of the assistant turns)."""
+def assistant_spans(
+    template: ChatTemplate, messages: list[dict], where: str = "a conversation"
+) -> tuple[str, list[tuple[int, int]]]:
+    """(rendered text, [start, end) character spans of the assistant turns).
+
+    Turn i must render, in the conversation up to it, as its generation prompt followed by the
+    answer, and that rendering must begin the whole conversation's; otherwise the span's start is
+    not where the answer starts and the mask would silently cover the wrong characters."""
     text = template.render(messages)
     spans = []
     for i, message in enumerate(messages):
         if message.get("role") != "assistant":
             continue
-        start = len(template.render(messages[:i], add_generation_prompt=True)) if i else 0
-        end = len(template.render(messages[: i + 1]))
-        prefix = template.render(messages[: i + 1])
-        if not text.startswith(prefix) or not prefix.startswith(text[:start]):
-            raise ExampleError(
-                "the tokenizer's chat template renders a conversation's first turns differently "
-                "from the whole conversation, so its assistant turns cannot be located"
-            )
-        spans.append((start, end))
+        prompt = template.render(messages[:i], add_generation_prompt=True) if i else ""
+        upto = template.render(messages[: i + 1])
+        for part, part_name, whole, whole_name in (
+            (prompt, "the generation prompt", upto, f"message {i} as history"),
+            (upto, f"the conversation up to message {i}", text, "the whole conversation"),
+        ):
+            if not whole.startswith(part):
+                raise TemplateError(
+                    f"data.tokenizer: {template.origin} renders {part_name} differently from {whole_name} "
+                    f"({where}): {_parting(part, part_name, whole, whole_name)}; the loss mask would cover "
+                    "the wrong characters. Use a tokenizer whose chat template renders each turn the same "
+                    "wherever it stands and prompts an answer the way it starts one (data.tokenizer=<Hugging "
+                    "Face tokenizer directory>), or give these examples as prompt/completion records"
+                )
+        spans.append((len(prompt), len(upto)))
     return text, spans
+
+
+def _parting(part: str, part_name: str, whole: str, whole_name: str, width: int = 16) -> str:
+    """Where two renderings part: the characters they share just before, then each one's next."""
+    at = next((k for k, (a, b) in enumerate(zip(part, whole)) if a != b), min(len(part), len(whole)))
+    return (
+        f"after {part[max(0, at - width) : at]!r}, {part_name} has {part[at : at + width]!r} "
+        f"but {whole_name} has {whole[at : at + width]!r}"
+    )
 
 
 def encode_example(
     record: Any, tokenizer: Any, eos_id: int, template: Optional[ChatTemplate], where: str
 ) -> tuple[np.ndarray, np.ndarray]:
     """(ids, mask): mask[i] is 1 where token i is a training target."""
-    if not isinstance(record, dict) or not ("messages" in record or "prompt" in record):
-        raise ExampleError(
-            f"{where}: a fine-tuning record needs 'messages' (a chat) or 'prompt' and "
-            f"'completion'; got {sorted(record) if isinstance(record, dict) else type(record).__name__}"
-        )
-    if "messages" in record:
+    try:  # the record's shape: the contract's one definition, as llmctl's preflight checks it
+        kind = check_example(record, where)
+    except RecordError as e:
+        raise ExampleError(str(e)) from None
+    if kind == "messages":
         messages = record["messages"]
-        if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
-            raise ExampleError(f"{where}: 'messages' must be a list of {{role, content}} objects")
-        if not any(m["role"] == "assistant" for m in messages):
-            raise ExampleError(f"{where}: no assistant message, so nothing to learn from this conversation")
         if template is None:
             raise ExampleError(
                 f"{where}: chat 'messages' need a tokenizer with a chat template: set data.tokenizer="
@@ -148,7 +180,7 @@ def encode_example(
                 "(model.init_from's checkpoint usually has one), or use prompt/completion records"
             )
         try:
-            text, spans = assistant_spans(template, messages)
+            text, spans = assistant_spans(template, messages, where)
         except ExampleError as e:
             raise ExampleError(f"{where}: {e}") from None
         enc = tokenizer.encode(text, add_special_tokens=False)
@@ -158,8 +190,6 @@ def encode_example(
         for a, b in spans:  # every token holding a character of the turn (as transformers marks them)
             mask[(offsets[:, 0] < b) & (offsets[:, 1] > a)] = 1
         return ids, mask
-    if "completion" not in record:
-        raise ExampleError(f"{where}: a 'prompt' record needs a 'completion'")
     prompt = tokenizer.encode(str(record["prompt"]), add_special_tokens=True).ids
     completion = tokenizer.encode(str(record["completion"]), add_special_tokens=False).ids + [eos_id]
     ids = np.asarray(prompt + completion, dtype=np.int64)

@@ -26,6 +26,7 @@ from typing import Optional, Union
 import numpy as np
 import torch
 
+from workloads.pretrain.contract import data_split
 from workloads.pretrain.model.losses import IGNORE_INDEX
 
 
@@ -70,7 +71,7 @@ class Windows:
 
     def __init__(self, tokens: np.ndarray, seq_len: int, eos_id: Optional[int] = None):
         self.tokens, self.seq_len, self.eos_id = tokens, seq_len, eos_id
-        self.n = (len(tokens) - 1) // seq_len
+        self.n = data_split.windows(len(tokens), seq_len)
 
     def __len__(self) -> int:
         return self.n
@@ -152,15 +153,7 @@ class PackedExamples:
 
 def _next_fit(lengths: np.ndarray, capacity: int) -> np.ndarray:
     """Boundaries of consecutive runs of ``lengths`` whose sums fit ``capacity`` (each <= capacity)."""
-    bounds, used = [0], 0
-    for j, n in enumerate(lengths.tolist()):
-        if used + n > capacity:
-            bounds.append(j)
-            used = 0
-        used += n
-    if len(lengths):
-        bounds.append(len(lengths))
-    return np.asarray(bounds, dtype=np.int64)
+    return np.asarray(data_split.next_fit(lengths.tolist(), capacity), dtype=np.int64)
 
 
 Sequences = Union[Windows, PackedExamples]
@@ -313,10 +306,7 @@ def val_batches(
     sequences = _as_sequences(data, seq_len)
     n = min(n_batches, len(sequences) // global_batch_size)
     if n < 1:
-        raise ValueError(
-            f"validation split has {len(sequences)} sequences of seq_len={seq_len}: fewer than one batch of "
-            f"{global_batch_size}; raise data.val_fraction or lower train.batch_size"
-        )
+        raise ValueError(data_split.too_few_for_a_batch(len(sequences), seq_len, global_batch_size))
     local = global_batch_size // dp_size
     out = []
     for b in range(n):

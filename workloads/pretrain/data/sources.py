@@ -14,7 +14,6 @@ the tokens (and the train/val split: the last ``data.val_fraction`` of tokens) a
 from __future__ import annotations
 
 import ast
-import json
 import os
 import sys
 import sysconfig
@@ -24,14 +23,13 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 
+from workloads.pretrain.contract.records import RecordError, format_of, no_files, not_for_sft, parse_line, text_of
 from workloads.pretrain.contract.schema import DataCfg
 
 BUILTIN_SOURCE = "builtin:pydoc"
 # Bump when the corpus recipe or the cache layout changes: old caches are then ignored.
 CORPUS_VERSION = 1
 _MIN_DOC_CHARS = 40
-FILE_FORMATS = (".txt", ".jsonl", ".parquet")
-_COMPRESSIONS = (".gz",)
 
 
 def load_texts(data_cfg: DataCfg) -> Iterable[str]:
@@ -48,14 +46,6 @@ class SourceFile:
     url: str
     size: int
     version: str
-
-
-def _format_of(path: str) -> str | None:
-    base = path.lower()
-    for comp in _COMPRESSIONS:
-        if base.endswith(comp):
-            base = base[: -len(comp)]
-    return next((ext for ext in FILE_FORMATS if base.endswith(ext)), None)
 
 
 def _version_stamp(info: dict) -> str:
@@ -102,14 +92,10 @@ def list_source_files(source: str) -> list[SourceFile]:
             p if protocol == "file" else fs.unstrip_protocol(p), int(info.get("size") or 0), _version_stamp(info)
         )
         for p, info in entries.items()
-        if info.get("type", "file") == "file" and _format_of(p)
+        if info.get("type", "file") == "file" and format_of(p)
     ]
     if not files:
-        what = f"{len(entries)} entries, none of them" if entries else "nothing; expected"
-        raise ValueError(
-            f"data.source={source!r} matched {what} .txt/.jsonl/.parquet files "
-            f"(optionally .gz): check the path/glob and credentials"
-        )
+        raise RecordError(no_files(source, len(entries)))
     return sorted(files, key=lambda f: f.url)
 
 
@@ -118,7 +104,7 @@ def file_texts(files: list[SourceFile], text_field: str) -> Iterator[str]:
     import fsspec
 
     for f in files:
-        fmt = _format_of(f.url)
+        fmt = format_of(f.url)
         with fsspec.open(f.url, "rb", compression="infer") as fh:
             if fmt == ".txt":
                 text = fh.read().decode("utf-8")
@@ -128,11 +114,10 @@ def file_texts(files: list[SourceFile], text_field: str) -> Iterator[str]:
                 for lineno, line in enumerate(fh, 1):
                     if not line.strip():
                         continue
-                    rec = json.loads(line)
-                    if not isinstance(rec, dict) or text_field not in rec:
-                        raise ValueError(f"{f.url}:{lineno}: no field data.text_field={text_field!r} in this record")
-                    if rec[text_field]:
-                        yield str(rec[text_field])
+                    where = f"{f.url}:{lineno}"
+                    text = text_of(parse_line(line, where), text_field, where)
+                    if text:
+                        yield text
             else:  # .parquet: one column, a row group at a time
                 import pyarrow.parquet as pq
 
@@ -153,20 +138,14 @@ def file_records(files: list[SourceFile]) -> Iterator[tuple[str, Any]]:
     import fsspec
 
     for f in files:
-        fmt = _format_of(f.url)
+        fmt = format_of(f.url)
         if fmt == ".txt":
-            raise ValueError(
-                f"{f.url}: data.format=sft reads .jsonl (or .parquet) records of 'messages' or "
-                f"'prompt'/'completion', not .txt files"
-            )
+            raise RecordError(not_for_sft(f.url))
         with fsspec.open(f.url, "rb", compression="infer") as fh:
             if fmt == ".jsonl":
                 for lineno, line in enumerate(fh, 1):
                     if line.strip():
-                        try:
-                            yield f"{f.url}:{lineno}", json.loads(line)
-                        except json.JSONDecodeError as e:
-                            raise ValueError(f"{f.url}:{lineno}: not JSON ({e.msg})") from None
+                        yield f"{f.url}:{lineno}", parse_line(line, f"{f.url}:{lineno}")
             else:
                 import pyarrow.parquet as pq
 

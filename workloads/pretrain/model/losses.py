@@ -43,7 +43,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
 
         loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.empty_like(hidden)
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        # A frozen head (LoRA) needs no weight gradient: skipping it saves a third of the head's matmuls.
+        weight_grad = ctx.needs_input_grad[1]
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if weight_grad else None
 
         autocast = torch.is_autocast_enabled(hidden.device.type)
         # All-fp32 (CPU training): write matmul results straight into the gradient buffers.
@@ -64,19 +66,22 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
 
             if plain:
                 torch.mm(grad_logits, weight, out=grad_hidden[start : start + chunk_size])
-                grad_weight.addmm_(grad_logits.t(), h)
+                if weight_grad:
+                    grad_weight.addmm_(grad_logits.t(), h)
             else:
                 g = grad_logits if autocast else grad_logits.to(h.dtype)
                 grad_hidden[start : start + chunk_size] = (g @ weight).to(hidden.dtype)
-                _add_weight_grad(grad_weight, g, h, autocast)
+                if weight_grad:
+                    _add_weight_grad(grad_weight, g, h, autocast)
 
-        ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
+        ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype) if weight_grad else None)
         return loss_sum / denom
 
     @staticmethod
     def backward(ctx, grad_output):
         grad_hidden, grad_weight = ctx.saved_tensors
-        return grad_hidden * grad_output, grad_weight * grad_output, None, None, None, None
+        grad_weight = None if grad_weight is None else grad_weight * grad_output
+        return grad_hidden * grad_output, grad_weight, None, None, None, None
 
 
 _OUT_DTYPE_MM = {"cuda": True}  # does this torch have CUDA's addmm(out_dtype=)? Learnt at first use.

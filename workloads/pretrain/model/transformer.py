@@ -281,7 +281,7 @@ class Transformer(nn.Module):
         # ModuleDict keyed "0".."L-1": FQNs stay stable if pipeline stages drop some layers.
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, self.kernels) for i in range(cfg.n_layers)})
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps, self.kernels)
-        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.output = LMHead(cfg.dim, cfg.vocab_size, bias=False)
         cos, sin = rope_tables(self.head_dim, self.max_seq_len, self.rope_theta, scaling=self.rope_scaling)
         self.register_buffer("freqs_cos", cos, persistent=False)
         self.register_buffer("freqs_sin", sin, persistent=False)
@@ -366,8 +366,24 @@ class Transformer(nn.Module):
             return F.cross_entropy(
                 logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction=reduction
             )
-        # Reads output.weight directly (no module call): keep `output` in the root FSDP unit.
-        return fused_lm_loss(h, self.output.weight, targets, reduction, self.loss_kernel)
+        return self.output(h, targets, reduction=reduction, kernel=self.loss_kernel)
+
+
+class LMHead(nn.Linear):
+    """The LM head: logits, or given ``targets`` the fused head + cross-entropy (``fused_lm_loss``).
+
+    The loss goes through this module's own call, not a read of ``output.weight`` from outside it,
+    so FSDP's hooks see the head run: it can be its own unit with the final norm, gathered for the
+    loss and resharded after its backward, instead of staying gathered with the embedding in the
+    root unit for the whole step (``parallelize.apply_fsdp``). A plain ``nn.Linear`` to TP's plans.
+    """
+
+    def forward(
+        self, h: torch.Tensor, targets: torch.Tensor | None = None, *, reduction: str = "mean", kernel: str = "auto"
+    ) -> torch.Tensor:
+        if targets is None:
+            return F.linear(h, self.weight, self.bias)
+        return fused_lm_loss(h, self.weight, targets, reduction, kernel)
 
 
 def fused_lm_loss(

@@ -1,0 +1,232 @@
+"""LoRA and QLoRA fine-tunes of a Hugging Face checkpoint through the real CLI: ``llmctl launch`` on
+one process, FSDP over 2 gloo ranks and TP over 2; a run failed at step 3 and ``llmctl resume``d
+finishes with the losses of the run that was never interrupted; ``llmctl export --format peft``
+loads in PEFT and ``--format hf`` (adapters merged) in transformers, each computing llmctl's logits,
+with the checkpoint's BOS/EOS and chat template.
+
+Launches are shared (module fixtures) and few: per method a 1-process reference that is exported,
+and a 2-rank run that is failed and resumed; one TP run for LoRA (QLoRA under TP is refused by
+``validate``: asserted as a one-line exit 3). Losses across layouts agree to 1e-5 (test_lora's
+tolerance: the same sums in another order); logits to atol 2e-5 / rtol 1e-4 (test_hf_init's).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import cli_env_at, mlflow_runs, run_cli
+
+pytestmark = pytest.mark.slow
+
+VOCAB = 512
+SHAPES = {  # QLoRA quantizes groups of 64 x 256 weights: its base's linears hold whole groups
+    "lora": dict(hidden_size=64, intermediate_size=160),
+    "qlora": dict(hidden_size=256, intermediate_size=512),
+}
+COMMON = dict(
+    vocab_size=VOCAB, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256
+)
+METHOD = {
+    "lora": ["model.lora.rank=4", "model.lora.alpha=8"],
+    "qlora": ["model.lora.rank=4", "model.lora.quantize_base=nf4"],
+}
+TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+STEPS = 4
+ATOL, RTOL, LOSS_TOL = 2e-5, 1e-4, 1e-5
+
+
+def _tokenizer():
+    """A trained byte-level BPE whose BOS is "<|begin|>" and EOS "<|end|>", with a chat template."""
+    from pydoc_data.topics import topics
+
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB,
+        special_tokens=["<|begin|>", "<|end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([topics[k] for k in sorted(topics)], trainer)
+    out = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|begin|>", eos_token="<|end|>")
+    out.chat_template = TEMPLATE
+    return out
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory: pytest.TempPathFactory, cache_dir: Path):
+    import transformers
+
+    root = tmp_path_factory.mktemp("lora-e2e")
+    tok = _tokenizer()
+    bases = {}
+    for method, shape in SHAPES.items():
+        torch.manual_seed(0)
+        cfg = transformers.LlamaConfig(**COMMON, **shape, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+        bases[method] = root / f"base-{method}"
+        transformers.LlamaForCausalLM(cfg).save_pretrained(str(bases[method]))
+        tok.save_pretrained(str(bases[method]))
+    return {"root": root, "env": cli_env_at(root / "home", cache_dir), "bases": bases, "tok": tok, "runs": {}}
+
+
+def _args(work, method: str, *extra: str) -> list[str]:
+    return [
+        "launch",
+        f"model.init_from={work['bases'][method]}",
+        *METHOD[method],
+        f"data.vocab_size={VOCAB}",
+        f"train.steps={STEPS}",
+        "train.seq_len=32",
+        "train.batch_size=4",
+        "train.log_every=1",
+        "train.val_every=0",
+        "train.val_batches=1",
+        "checkpoint.every=2",
+        *extra,
+    ]
+
+
+def _losses(path: Path) -> dict[int, float]:
+    """Train loss per step; a step recomputed after a resume keeps its last value."""
+    out = {}
+    for line in path.read_text().splitlines():
+        rec = json.loads(line)
+        if "train/loss" in rec:
+            out[int(rec["step"])] = float(rec["train/loss"])
+    return out
+
+
+def _launch(work, name: str, method: str, *extra: str, fail_at: int | None = None):
+    """One launch in its own directory; returns (process, run id, loss file)."""
+    cwd = work["root"] / name
+    cwd.mkdir()
+    loss_file = cwd / "losses.jsonl"
+    env = {**work["env"], "LLMCTL_LOSS_FILE": str(loss_file)}
+    if fail_at:
+        env["LLMCTL_FAIL_AT_STEP"] = str(fail_at)
+    out = run_cli(_args(work, method, *extra), cwd, env)
+    runs = mlflow_runs(f"sqlite:///{cwd / 'mlflow.db'}")
+    return out, (runs[0].info.run_id if runs else None), loss_file, cwd
+
+
+@pytest.fixture(scope="module")
+def reference(work):
+    """Per method: the uninterrupted 1-process run (run id, losses, directory)."""
+    out = {}
+    for method in METHOD:
+        proc, rid, losses, cwd = _launch(work, f"ref-{method}", method)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert "pretrain | lora rank 4" in proc.stdout and ("NF4" in proc.stdout) == (method == "qlora")
+        out[method] = (rid, _losses(losses), cwd)
+    return out
+
+
+def _close(got: dict[int, float], want: dict[int, float], what: str) -> None:
+    assert sorted(got) == sorted(want), (what, got, want)
+    for step, loss in want.items():
+        assert abs(got[step] - loss) <= LOSS_TOL, (what, step, got[step], loss)
+
+
+@pytest.mark.parametrize("method", list(METHOD))
+def test_fsdp_run_failed_and_resumed_matches_the_uninterrupted_one(work, reference, method: str) -> None:
+    proc, rid, losses, cwd = _launch(work, f"fsdp-{method}", method, "parallel=fsdp2", fail_at=3)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    env = {**work["env"], "LLMCTL_LOSS_FILE": str(losses)}
+    res = run_cli(["resume", rid], cwd, env)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "resumed from step 2" in res.stdout
+    _close(_losses(losses), reference[method][1], f"{method} fsdp2 resumed")
+    step = next((cwd / "llmctl-runs").glob("*/checkpoints/step-4"), None) or _step_dir(cwd, rid, 4)
+    from workloads.pretrain.checkpoint.tensor_source import DcpSource
+
+    assert all(".lora_" in name for name in DcpSource(str(step)).specs())  # no base in the checkpoint
+
+
+def _step_dir(cwd: Path, rid: str, step: int) -> Path:
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.load(cwd / "llmctl-runs" / rid / "config.yaml")
+    return Path(str(cfg.checkpoint.dir)) / f"step-{step}"
+
+
+def test_tp_trains_lora_as_one_process_does_and_refuses_qlora(work, reference) -> None:
+    proc, _, losses, _ = _launch(work, "tp-lora", "lora", "parallel=tp2")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    _close(_losses(losses), reference["lora"][1], "lora tp2")
+    proc, _, _, _ = _launch(work, "tp-qlora", "qlora", "parallel=tp2")
+    said = proc.stderr.strip().splitlines()
+    assert proc.returncode == 3 and "nf4 cannot run under tensor parallelism" in said[-1], proc.stderr[-2000:]
+
+
+def _llmctl_logits(cwd: Path, rid: str, x: torch.Tensor, monkeypatch) -> torch.Tensor:
+    """The run's model at its last step, as the trainer builds it (base from init_from, adapters
+    from the checkpoint), in this process."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+    from workloads.pretrain.contract.config import load
+    from workloads.pretrain.train import init_distributed, load_pretrained
+
+    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    cfg = load(str(cwd / "llmctl-runs" / rid / "config.yaml"))
+    try:
+        model = load_pretrained(cfg, init_distributed(cfg))
+        options = StateDictOptions(ignore_frozen_params=True, strict=False)
+        state = {"model": get_model_state_dict(model, options=options)}
+        dcp.load(state, checkpoint_id=str(_step_dir(cwd, rid, STEPS)))
+        set_model_state_dict(model, state["model"], options=options)
+        with torch.no_grad():
+            return model(x)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("method", list(METHOD))
+def test_exports_compute_llmctls_logits(work, reference, method: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import peft
+    import transformers
+
+    rid, _, cwd = reference[method]
+    base = work["bases"][method]
+    env = work["env"]
+    out = run_cli(["export", rid, "--format", "peft", "--out", str(cwd / "peft")], cwd, env)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    out = run_cli(["export", rid, "--dtype", "fp32", "--out", str(cwd / "hf")], cwd, env)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+
+    x = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(3))
+    want = _llmctl_logits(cwd, rid, x, monkeypatch)
+    conf = json.loads((cwd / "peft" / "adapter_config.json").read_text())
+    assert conf["base_model_name_or_path"] == str(base) and conf["r"] == 4 and conf["peft_type"] == "LORA"
+    hf_base = transformers.AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+    merged = transformers.AutoModelForCausalLM.from_pretrained(str(cwd / "hf"), dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=x).logits, want, atol=ATOL, rtol=RTOL)
+        if method == "lora":  # QLoRA's adapters were trained on the NF4 base: PEFT's base is the original
+            adapted = peft.PeftModel.from_pretrained(hf_base, str(cwd / "peft")).eval()
+            torch.testing.assert_close(adapted(input_ids=x).logits, want, atol=ATOL, rtol=RTOL)
+
+    tok = transformers.AutoTokenizer.from_pretrained(str(cwd / "hf"))
+    assert (tok.bos_token, tok.eos_token) == ("<|begin|>", "<|end|>")
+    assert (merged.config.bos_token_id, merged.config.eos_token_id) == (
+        work["tok"].bos_token_id,
+        work["tok"].eos_token_id,
+    )
+    chat = [{"role": "user", "content": "hi"}]
+    assert tok.apply_chat_template(chat, tokenize=False) == "<|user|>hi<|end|>"
+
+
+def test_peft_export_of_a_full_fine_tune_is_refused(work, tmp_path: Path) -> None:
+    out = run_cli(["export", str(tmp_path / "ck"), "--format", "peft"], tmp_path, work["env"])
+    assert out.returncode == 3 and "model.lora.rank=0" in out.stderr.strip().splitlines()[-1], out.stderr
+    assert not (tmp_path / "llmctl-runs").exists() or not any((tmp_path / "llmctl-runs").iterdir())
