@@ -86,14 +86,7 @@ def _list(source: str, say: Optional[Say]) -> Optional[tuple[list[SourceFile], b
         fs, path = url_to_fs(source)
         protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
         local = protocol in ("file", "local")
-        if any(c in path for c in "*?["):
-            entries = fs.glob(path, detail=True)
-        elif fs.isdir(path):
-            entries = fs.find(path, detail=True)
-        elif fs.exists(path):
-            entries = {path: fs.info(path)}
-        else:
-            entries = {}
+        entries = records.matching_entries(fs, path)
     except Exception as exc:  # credentials, a filesystem package missing: the nodes may have them
         if say is not None:
             say(

@@ -170,3 +170,18 @@ def fake_gcs():
     yield {"STORAGE_EMULATOR_HOST": url, "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
     proc.terminate()
     proc.wait(10)
+
+
+@pytest.fixture()
+def one_process(monkeypatch):
+    """The trainer's environment for one process without torchrun (its 1-rank group and mesh made
+    in this process); the group is destroyed after."""
+    import torch.distributed as dist
+
+    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    if dist.is_initialized():
+        pytest.fail("a process group is already initialised in this process")
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -13,21 +13,7 @@ losses still match one process's at every layout is tests/trainer/test_parallel.
 
 from __future__ import annotations
 
-import pytest
 import torch
-import torch.distributed as dist
-
-
-@pytest.fixture()
-def one_process(monkeypatch):
-    """The trainer's environment for one process without torchrun; the group is destroyed after."""
-    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
-        monkeypatch.delenv(var, raising=False)
-    if dist.is_initialized():
-        pytest.fail("a process group is already initialised in this process")
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def gathered_during_a_step(cfg) -> list[tuple[str, bool, bool]]:

@@ -20,7 +20,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from lora_worker import loss_and_grads, run_job, set_b
 from test_hf_init import COMMON, OVERRIDES, _batch, _save
 
@@ -53,16 +52,6 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "llama": _save(transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON)), root / "llama"),
         "llama-256": _save(transformers.LlamaForCausalLM(transformers.LlamaConfig(**NF4_SHAPE)), root / "llama-256"),
     }
-
-
-@pytest.fixture()
-def one_process(monkeypatch: pytest.MonkeyPatch):
-    """The trainer's 1-rank process group and mesh in this process, gone afterwards."""
-    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
-        monkeypatch.delenv(var, raising=False)
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def _load(path: Path, *overrides: str):

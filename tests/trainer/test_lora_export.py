@@ -38,17 +38,6 @@ def bases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return out
 
 
-@pytest.fixture()
-def one_process(monkeypatch: pytest.MonkeyPatch):
-    import torch.distributed as dist
-
-    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
-        monkeypatch.delenv(var, raising=False)
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
 def _trained(path: Path, ckpt: Path, *overrides: str):
     """The LoRA model of ``path`` with nonzero B, one optimizer step taken, saved by the trainer's
     Checkpointer as ``ckpt/step-1``; returns (cfg, model)."""

@@ -10,19 +10,6 @@ from contextlib import nullcontext
 
 import pytest
 import torch
-import torch.distributed as dist
-
-
-@pytest.fixture()
-def one_process(monkeypatch):
-    """The trainer's environment for one process without torchrun; the group is destroyed after."""
-    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
-        monkeypatch.delenv(var, raising=False)
-    if dist.is_initialized():
-        pytest.fail("a process group is already initialised in this process")
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def build(cfg):

@@ -29,6 +29,19 @@ def format_of(path: str) -> Optional[str]:
     return next((ext for ext in FILE_FORMATS if base.endswith(ext)), None)
 
 
+def matching_entries(fs: Any, path: str) -> dict[str, dict]:
+    """What ``data.source`` names on filesystem ``fs`` (an fsspec one, passed in: this module imports
+    none): a glob's matches, a directory's files, one file, or nothing; path -> fsspec's info. The
+    trainer's reader and llmctl's launch check list a source the same way."""
+    if any(c in path for c in "*?["):
+        return fs.glob(path, detail=True)
+    if fs.isdir(path):
+        return fs.find(path, detail=True)
+    if fs.exists(path):
+        return {path: fs.info(path)}
+    return {}
+
+
 def no_files(source: str, entries: int) -> str:
     """The message for a ``data.source`` that names no readable file (``entries``: what it did match)."""
     what = f"{entries} entries, none of them" if entries else "nothing; expected"

@@ -23,7 +23,15 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 
-from workloads.pretrain.contract.records import RecordError, format_of, no_files, not_for_sft, parse_line, text_of
+from workloads.pretrain.contract.records import (
+    RecordError,
+    format_of,
+    matching_entries,
+    no_files,
+    not_for_sft,
+    parse_line,
+    text_of,
+)
 from workloads.pretrain.contract.schema import DataCfg
 
 BUILTIN_SOURCE = "builtin:pydoc"
@@ -78,14 +86,7 @@ def list_source_files(source: str) -> list[SourceFile]:
             ".txt/.jsonl/.parquet files> (e.g. data.source='s3://bucket/corpus/*.jsonl')"
         )
     fs, path = url_to_fs(str(source))
-    if any(c in path for c in "*?["):
-        entries = fs.glob(path, detail=True)
-    elif fs.isdir(path):
-        entries = fs.find(path, detail=True)
-    elif fs.exists(path):
-        entries = {path: fs.info(path)}
-    else:
-        entries = {}
+    entries = matching_entries(fs, path)
     protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
     files = [
         SourceFile(
