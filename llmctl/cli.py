@@ -610,7 +610,12 @@ def config_groups(config_dir: Optional[str] = ConfigDirOpt) -> None:
 
 
 def main() -> None:
-    app(prog_name="llmctl")
+    from workloads.pretrain.contract.process_exit import exit_process
+
+    try:
+        app(prog_name="llmctl")  # Typer ends with SystemExit
+    except SystemExit as done:
+        exit_process(done.code)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,6 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 # when the workers finish; xdist's own reorder (most tests first) left the Slurm file, with 3 tests
 # and 15 minutes, for last. Keep it current when a file's share changes (`--durations` of a CI run).
 LONGEST_FIRST = (
-    "tests/e2e/test_extras_resolve.py",  # waits on PyPI for minutes: overlaps the CPU-bound files
     "tests/e2e/test_docs.py",
     "tests/e2e/test_lora_e2e.py",
     "tests/sky/test_slurm_launch.py",

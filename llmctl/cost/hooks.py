@@ -87,7 +87,11 @@ def record_estimate(mc: Any, run_id: str, plan: Any, max_cost: Optional[float], 
             mc.log_dict(run_id, {**est.to_json(), "priced_at": at}, "estimate.json")
         if max_cost is not None:
             tags[TAG_MAX_COST] = f"{max_cost:.2f}"
-        mc.log_batch(run_id, tags=[RunTag(k, v[:5000]) for k, v in tags.items()] + ledger.figure_tags(metrics))
+        mc.log_batch(
+            run_id,
+            metrics=ledger.charted_metrics(metrics, 0),
+            tags=[RunTag(k, v[:5000]) for k, v in tags.items()] + ledger.figure_tags(metrics),
+        )
     except Exception as exc:
         _warn("recording the cost estimate", exc)
 
@@ -143,7 +147,7 @@ def status_lines(uri: str, run: Any) -> list[str]:
     if text is not None:
         lines.append(
             f"estimate:    {text}, {figures.get('time/estimate_h', 0) * 3600:,.0f} s"
-            f" ({run.data.tags.get('llmctl.estimate.source', '?')[:120]})"
+            f" ({run.data.tags.get('llmctl.estimate.source', '?')})"
         )
     if not ledger.attempts(run.data.tags):
         return lines

@@ -61,6 +61,19 @@ FIGURES = (
 )
 
 
+# Also logged as metrics, so MLflow's runs table sorts by them and its chart view compares runs by
+# them; every figure stays a tag too (full precision, and what ``figures`` reads).
+CHARTED = ("cost/actual_usd", "cost/device_hours", "cost/usd_per_1m_tokens", "cost/estimate_usd")
+
+
+def charted_metrics(values: Mapping[str, float], step: int) -> list[Any]:
+    """The ``CHARTED`` figures among ``values`` as metrics at ``step`` (the number of attempts)."""
+    from mlflow.entities import Metric
+
+    ms = int(time.time() * 1000)
+    return [Metric(k, float(v), ms, step) for k, v in values.items() if k in CHARTED]
+
+
 def figure_tags(values: Mapping[str, float]) -> list[Any]:
     """One-value figures as run tags (full precision, ``repr`` of the float)."""
     from mlflow.entities import RunTag
@@ -324,8 +337,11 @@ def tokens_trained(mc: Any, run: Any) -> Optional[int]:
 
 
 def update(mc: Any, run_id: str, now: Optional[float] = None) -> Ledger:
-    """Recompute the ledger from the run's tags and record it as ``cost/*`` tags (status and run end)."""
+    """Recompute the ledger from the run's tags and record it as ``cost/*`` tags (status and run end);
+    once every attempt is closed, the charted figures as metrics too, at the attempt count's step."""
     run = mc.get_run(run_id)
     led = compute(run.data.tags, now, tokens_trained(mc, run))
-    mc.log_batch(run_id, tags=figure_tags(led.metrics()))
+    values = led.metrics()
+    charted = [] if led.open else charted_metrics(values, len(led.attempts))
+    mc.log_batch(run_id, metrics=charted, tags=figure_tags(values))
     return led

@@ -81,7 +81,7 @@ def run_row(run: Any, experiment: str, now: Optional[float] = None) -> dict[str,
         "detail": tags.get("llmctl.status", ""),
         "pruned": "llmctl.pruned" in tags,  # a sweep's pruner stopped it (its status is KILLED)
         "infra": tags.get("llmctl.infra", params.get("infra.name", "?")),
-        "accelerator": tags.get("llmctl.accelerator", "?"),
+        "accelerator": tags.get("llmctl.accelerator", "?" if ledger.attempts(tags) else "-"),  # "-": never ran
         "nodes": int(params.get("infra.nodes", 1) or 1),
         "start": (run.info.start_time or 0) / 1000.0,
         "steps": int(steps) if steps is not None else None,
@@ -138,6 +138,8 @@ def cost_rows(uri: str, since: Optional[str] = None, by: str = "experiment") -> 
         "tokens": 0,
     }
     for row in runs_rows(uri, since, limit=100000):
+        if not row["attempts"]:  # a sweep's parent, a trial never started: nothing ran, no run to count
+            continue
         g = groups.setdefault(
             str(row[by]),
             {
@@ -216,7 +218,7 @@ def runs_table(rows: list[dict[str, Any]]) -> str:
         body.append(
             [
                 r["run_id"][:12],
-                (r["name"] or "")[:24],
+                r["name"] or "",
                 status,
                 r["infra"],
                 r["accelerator"],

@@ -236,11 +236,14 @@ def wait(sweep_id: str, poll_s: float = 2.0) -> SweepStatus:
 
     console = Console()
     st = get_status(sweep_id)
-    if not console.is_terminal:  # a pipe or CI log: no live redraws, the final table once, on its own lines
+    if not console.is_terminal:  # a pipe or CI log: no live redraws, and no cut to rich's 80 columns
+        from llmctl.sweep import table as plain
+
         while not st.done:
             time.sleep(poll_s)
             st = get_status(sweep_id)
-        console.print(render(st))
+        header, rows = st.rows()
+        print(f"{sweep_id}: {st.parent_status}\n{plain.render(header, rows)}\nbest: {st.best_line()}", flush=True)
         return st
     with Live(render(st), console=console, refresh_per_second=1) as live:
         while not st.done:

@@ -115,7 +115,7 @@ class SweepStatus:
                     str(t.index),
                     (t.run_id or "-")[:12],
                     t.status,
-                    *table.values(t.overrides, keys),
+                    *(table.shown(v) for v in table.values(t.overrides, keys)),
                     table.num(m.get("train/loss")),
                     table.num(m.get("val/loss")),
                     table.num(m.get("perf/tokens_per_s"), "{:,.0f}"),
@@ -158,7 +158,7 @@ class SweepStatus:
         if b is None:
             return f"none yet (no FINISHED trial with {metric})"
         keys = table.varying([t.overrides for t in self.trials])
-        shown = " ".join(f"{k}={v}" for k, v in zip(keys, table.values(b.overrides, keys)))
+        shown = " ".join(f"{k}={table.shown(v)}" for k, v in zip(keys, table.values(b.overrides, keys)))
         return (
             f"trial {b.index}{f' ({shown})' if shown else ''} {metric}={b.metrics[metric]:.4f} ({mode}), run {b.run_id}"
         )
@@ -253,6 +253,16 @@ def supervisor_pid(sweep_id: str) -> Optional[int]:
         return None
 
 
+def _key_metrics(run: Any) -> dict[str, float]:
+    """The table's metrics of a trial; tokens/s is the steady figure its close recorded, when there is
+    one (what ``llmctl runs`` shows), else the newest logged value."""
+    out = {k: v for k, v in run.data.metrics.items() if k in KEY_METRICS}
+    steady = ledger.figures(run).get("perf/tokens_per_s_steady")
+    if steady is not None:
+        out["perf/tokens_per_s"] = steady
+    return out
+
+
 def get_status(sweep_id: str, uri: Optional[str] = None) -> SweepStatus:
     from llmctl.tracking import mlflow_run as tracking
 
@@ -275,7 +285,7 @@ def get_status(sweep_id: str, uri: Optional[str] = None) -> SweepStatus:
                 t["overrides"],
                 run.info.run_id,
                 status,
-                {k: v for k, v in run.data.metrics.items() if k in KEY_METRICS},
+                _key_metrics(run),
                 run.data.tags.get("llmctl.status", ""),
                 ledger.figures(run).get("cost/actual_usd"),
                 run.data.tags.get("llmctl.price.usd_per_hour") == "unpriced",

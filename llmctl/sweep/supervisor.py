@@ -497,6 +497,7 @@ class Supervisor:
         if best is not None:
             self.mc.set_tag(self.spec["parent_run_id"], "llmctl.sweep.best_run_id", best.run_id)
             self.mc.set_tag(self.spec["parent_run_id"], "llmctl.sweep.best_trial", str(best.index))
+            self.log_best_metrics(best.run_id)
         if self.search:
             self.summarize_search()
         Outcome = lifecycle.Outcome
@@ -510,6 +511,18 @@ class Supervisor:
         lifecycle.close_run(self.spec["uri"], self.spec["parent_run_id"], outcome, reason)
         self.save(done=True)
         _say(f"sweep {self.id} {lifecycle.RULES[outcome].mlflow_status}: {reason}")
+
+    def log_best_metrics(self, run_id: str) -> None:
+        """The best trial's metrics as the parent's own (latest values, step 0): MLflow's runs table
+        then sorts and charts sweeps by their result. Not its ``cost/*``: the parent is no second bill
+        (``llmctl cost`` reads those figures from every run)."""
+        from mlflow.entities import Metric
+
+        ms = int(time.time() * 1000)
+        best = self.mc.get_run(run_id).data.metrics
+        metrics = [Metric(k, v, ms, 0) for k, v in sorted(best.items()) if not k.startswith("cost/")]
+        for i in range(0, len(metrics), 1000):  # MLflow's batch limit
+            self.mc.log_batch(self.spec["parent_run_id"], metrics=metrics[i : i + 1000])
 
     def summarize_search(self) -> None:
         """The parent run gets the study's best parameters and Optuna's importances (params + JSON) and
@@ -585,4 +598,6 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from workloads.pretrain.contract.process_exit import exit_process
+
+    exit_process(main())

@@ -21,6 +21,17 @@ def values(overrides: list[str], keys: list[str]) -> list[str]:
     return [given.get(k, "") for k in keys]
 
 
+def shown(value: str) -> str:
+    """A value as a table shows it: a searched float (``0.0031622776601683794``) to 4 significant
+    digits; anything else as given (the trial's overrides keep the full value)."""
+    if len(value) <= 10:
+        return value
+    try:
+        return f"{float(value):.4g}"
+    except ValueError:
+        return value
+
+
 def total_cost(costs: list[Optional[float]]) -> Optional[float]:
     """The sweep's total: unknown if any trial's cost is unknown."""
     if not costs or any(c is None for c in costs):

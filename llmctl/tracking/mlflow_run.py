@@ -268,16 +268,26 @@ def create_run(
     return RunHandle(uri=uri, run_id=run.info.run_id, experiment_id=exp_id)
 
 
+# Config keys whose resolved value is this run's own path (``llmctl-runs/<run id>/checkpoints``): as
+# params they would differ between every two runs, so MLflow's Compare view would show them as the
+# first "difference" and axis; they are tags (``llmctl.path.<key>``) instead. The YAML keeps them.
+PER_RUN_PATHS = ("checkpoint.dir",)
+TAG_PATH_PREFIX = "llmctl.path."
+
+
 def describe_run(handle: RunHandle, cfg: dict[str, Any], resolved_yaml: str) -> None:
-    """Params = the flattened resolved config (credentials redacted); the YAML as an artifact."""
-    from mlflow.entities import Param
+    """Params = the flattened resolved config (credentials redacted) but its per-run paths, which are
+    tags; the YAML as an artifact."""
+    from mlflow.entities import Param, RunTag
 
     from llmctl.config.compose import flatten
 
     mc = client(handle.uri)
-    params = [Param(k, redact(str(v))[:MAX_PARAM_CHARS]) for k, v in flatten(cfg).items()]
+    flat = {k: redact(str(v))[:MAX_PARAM_CHARS] for k, v in flatten(cfg).items()}
+    params = [Param(k, v) for k, v in flat.items() if k not in PER_RUN_PATHS]
+    paths = [RunTag(TAG_PATH_PREFIX + k, flat[k]) for k in PER_RUN_PATHS if k in flat]
     for i in range(0, len(params), 100):
-        mc.log_batch(handle.run_id, params=params[i : i + 100])
+        mc.log_batch(handle.run_id, params=params[i : i + 100], tags=paths if i == 0 else [])
     mc.log_text(handle.run_id, redact(resolved_yaml), "config.yaml")
 
 

@@ -100,8 +100,9 @@ def table(runs: list[Any]) -> str:
             if r.data.tags.get("llmctl.sky.managed_job_id")
             else "local"
         )
+        status = "PRUNED" if r.data.tags.get("llmctl.pruned") else r.info.status  # as `runs` and a sweep's status say
         rows.append(
-            f"{r.info.run_id:<34} {r.info.status:<9} {r.data.tags.get('llmctl.infra', '?'):<8}"
+            f"{r.info.run_id:<34} {status:<9} {r.data.tags.get('llmctl.infra', '?'):<8}"
             f" {where:<22} {r.info.run_name or ''}"
         )
     return "\n".join(rows)

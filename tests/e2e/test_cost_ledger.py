@@ -77,11 +77,15 @@ def test_ledger_sums_two_attempts(tmp_path: Path) -> None:
     assert led.device_hours == pytest.approx(2 * 8 + 0.5 * 16)
     assert led.tokens == 1000 * 64 * 1000
     run = mc.get_run(rid)
-    m = {k: float(v) for k, v in run.data.tags.items() if k.startswith("cost/")}  # tags, not chart-crowding metrics
+    m = {k: float(v) for k, v in run.data.tags.items() if k.startswith("cost/")}  # every figure a tag
     assert m["cost/actual_usd"] == pytest.approx(96.0)
     assert m["cost/device_hours"] == pytest.approx(24.0)
     assert m["cost/usd_per_1m_tokens"] == pytest.approx(96.0 / 64.0)
-    assert not any(k.startswith("cost/") and k != "cost/estimate_usd" for k in run.data.metrics)
+    # the ones a runs table sorts by also as metrics (issue #34, item 9), at the attempt count's step
+    charted = {k: v for k, v in run.data.metrics.items() if k.startswith("cost/") and k != "cost/estimate_usd"}
+    sorted_by = ("cost/actual_usd", "cost/device_hours", "cost/usd_per_1m_tokens")
+    assert charted == pytest.approx({k: m[k] for k in sorted_by})
+    assert [h.step for h in mc.get_metric_history(rid, "cost/actual_usd")] == [2]
     # a third attempt (a resume) appends; while open it counts up to now
     n = ledger.open_attempt(mc, rid, usd_per_hour=36.0, nodes=1, devices=8, start=time.time() - 0.5 * H)
     assert n == 3

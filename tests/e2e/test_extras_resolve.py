@@ -8,7 +8,10 @@ step, each step resolved by pip against what the earlier steps left (pip reads i
 from that metadata, as it would from real ones), and ``pip check`` at the end. The failure this
 guards against, ``.[cloud]`` downgrading huggingface-hub under a transformers that needs a newer
 one, is a broken requirement ``pip check`` reports, and the same version check transformers runs
-when it is imported. Needs PyPI (CI has it): skipped without it locally, failed in CI.
+when it is imported. Needs PyPI (CI has it): skipped without it locally, failed in CI. Marked
+``network``: plain ``pytest`` leaves it out (without a warm pip cache it waits on PyPI for ten
+minutes and more, a worker's share of the suite); ``.ci/run`` runs it beside the suite with
+``pytest -m network``.
 """
 
 from __future__ import annotations
@@ -102,7 +105,7 @@ def _pypi_reachable() -> bool:
         return False
 
 
-@pytest.mark.slow
+@pytest.mark.network
 @pytest.mark.timeout(2400)
 def test_the_extras_resolve_together_in_every_order_the_docs_show(tmp_path: Path) -> None:
     if not _pypi_reachable():

@@ -50,7 +50,9 @@ def test_launch_finishes_with_tracked_run(cli_env: dict[str, str], tmp_path: Pat
     assert run.data.params["train.steps"] == "12"
     assert run.data.params["model.name"] == "tiny"
     assert run.data.params["parallel.dp_shard"] == "1"
-    assert run.data.params["checkpoint.dir"].endswith(f"llmctl-runs/{run.info.run_id}/checkpoints")
+    # the run's own path is a tag, not a param a Compare view reads as a difference (issue #34, item 9)
+    assert "checkpoint.dir" not in run.data.params and run.data.params["checkpoint.every"]
+    assert run.data.tags["llmctl.path.checkpoint.dir"].endswith(f"llmctl-runs/{run.info.run_id}/checkpoints")
     # tags: provenance
     tags = run.data.tags
     for key in ("llmctl.version", "llmctl.infra", "llmctl.host", "llmctl.git_sha", "llmctl.git_dirty"):
@@ -88,11 +90,19 @@ def test_launch_finishes_with_tracked_run(cli_env: dict[str, str], tmp_path: Pat
     assert tags["mlflow.source.name"]
     artifacts = {a.path for a in client.list_artifacts(rid, "source")}
     assert ("source/uncommitted.diff" in artifacts) == (tags["llmctl.git_dirty"] == "true"), artifacts
-    # attempt times in ISO 8601 (UTC), one-value cost figures as tags and not as metrics
+    # attempt times in ISO 8601 (UTC); one-value cost figures as tags, the ones a runs table sorts by
+    # (spend, device-hours, per 1M tokens) also as metrics (issue #34, item 9)
     start, end = (datetime.fromisoformat(tags[f"llmctl.attempt.1.{k}"]) for k in ("start", "end"))
     assert start.utcoffset() == timedelta(0) and start <= end
     assert float(tags["cost/actual_usd"]) == 0.0 and float(tags["cost/attempts"]) == 1
-    assert not [k for k in run.data.metrics if k.startswith("cost/") or k == "time/estimate_h"]
+    metrics = run.data.metrics
+    assert {k for k in metrics if k.startswith("cost/")} == {
+        "cost/actual_usd",
+        "cost/device_hours",
+        "cost/usd_per_1m_tokens",
+        "cost/estimate_usd",
+    }, metrics
+    assert metrics["cost/device_hours"] == float(tags["cost/device_hours"]) and "time/estimate_h" not in metrics
     # the training corpus as the run's dataset input; its token count is the cached corpus' length
     (ds,) = run.inputs.dataset_inputs
     assert [t.value for t in ds.tags] == ["training"] and ds.dataset.name == "pydoc"

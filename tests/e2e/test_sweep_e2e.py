@@ -101,7 +101,17 @@ def test_sweep_of_four_trials_two_at_a_time(cli_env: dict[str, str], tmp_path: P
     # the best trial, by val/loss (min), is named and tagged
     best = min(children, key=lambda c: c.data.metrics["val/loss"])
     assert parent.data.tags["llmctl.sweep.best_run_id"] == best.info.run_id
+    # and its metrics are the parent's own, so a runs table sorts sweeps by result (issue #34, item 9)
+    parent_metrics = mc.get_run(parent.info.run_id).data.metrics
+    assert parent_metrics["val/loss"] == best.data.metrics["val/loss"]
+    assert parent_metrics["train/loss"] == best.data.metrics["train/loss"]
+    assert not [k for k in parent_metrics if k.startswith("cost/")], "the parent is no second bill"
     assert f"run {best.info.run_id}" in out.stdout
+    # piped, the final table keeps every value whole (rich's 80 columns cut them: issue #34, item 8)
+    final = out.stdout.rsplit(f"{sid}: FINISHED\n", 1)[-1]
+    rows = [ln for ln in final.splitlines() if ln.split()[:1] in (["0"], ["1"], ["2"], ["3"])]
+    assert len(rows) == 4 and all("FINISHED" in ln for ln in rows) and "…" not in out.stdout, out.stdout
+    assert all(c.info.run_id[:12] in final and c.data.params["train.lr"] in final for c in children), final
 
     status = run_cli(["status", sid], tmp_path, cli_env)
     assert status.returncode == 0, status.stderr

@@ -32,6 +32,13 @@ from slurm_harness import CLUSTER, PARTITION, USER, Cluster, missing_prerequisit
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(900)]
 
 
+# SkyPilot sizes its API server and, in consolidation mode, its pool of jobs-controller processes by the
+# machine's memory: on this 24 GiB CI box that was a dozen `sky.jobs.controller` processes, each importing
+# SkyPilot and polling every 10 s, for one job. SkyPilot's own pod-memory setting sizes them for a small
+# controller host (one controller, a few workers), as on a real cluster's login node.
+SMALL_API_SERVER = {"SKYPILOT_POD_MEMORY_GB_LIMIT": "6"}
+
+
 @pytest.fixture(scope="module")
 def prerequisites(request: pytest.FixtureRequest) -> None:
     if request.config.getoption("--no-slurm") or os.environ.get("LLMCTL_SKIP_SLURM") == "1":
@@ -75,7 +82,7 @@ def test_launch_status_logs_down_on_real_slurm(
 ) -> None:
     home = Path(cli_env["HOME"])
     cluster.write_client_config(home, cluster.root / "ssh" / "user_key")
-    env = {**cli_env, "MLFLOW_TRACKING_URI": tracking_server, "AWS_EC2_METADATA_DISABLED": "true"}
+    env = {**cli_env, **SMALL_API_SERVER, "MLFLOW_TRACKING_URI": tracking_server, "AWS_EC2_METADATA_DISABLED": "true"}
     sky_bin = str(Path(sys.executable).with_name("sky"))
     _wait_healthy(tracking_server)
     try:
@@ -162,6 +169,7 @@ def _managed_jobs(
     (home / ".sky" / "config.yaml").write_text("jobs:\n  controller:\n    consolidation_mode: true\n")
     env = {
         **cli_env,
+        **SMALL_API_SERVER,
         "MLFLOW_TRACKING_URI": tracking_server,
         "AWS_EC2_METADATA_DISABLED": "true",
         # the API server (and the jobs controller in it) inherit this: the internet probe stub only

@@ -1,8 +1,7 @@
 """``python -m workloads.pretrain`` / ``torchrun ... -m workloads.pretrain``."""
 
-import sys
-
+from workloads.pretrain.contract.process_exit import exit_process
 from workloads.pretrain.train import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())
