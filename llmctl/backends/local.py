@@ -121,6 +121,16 @@ def job_command(nproc: int, config_path: str) -> list[str]:
     ]
 
 
+def _attempt_header(handle: RunHandle) -> str:
+    """The line ``output.log`` gets before each attempt's output: ``== attempt 2 (UTC start time) ==``."""
+    from datetime import datetime, timezone
+
+    from workloads.pretrain.contract.protocol import ENV_ATTEMPT
+
+    started = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    return f"== attempt {handle.attempt_env.get(ENV_ATTEMPT, '1')} ({started}) ==\n"
+
+
 def _worker_env(plan: Plan, handle: RunHandle, rdir: Path) -> dict[str, str]:
     env = dict(os.environ)
     env.update(handle.env())
@@ -245,6 +255,8 @@ class LocalBackend:
         out = echo or sys.stdout
         bar = progress.StepProgress(out) if progress.wanted(out) else None
         with open(rdir / "output.log", "a") as log, bar or contextlib.nullcontext():  # a resume appends
+            log.write(_attempt_header(handle))  # `llmctl logs` of a resumed run shows where each attempt starts
+            log.flush()
             # own process group: Ctrl-C reaches the controller, which stops the group in order
             proc = subprocess.Popen(
                 cmd,

@@ -331,12 +331,28 @@ def log_loss_curve(handle: RunHandle, mc: Any = None) -> None:
     mc.log_text(handle.run_id, loss_curve_svg(curves, f"run {handle.run_id}"), "loss_curve.svg")
 
 
+SLOWER_THAN_ESTIMATED = 1.5  # the closing line says so past this ratio of wall time to the estimate
+
+
 def summary(handle: RunHandle, elapsed_s: float) -> str:
-    """The closing line: how val loss moved."""
+    """The closing line: how long against the plan's estimate (and saying so when it was much
+    slower), how val loss moved."""
     mc = client(handle.uri)
     history = sorted(mc.get_metric_history(handle.run_id, "val/loss"), key=lambda m: m.step)
     loss = f": val/loss {history[0].value:.4f} -> {history[-1].value:.4f}" if history else ""
-    return f"llmctl: run {handle.run_id} FINISHED in {elapsed_s:.0f} s{loss}"
+    return f"llmctl: run {handle.run_id} FINISHED in {elapsed_s:.0f} s{_against_estimate(mc, handle, elapsed_s)}{loss}"
+
+
+def _against_estimate(mc: Any, handle: RunHandle, elapsed_s: float) -> str:
+    """`` (estimated 89 s)``, or `` (estimated 89 s: 2.4x slower)``; "" without an estimate."""
+    try:
+        est_s = float(mc.get_run(handle.run_id).data.tags["time/estimate_h"]) * 3600
+    except (KeyError, ValueError):
+        return ""
+    if est_s <= 0:
+        return ""
+    slower = f": {elapsed_s / est_s:.1f}x slower" if elapsed_s > SLOWER_THAN_ESTIMATED * est_s else ""
+    return f" (estimated {est_s:.0f} s{slower})"
 
 
 UI_DEFAULT = "http://127.0.0.1:5000"  # where ``mlflow ui`` serves by default

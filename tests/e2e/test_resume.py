@@ -181,6 +181,12 @@ def test_sigterm_at_a_random_step_then_resume_is_exact(seed: int, reference, bas
     assert f"resumed from step {stopped['step']}" in res.stdout
     _assert_same_losses(_losses(loss_file), reference)
     _assert_one_run_two_attempts(uri, run_id)
+    if seed == 0:  # `logs` shows where each attempt starts (issue #34, item 10)
+        shown = run_cli(["logs", run_id], tmp_path, env).stdout
+        heads = [ln for ln in shown.splitlines() if ln.startswith("== attempt ")]
+        assert [h.split()[2] for h in heads] == ["1", "2"], shown[-3000:]
+        first, second = shown.split(heads[1])
+        assert "step" in first and f"resumed from step {stopped['step']}" in second, shown[-3000:]
 
 
 def test_sigkill_during_a_checkpoint_write_resumes_from_the_previous_one(reference, base_env, tmp_path: Path) -> None:

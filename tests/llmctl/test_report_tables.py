@@ -107,3 +107,17 @@ def test_status_prints_the_estimate_source_whole(store: tuple[str, Any, str]) ->
     mc.log_batch(rid, tags=ledger.figure_tags({"cost/estimate_usd": 3.0, "time/estimate_h": 1.0}))
     lines = hooks.status_lines(uri, mc.get_run(rid))
     assert any(source in ln for ln in lines), lines
+
+
+def test_the_closing_line_says_when_a_run_was_slower_than_estimated(store: tuple[str, Any, str]) -> None:
+    """Issue #34, item 10: the plan estimated 89 s, the run took 210 s, and nothing said so."""
+    from llmctl.tracking.mlflow_run import RunHandle, summary
+
+    uri, mc, exp = store
+    rid = _ran(mc, exp, "estimated-89s")
+    mc.log_batch(rid, tags=ledger.figure_tags({"time/estimate_h": 89 / H}))
+    handle = RunHandle(uri=uri, run_id=rid, experiment_id=exp)
+    assert summary(handle, 210.0) == f"llmctl: run {rid} FINISHED in 210 s (estimated 89 s: 2.4x slower)"
+    assert summary(handle, 100.0) == f"llmctl: run {rid} FINISHED in 100 s (estimated 89 s)"
+    unplanned = RunHandle(uri=uri, run_id=_ran(mc, exp, "no-estimate"), experiment_id=exp)
+    assert summary(unplanned, 100.0).endswith("FINISHED in 100 s")

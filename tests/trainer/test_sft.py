@@ -237,6 +237,25 @@ def test_packed_examples_compute_what_each_example_computes_alone(make_tiny_cfg,
     assert abs(float(packed_sum) - alone_sum) < 1e-3, (float(packed_sum), alone_sum)
 
 
+def test_examples_cut_to_seq_len_are_said_with_the_length_that_keeps_them() -> None:
+    """Issue #34, item 10: docs/finetune.md's recipe cut 408 of its 1,312 examples at seq_len 64 and
+    only a clause in the data line said so. A line of its own now says how many and what fits."""
+    from workloads.pretrain.data.sampler import PackedExamples
+    from workloads.pretrain.train import truncation_warning
+
+    def packed(lengths: list[int], seq_len: int) -> PackedExamples:
+        n = sum(lengths)
+        offsets = np.concatenate([[0], np.cumsum(lengths)])
+        return PackedExamples(np.zeros(n, np.uint16), np.ones(n, np.uint8), offsets, seq_len=seq_len)
+
+    train, val = packed([9, 70, 30, 188, 12], 64), packed([66, 5], 64)
+    assert truncation_warning(train, val, 64) == (
+        "pretrain | warning: 3 of 7 examples (43%) are longer than train.seq_len=64 and are cut there, "
+        "their ends not learned; train.seq_len=187 keeps every one"
+    )
+    assert truncation_warning(packed([9, 70, 188], 187), packed([66], 187), 187) == ""
+
+
 def _chat_jsonl(path: Path, n: int = 160) -> Path:
     """Chats made from Python's own help topics: the answer is the topic's first lines."""
     from pydoc_data.topics import topics
@@ -257,6 +276,50 @@ def _chat_jsonl(path: Path, n: int = 160) -> Path:
             rec = {"messages": chat} if i % 4 else {"prompt": f"Explain {name}.\n", "completion": answer}
             f.write(json.dumps(rec) + "\n")
     return path
+
+
+@pytest.mark.parametrize("n_chats_of_8", [6, 2])
+def test_eval_prompts_a_chat_fine_tune_as_a_user_turn(
+    tokenizer_dir: Path, make_tiny_cfg, tmp_path: Path, cache_dir: Path, n_chats_of_8: int
+) -> None:
+    """``llmctl eval``'s samples of a chat fine-tune (most examples chat messages) give the prompt as
+    the chat template renders a user turn with its generation prompt, what transformers'
+    ``apply_chat_template`` gives; a prompt/completion fine-tune's prompt is encoded as its training
+    prompts were (issue #34, item 10)."""
+    transformers = pytest.importorskip("transformers")
+    from workloads.pretrain.data.cache import prepare_corpus
+    from workloads.pretrain.evaluate import samples
+    from workloads.pretrain.model.transformer import build_model
+
+    data = tmp_path / "mixed.jsonl"
+    with open(data, "w") as f:
+        for i in range(8):
+            q, a = f"Question {i}?", f"Answer {i}."
+            chat = [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+            f.write(json.dumps({"messages": chat} if i < n_chats_of_8 else {"prompt": q, "completion": a}) + "\n")
+    cfg = make_tiny_cfg(
+        **{
+            "data.cache_dir": str(cache_dir),
+            "data.source": str(data),
+            "data.format": "sft",
+            "data.name": f"mixed{n_chats_of_8}",
+            "data.tokenizer": str(tokenizer_dir),
+            "model.vocab_size": VOCAB,
+            "eval.prompts": ["What is a tuple?"],
+            "eval.max_new_tokens": 3,
+        }
+    )
+    corpus = prepare_corpus(cfg.data)
+    torch.manual_seed(0)
+    (sample,) = samples(build_model(cfg.model).eval(), corpus, cfg.eval, torch.device("cpu"))
+    hf = transformers.AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    if n_chats_of_8 >= 4:
+        want = hf.apply_chat_template([{"role": "user", "content": "What is a tuple?"}], add_generation_prompt=True)
+        want = list(want["input_ids"] if hasattr(want, "keys") else want)
+    else:
+        want = hf("What is a tuple?")["input_ids"]  # BOS + the text, as prompt/completion trained
+    assert sample["prompt_ids"] == want, (sample["prompt_ids"], want)
+    assert sample["greedy"] and sample["sampled"] and 0 < len(sample["greedy_ids"]) <= 3  # the new tokens
 
 
 def _loss_env(path: Path) -> dict[str, str]:

@@ -226,7 +226,11 @@ def samples(model: Transformer, corpus: Corpus, ec: Any, device: torch.device) -
     tok, out = corpus.tokenizer, []
     gen = torch.Generator(device=device).manual_seed(int(ec.seed))
     for prompt in ec.prompts:
-        ids = tok.encode(prompt).ids or [corpus.eos_id]
+        if corpus.chat_template is not None:  # a chat fine-tune: the prompt as a user turn, as it trained
+            text = corpus.chat_template.render([{"role": "user", "content": prompt}], add_generation_prompt=True)
+            ids = tok.encode(text, add_special_tokens=False).ids
+        else:  # as a prompt/completion fine-tune's prompt was encoded (BOS where the tokenizer adds it)
+            ids = tok.encode(prompt).ids or [corpus.eos_id]
         n = max(0, min(int(ec.max_new_tokens), model.max_seq_len - len(ids)))
         x = torch.tensor([ids], device=device)
         greedy = generate(model, x, n, temperature=0.0, use_cache=True)[0].tolist()
@@ -236,6 +240,7 @@ def samples(model: Transformer, corpus: Corpus, ec: Any, device: torch.device) -
         out.append(
             {
                 "prompt": prompt,
+                "prompt_ids": ids,
                 "greedy": tok.decode(greedy),
                 "sampled": tok.decode(sampled),
                 "greedy_ids": greedy,
@@ -342,7 +347,7 @@ def run(
     if rank == 0 and ec.prompts and ec.max_new_tokens > 0:
         result["samples"] = samples(model, corpus, ec, device)
         for s in result["samples"]:
-            say(f"sample | {s['prompt']!r} -> greedy {s['greedy']!r}")
+            say(f"sample | {s['prompt']!r} -> greedy {s['greedy']!r} | sampled {s['sampled']!r}")
     if dist.is_initialized():
         dist.barrier()
     result["eval_s"] = time.perf_counter() - t0

@@ -208,6 +208,22 @@ def _accumulation(cfg: TrainerCfg, env: DistEnv) -> str:
     return f" ({n} micro-batches of {tc.micro_batch_size} per rank{sync})"
 
 
+def truncation_warning(train_seqs: Any, val_seqs: Any, seq_len: int) -> str:
+    """A line of its own when fine-tuning examples are cut to ``train.seq_len`` (their ends, often
+    the answer, are never learned), with the length that keeps all of them; "" when none is."""
+    if not hasattr(train_seqs, "bins"):
+        return ""
+    cut = train_seqs.truncated + val_seqs.truncated
+    if not cut:
+        return ""
+    total = len(train_seqs.starts) + len(val_seqs.starts)
+    longest = max(train_seqs.longest, val_seqs.longest)
+    return (
+        f"pretrain | warning: {cut:,} of {total:,} examples ({cut / total:.0%}) are longer than "
+        f"train.seq_len={seq_len} and are cut there, their ends not learned; train.seq_len={longest} keeps every one"
+    )
+
+
 def _describe(train_seqs: Any, val_seqs: Any) -> str:
     """What the trainer reads: windows of the token stream, or packed fine-tuning examples."""
     if not hasattr(train_seqs, "bins"):
@@ -335,6 +351,9 @@ def train(cfg: TrainerCfg) -> dict:
         f" | world {env.world_size} on "
         f"{env.device.type}" + (f" ({torch.get_num_threads()} threads/proc)" if env.device.type == "cpu" else "")
     )
+    cut = truncation_warning(train_seqs, val_seqs, tc.seq_len)
+    if cut:
+        say(cut)
     d = env.dims
     say(
         f"pretrain | mesh dp_replicate {d.dp_replicate} x dp_shard {d.dp_shard} x tp {d.tp} | "

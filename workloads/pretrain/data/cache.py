@@ -144,6 +144,9 @@ class Corpus:
     # tokens[offsets[j]:offsets[j + 1]]
     mask: np.ndarray | None = None
     offsets: np.ndarray | None = None
+    # a chat fine-tune (most examples were chat messages): the template it was rendered with, so a
+    # prompt is given to the model as a user turn and its generation prompt, as it trained
+    chat_template: ChatTemplate | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -222,6 +225,8 @@ def prepare_corpus(data_cfg: DataCfg, *, stall_s: float = STALL_S) -> Corpus:
     extra = {}
     if sft:
         extra = {"mask": np.load(final / "mask.npy", mmap_mode="r"), "offsets": np.load(final / "offsets.npy")}
+        if template is not None and 2 * int(meta.get("chats", 0)) >= int(meta.get("examples", 1)):
+            extra["chat_template"] = template
     return Corpus(
         path=final,
         tokens=np.load(final / "tokens.npy", mmap_mode="r"),
@@ -380,10 +385,11 @@ def _build_sft(
     else:
         tok, eos, _ = pretrained
     eos_id = tok.token_to_id(eos)
-    ids_parts, mask_parts, offsets, targets = [], [], [0], 0
+    ids_parts, mask_parts, offsets, targets, chats = [], [], [0], 0, 0
     for where, record in file_records(files):
         progress()
         ids, mask = encode_example(record, tok, eos_id, template, where)
+        chats += isinstance(record, dict) and "messages" in record
         if mask[1:].sum() == 0:
             raise ExampleError(f"{where}: nothing to learn: the example has no target tokens after its first token")
         ids_parts.append(ids)
@@ -414,6 +420,7 @@ def _build_sft(
         "tokenizer": data_cfg.tokenizer,
         "eos_token": eos,
         "chat_template": template is not None,
+        "chats": chats,  # examples that were chat messages (the rest prompt/completion): how eval prompts
         "corpus_version": CORPUS_VERSION,
         "build_seconds": round(time.time() - t0, 2),
     }

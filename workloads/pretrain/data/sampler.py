@@ -112,6 +112,7 @@ class PackedExamples:
         positions = np.minimum(np.diff(np.asarray(offsets, dtype=np.int64)) - 1, seq_len)
         keep = positions > 0
         self.truncated = int((np.diff(offsets) - 1 > seq_len).sum())
+        self.longest = int(np.diff(offsets).max()) - 1 if len(offsets) > 1 else 0  # positions it needs
         self.starts, self.lengths = starts[keep], positions[keep]
         self.bins = _next_fit(self.lengths, seq_len)  # [n_bins + 1] example boundaries
         self.n = len(self.bins) - 1
