@@ -193,6 +193,10 @@ def client(uri: str) -> Any:
         return _RetryingClient(MlflowClient(tracking_uri=uri))
     path.parent.mkdir(parents=True, exist_ok=True)
     with _directory_lock(path.parent), _quiet_store_creation():  # the constructor opens the store (creating it if new)
+        if not path.exists():
+            from llmctl.tracking.fresh_store import create_from_template
+
+            create_from_template(path)  # a copy of an empty store MLflow made: no migrations to run here
         return _RetryingClient(retry(MlflowClient, tracking_uri=uri))
 
 

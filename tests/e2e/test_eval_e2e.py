@@ -47,6 +47,9 @@ def test_eval_equals_training_val_loss_and_logs_into_the_run(trained) -> None:
     out = run_cli(["eval", run_id, *FEW_TOKENS], cwd, env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert f"logged to run {run_id} at step 10" in out.stdout
+    # each prompt's greedy and sampled completions, both printed (issue #34, item 10)
+    shown = [ln for ln in out.stdout.splitlines() if "sample | " in ln]
+    assert len(shown) == 2 and all(" -> greedy " in ln and " | sampled " in ln for ln in shown), out.stdout
     val = _history(uri, run_id, "val/loss")
     ev = _history(uri, run_id, "eval/val_loss")
     assert list(ev) == [10]
