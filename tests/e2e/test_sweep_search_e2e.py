@@ -169,6 +169,29 @@ def test_same_seed_proposes_the_same_first_trials(store: Store, tpe_sweep: dict[
     assert len(proposed) == 3 and ran == proposed
 
 
+def _pause_outside_a_store_write(pgid: int, db: Path) -> None:
+    """SIGSTOP a process group, but not while it holds a lock on the sqlite store: stopped inside a
+    metric write, it would lock every later command out (seen in CI: `llmctl status` failed with
+    "database is locked" after its retries). Probe: a write of the header's user_version (unused by
+    MLflow, set to its own value) needs every other lock released; if it cannot get it, let the group
+    finish its write and stop it again."""
+    import sqlite3
+
+    for _ in range(100):
+        os.killpg(pgid, signal.SIGSTOP)
+        con = sqlite3.connect(db, timeout=0.5, isolation_level=None)
+        try:
+            (version,) = con.execute("PRAGMA user_version").fetchone()
+            con.execute(f"PRAGMA user_version = {int(version)}")
+            return
+        except sqlite3.OperationalError:
+            os.killpg(pgid, signal.SIGCONT)
+            time.sleep(0.05)
+        finally:
+            con.close()
+    pytest.fail("the trial held the store's lock at every one of 100 pauses")
+
+
 def _wait(predicate: Any, what: str, timeout: float = 300) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -210,7 +233,7 @@ def test_killed_supervisor_resumes_every_trial_once(store: Store) -> None:
     def workers(index: int) -> int:
         return json.loads((store.root / "llmctl-runs" / victims[index]["run_id"] / "pids.json").read_text())["workers"]
 
-    os.killpg(workers(live_index), signal.SIGSTOP)  # paused, so it is surely still running when resumed
+    _pause_outside_a_store_write(workers(live_index), store.root / "mlflow.db")  # surely running when resumed
     os.kill(supervisor, signal.SIGKILL)
     os.kill(victims[dead_index]["pid"], signal.SIGKILL)
     os.killpg(workers(dead_index), signal.SIGKILL)
