@@ -18,9 +18,11 @@ import sys
 from typing import NoReturn, Union
 
 # Extension modules built with nanobind count their objects still alive when they are unloaded and
-# print a "leaked instance" line for each: frozen, triton's compiler objects would be 30 such lines
-# on stderr after every exit (seen on a refused liger run). With one of these loaded the process
-# ends through CPython's own shutdown, which frees them first.
+# print a "leaked instance" line for each: frozen, triton's objects would be about 30 such lines on
+# stderr after every exit (seen on a refused liger run). With one of these loaded the process ends
+# through CPython's own shutdown, which frees them first. torch 2.13 imports triton wherever triton
+# is installed (its native ops), so trainer processes here take that path: the gain is in llmctl's
+# own processes (controller, sweep supervisor and trials, every CLI command).
 LEAK_CHECKING = ("triton",)
 
 
