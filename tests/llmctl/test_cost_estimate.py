@@ -82,14 +82,19 @@ def test_hand_counted_shape() -> None:
 
 @pytest.fixture(scope="module")
 def catalog_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """SkyPilot reads HOME once, at import: fixture catalogs (no .meta md5: never refetched)."""
+    """Fixture catalogs (no .meta md5: never refetched). SkyPilot binds its catalog directory to HOME
+    when ``sky.catalog.common`` is first imported; another test of this worker may have imported it
+    first (``sky.exceptions`` imports the package), so the binding is pointed here too, and back after."""
     home = tmp_path_factory.mktemp("cost-sky-home")
     shutil.copytree(ROOT / "tests" / "fixtures" / "sky-catalog-v8", home / ".sky" / "catalogs" / "v8")
     saved = {k: os.environ.get(k) for k in ("HOME", "SKYPILOT_DISABLE_USAGE_COLLECTION", "DO_NOT_TRACK")}
     os.environ.update({"HOME": str(home), "SKYPILOT_DISABLE_USAGE_COLLECTION": "1", "DO_NOT_TRACK": "1"})
-    import sky.catalog  # noqa: F401  (binds the catalog dir to this HOME)
+    import sky.catalog.common as catalogs
 
+    bound = catalogs._ABSOLUTE_VERSIONED_CATALOG_DIR
+    catalogs._ABSOLUTE_VERSIONED_CATALOG_DIR = str(home / ".sky" / "catalogs" / "v8")
     yield home
+    catalogs._ABSOLUTE_VERSIONED_CATALOG_DIR = bound
     for k, v in saved.items():
         os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
 
