@@ -67,7 +67,7 @@ CHARTED = ("cost/actual_usd", "cost/device_hours", "cost/usd_per_1m_tokens", "co
 
 
 def charted_metrics(values: Mapping[str, float], step: int) -> list[Any]:
-    """The ``CHARTED`` figures among ``values`` as metrics at ``step`` (the number of attempts)."""
+    """The ``CHARTED`` figures among ``values`` as metrics at ``step`` (0 at launch, then the attempt count)."""
     from mlflow.entities import Metric
 
     ms = int(time.time() * 1000)

@@ -27,8 +27,9 @@ DEFAULT_EXPERIMENT_ID = 0
 def template_path() -> Path:
     import mlflow
 
-    root = os.environ.get("LLMCTL_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "llmctl")
-    return Path(root) / "mlflow-stores" / f"empty-mlflow-{mlflow.__version__}.db"
+    from workloads.pretrain.contract.protocol import cache_home
+
+    return cache_home() / "mlflow-stores" / f"empty-mlflow-{mlflow.__version__}.db"
 
 
 def _build(template: Path) -> None:

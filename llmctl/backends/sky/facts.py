@@ -25,8 +25,9 @@ FILE_NAME = "sky-facts.json"
 
 
 def cache_file() -> Path:
-    root = os.environ.get("LLMCTL_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "llmctl")
-    return Path(root) / FILE_NAME
+    from workloads.pretrain.contract.protocol import cache_home
+
+    return cache_home() / FILE_NAME
 
 
 def _stat(path: str) -> Optional[list[int]]:

@@ -29,6 +29,18 @@ with state saved, 130 SIGINT. torchrun reports any non-zero worker exit as 1, so
 the tags, not the code, to tell a preemption from a failure.
 """
 
+import os
+from pathlib import Path
+
+ENV_CACHE_DIR = "LLMCTL_CACHE_DIR"  # llmctl's and the trainer's local cache (tokenized corpora, facts, stores)
+
+
+def cache_home() -> Path:
+    """``$LLMCTL_CACHE_DIR``, else ``~/.cache/llmctl``: the one local cache both sides use."""
+    root = os.environ.get(ENV_CACHE_DIR)
+    return Path(root).expanduser() if root else Path.home() / ".cache" / "llmctl"
+
+
 ENV_ATTEMPT = "LLMCTL_ATTEMPT"
 ENV_MAX_COST = "LLMCTL_MAX_COST_USD"
 ENV_PRICE = "LLMCTL_PRICE_PER_HOUR"

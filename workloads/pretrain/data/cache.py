@@ -30,6 +30,7 @@ from typing import Any, Callable, Iterable, Iterator
 import numpy as np
 
 from workloads.pretrain.contract import data_split
+from workloads.pretrain.contract.protocol import cache_home
 from workloads.pretrain.contract.schema import DataCfg
 from workloads.pretrain.data.chat import ChatTemplate, ExampleError, encode_example, load_chat_template
 from workloads.pretrain.data.sources import (
@@ -60,8 +61,7 @@ def cache_root(data_cfg: DataCfg) -> Path:
     root = data_cfg.cache_dir
     if root and _remote_root(data_cfg) is None:
         return Path(str(root).removeprefix("file://")).expanduser()
-    root = os.environ.get("LLMCTL_CACHE_DIR")
-    return Path(root).expanduser() if root else Path.home() / ".cache" / "llmctl"
+    return cache_home()
 
 
 def _remote_root(data_cfg: DataCfg) -> str | None:
