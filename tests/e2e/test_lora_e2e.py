@@ -1,13 +1,15 @@
 """LoRA and QLoRA fine-tunes of a Hugging Face checkpoint through the real CLI: ``llmctl launch`` on
-one process, FSDP over 2 gloo ranks and TP over 2; a run failed at step 3 and ``llmctl resume``d
-finishes with the losses of the run that was never interrupted; ``llmctl export --format peft``
-loads in PEFT and ``--format hf`` (adapters merged) in transformers, each computing llmctl's logits,
-with the checkpoint's BOS/EOS and chat template.
+one process, FSDP over 2 gloo ranks and TP over 2; a run failed at step 4 and ``llmctl resume``d
+from its step-2 checkpoint recomputes step 3 bit for bit and finishes with the losses of the run
+that was never interrupted; ``llmctl export --format peft`` loads in PEFT and ``--format hf``
+(adapters merged) in transformers, each computing llmctl's logits, with the checkpoint's BOS/EOS
+and chat template.
 
 Launches are shared (module fixtures) and few: per method a 1-process reference that is exported,
-and a 2-rank run that is failed and resumed; one TP run for LoRA (QLoRA under TP is refused by
-``validate``: asserted as a one-line exit 3). Losses across layouts agree to 1e-5 (test_lora's
-tolerance: the same sums in another order); logits to atol 2e-5 / rtol 1e-4 (test_hf_init's).
+and a 2-rank FSDP run that is failed and resumed; under TP a LoRA run and a QLoRA run that is
+failed and resumed. Losses across layouts agree to 1e-5 (test_lora's tolerance: the same sums in
+another order); a step recomputed on the same layout after a resume equals its first value
+exactly; logits to atol 2e-5 / rtol 1e-4 (test_hf_init's).
 """
 
 from __future__ import annotations
@@ -93,14 +95,19 @@ def _args(work, method: str, *extra: str) -> list[str]:
     ]
 
 
-def _losses(path: Path) -> dict[int, float]:
-    """Train loss per step; a step recomputed after a resume keeps its last value."""
-    out = {}
+def _all_losses(path: Path) -> dict[int, list[float]]:
+    """Every train loss logged per step, in order (a step recomputed after a resume has two)."""
+    out: dict[int, list[float]] = {}
     for line in path.read_text().splitlines():
         rec = json.loads(line)
         if "train/loss" in rec:
-            out[int(rec["step"])] = float(rec["train/loss"])
+            out.setdefault(int(rec["step"]), []).append(float(rec["train/loss"]))
     return out
+
+
+def _losses(path: Path) -> dict[int, float]:
+    """Train loss per step; a step recomputed after a resume keeps its last value."""
+    return {step: values[-1] for step, values in _all_losses(path).items()}
 
 
 def _launch(work, name: str, method: str, *extra: str, fail_at: int | None = None):
@@ -134,15 +141,25 @@ def _close(got: dict[int, float], want: dict[int, float], what: str) -> None:
         assert abs(got[step] - loss) <= LOSS_TOL, (what, step, got[step], loss)
 
 
-@pytest.mark.parametrize("method", list(METHOD))
-def test_fsdp_run_failed_and_resumed_matches_the_uninterrupted_one(work, reference, method: str) -> None:
-    proc, rid, losses, cwd = _launch(work, f"fsdp-{method}", method, "parallel=fsdp2", fail_at=3)
+def _fail_and_resume(work, name: str, method: str, *layout: str) -> tuple[dict[int, float], Path, str]:
+    """A launch failed at the start of step 4 (its last checkpoint: step 2), then ``llmctl resume``d:
+    asserts the resume recomputed step 3 exactly as the failed attempt did; returns (losses, cwd, run)."""
+    proc, rid, losses, cwd = _launch(work, name, method, *layout, fail_at=4)
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     env = {**work["env"], "LLMCTL_LOSS_FILE": str(losses)}
     res = run_cli(["resume", rid], cwd, env)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "resumed from step 2" in res.stdout
-    _close(_losses(losses), reference[method][1], f"{method} fsdp2 resumed")
+    every = _all_losses(losses)
+    assert len(every[3]) == 2 and every[3][0] == every[3][1], (name, every)  # bit for bit, not within a tolerance
+    assert [len(every[s]) for s in (1, 2, 4)] == [1, 1, 1], (name, every)
+    return _losses(losses), cwd, rid
+
+
+@pytest.mark.parametrize("method", list(METHOD))
+def test_fsdp_run_failed_and_resumed_matches_the_uninterrupted_one(work, reference, method: str) -> None:
+    losses, cwd, rid = _fail_and_resume(work, f"fsdp-{method}", method, "parallel=fsdp2")
+    _close(losses, reference[method][1], f"{method} fsdp2 resumed")
     step = next((cwd / "llmctl-runs").glob("*/checkpoints/step-4"), None) or _step_dir(cwd, rid, 4)
     from workloads.pretrain.checkpoint.tensor_source import DcpSource
 
@@ -156,13 +173,14 @@ def _step_dir(cwd: Path, rid: str, step: int) -> Path:
     return Path(str(cfg.checkpoint.dir)) / f"step-{step}"
 
 
-def test_tp_trains_lora_as_one_process_does_and_refuses_qlora(work, reference) -> None:
+def test_tp_trains_lora_and_qlora_as_one_process_does(work, reference) -> None:
+    """TP over 2: LoRA uninterrupted; QLoRA (rowwise targets keep the whole NF4 weight, colwise ones
+    their rows of it: ``nf4.TensorParallelNF4Linear``) failed, resumed, and the same losses."""
     proc, _, losses, _ = _launch(work, "tp-lora", "lora", "parallel=tp2")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     _close(_losses(losses), reference["lora"][1], "lora tp2")
-    proc, _, _, _ = _launch(work, "tp-qlora", "qlora", "parallel=tp2")
-    said = proc.stderr.strip().splitlines()
-    assert proc.returncode == 3 and "nf4 cannot run under tensor parallelism" in said[-1], proc.stderr[-2000:]
+    losses, _, _ = _fail_and_resume(work, "tp-qlora", "qlora", "parallel=tp2")
+    _close(losses, reference["qlora"][1], "qlora tp2 resumed")
 
 
 def _llmctl_logits(cwd: Path, rid: str, x: torch.Tensor, monkeypatch) -> torch.Tensor:
@@ -191,6 +209,19 @@ def _llmctl_logits(cwd: Path, rid: str, x: torch.Tensor, monkeypatch) -> torch.T
             dist.destroy_process_group()
 
 
+def _nf4_round_trip(model: torch.nn.Module, targets: list[str]) -> None:
+    """The QLoRA base as its run computed with it: every target linear's weight quantized by
+    torchao's ``to_nf4`` (64-weight blocks, scales in groups of 256: bitsandbytes' QLoRA defaults)
+    and dequantized, as a bitsandbytes ``Linear4bit`` base dequantizes in each forward."""
+    from workloads.pretrain.model.nf4 import _torchao
+
+    to_nf4 = _torchao().to_nf4
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in targets:
+                module.weight.copy_(to_nf4(module.weight.detach().contiguous(), 64, 256).get_original_weight())
+
+
 @pytest.mark.parametrize("method", list(METHOD))
 def test_exports_compute_llmctls_logits(work, reference, method: str, monkeypatch: pytest.MonkeyPatch) -> None:
     import peft
@@ -212,9 +243,10 @@ def test_exports_compute_llmctls_logits(work, reference, method: str, monkeypatc
     merged = transformers.AutoModelForCausalLM.from_pretrained(str(cwd / "hf"), dtype=torch.float32).eval()
     with torch.no_grad():
         torch.testing.assert_close(merged(input_ids=x).logits, want, atol=ATOL, rtol=RTOL)
-        if method == "lora":  # QLoRA's adapters were trained on the NF4 base: PEFT's base is the original
-            adapted = peft.PeftModel.from_pretrained(hf_base, str(cwd / "peft")).eval()
-            torch.testing.assert_close(adapted(input_ids=x).logits, want, atol=ATOL, rtol=RTOL)
+        if method == "qlora":  # its adapters were trained on the NF4 base: PEFT's base is quantized alike
+            _nf4_round_trip(hf_base, conf["target_modules"])
+        adapted = peft.PeftModel.from_pretrained(hf_base, str(cwd / "peft")).eval()
+        torch.testing.assert_close(adapted(input_ids=x).logits, want, atol=ATOL, rtol=RTOL)
 
     tok = transformers.AutoTokenizer.from_pretrained(str(cwd / "hf"))
     assert (tok.bos_token, tok.eos_token) == ("<|begin|>", "<|end|>")

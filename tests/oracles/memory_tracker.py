@@ -403,13 +403,31 @@ CASES = [
         {"batch_size": 4, "seq_len": 1024},
     ),
     # LoRA (frozen base, adapters train) under FSDP, and QLoRA (NF4 base, a buffer in one process:
-    # the 24 GB-card case); hidden_dim 1536 so every target splits into whole NF4 scale groups
-    _case("fsdp2 d512 lora r16 none", 2, {**_D512, "lora": {"rank": 16}}, {"batch_size": 4, "seq_len": 1024}),
+    # the 24 GB-card case); hidden_dim 1536 so every target splits into whole NF4 scale groups.
+    # Held tighter: frozen norms save no normalised input, and the first block's attention norm
+    # nothing (its input needs no gradient); planned as a full fine-tune's, they fall outside
+    _case(
+        "fsdp2 d512 lora r16 none",
+        2,
+        {**_D512, "lora": {"rank": 16}},
+        {"batch_size": 4, "seq_len": 1024},
+        tolerance=0.03,
+    ),
     _case(
         "w1 d512 qlora r16 none",
         1,
         {**_D512, "hidden_dim": 1536, "lora": {"rank": 16, "quantize_base": "nf4"}},
         {"batch_size": 2, "seq_len": 1024},
+        tolerance=0.03,
+    ),
+    # QLoRA under TP: colwise targets keep their NF4 rows, wo and w2 the whole NF4 weight per rank
+    _case(
+        "tp2 d512 qlora r16 none",
+        2,
+        {**_D512, "hidden_dim": 1536, "lora": {"rank": 16, "quantize_base": "nf4"}},
+        {"batch_size": 2, "seq_len": 1024},
+        {"tp": 2},
+        tolerance=0.03,
     ),
 ]
 

@@ -206,8 +206,9 @@ def test_qlora_computes_the_dequantized_base_and_trains_only_adapters(checkpoint
 
 @pytest.mark.slow
 def test_fsdp_and_tp_compute_one_process_loss_and_gradients(checkpoints, one_process, tmp_path: Path) -> None:
-    """LoRA on FSDP 2 (with full AC) and TP 2, QLoRA on FSDP 2 (gloo ranks, torchrun) against this
-    process: the loss and every adapter's gradient."""
+    """LoRA and QLoRA on FSDP 2 (with full AC) and on TP 2 (gloo ranks, torchrun) against this
+    process: the loss and every adapter's gradient (QLoRA under TP: the rowwise wo and w2 keep the
+    whole NF4 weight, the colwise targets their rows of it, so the same quantized model)."""
     x, y = _batch()
     batch = tmp_path / "batch.pt"
     torch.save((x, y), batch)
@@ -218,7 +219,7 @@ def test_fsdp_and_tp_compute_one_process_loss_and_gradients(checkpoints, one_pro
     }
     ref = {name: run_job(OVERRIDES + overrides, x, y) for name, overrides in jobs.items()}
     fsdp, tp = ["parallel.dp_shard=2", "parallel.ac=full"], ["parallel.tp=2", "parallel.dp_shard=1"]
-    for layout, names in ((fsdp, ["lora", "qlora"]), (tp, ["lora"])):  # full AC: block 0's input needs no grad
+    for layout, names in ((fsdp, ["lora", "qlora"]), (tp, ["lora", "qlora"])):  # full AC: block 0's input needs no grad
         spec = [{"overrides": jobs[n], "out": str(tmp_path / f"{n}-{layout[0]}.pt")} for n in names]
         (tmp_path / "jobs.json").write_text(json.dumps(spec))
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
@@ -306,8 +307,8 @@ def test_the_trainer_trains_adapters_alike_on_every_layout(workload, cache_dir, 
         (["model.lora.rank=4", "model.lora.quantize_base=nf4"], "but w1 holds 128 x 352 = 45056 weights"),
         (
             ["model.lora.rank=4", "model.lora.quantize_base=nf4", "model.dim=256", "model.hidden_dim=512"]
-            + ["parallel.tp=2"],
-            "nf4 cannot run under tensor parallelism (parallel.tp=2)",
+            + ["model.n_heads=8", "model.n_kv_heads=8", "parallel.tp=8"],
+            "'parallel.tp': 8 TP ranks cannot split wq's NF4 weight (4 groups of 16384 weights)",
         ),
         (["model.lora.rank=4", "model.lora.dropout=0.1", "parallel.ac=selective"], "adapters' dropout would draw"),
         (["model.lora.rank=4", "train.fp8=rowwise", "train.dtype=bf16"], "FP8 with LoRA"),
@@ -331,6 +332,14 @@ def test_fsdp_must_split_whole_nf4_groups() -> None:
     assert resolve_layout(cfg, 4)["dp_shard"] == 4  # q, k, v, o: 4 groups of 64 x 256 weights; MLP: 8
     with pytest.raises(ConfigError, match=r"'parallel.dp_shard': 8 FSDP ranks cannot split wq's NF4 weight"):
         resolve_layout(cfg, 8)
+    tp = load(
+        None,
+        ["model.lora.rank=4", "model.lora.quantize_base=nf4", "model.dim=256", "model.hidden_dim=512"]
+        + ["parallel.tp=2"],
+    )
+    assert resolve_layout(tp, 2)["tp"] == 2  # TP alone keeps the NF4 base out of FSDP
+    with pytest.raises(ConfigError, match=r"'parallel.dp_shard': nf4 under tensor parallelism \(parallel.tp=2\)"):
+        resolve_layout(tp, 4)
 
 
 def test_llmctl_composes_the_lora_keys() -> None:

@@ -207,8 +207,9 @@ class Setup:
     @property
     def composite_norm(self) -> bool:
         """``F.rms_norm`` is one fused kernel on CUDA (saves input and 1/rms); elsewhere it is
-        composite and also saves the normalised input before the weight multiply."""
-        return self.device != "cuda"
+        composite and also saves the normalised input before the weight multiply, for the
+        weight's gradient: none under LoRA, whose norms are frozen."""
+        return self.device != "cuda" and not self.lora_rank
 
     @property
     def native_gqa(self) -> bool:
@@ -357,9 +358,15 @@ def adapter_shapes(s: Setup) -> list[tuple[int, int]]:
 
 
 def nf4_shapes(s: Setup) -> list[tuple[int, int]]:
-    """One block's weights stored in NF4 (QLoRA: the targets' frozen weights), else none."""
+    """One block's weights stored in NF4 (QLoRA: the targets' frozen weights), else none. Under TP a
+    colwise target stores its rows, a rowwise one (wo, w2) its whole weight on every TP rank
+    (``nf4.TensorParallelNF4Linear``: NF4 has no column split)."""
     block, _ = param_shapes(s)
-    return [shp for name, shp in zip(_BLOCK_LINEARS, block) if s.nf4 and name in s.lora_targets]
+    return [
+        (rows, cols * s.tp) if name in ("wo", "w2") else (rows, cols)
+        for name, (rows, cols) in zip(_BLOCK_LINEARS, block)
+        if s.nf4 and name in s.lora_targets
+    ]
 
 
 def _in_nf4(s: Setup, i: int) -> bool:
@@ -635,6 +642,9 @@ def _walk_step(s: Setup) -> _Peak:
 
     casts = weight_casts(s)
     saved = block_saved(s) * tokens + (casts + rope_tables(s) if s.ac == "none" else 0)
+    # LoRA: the first block's input (the frozen embedding's output) needs no gradient, so its
+    # attention norm saves nothing for the backward (the adapters' inputs follow it)
+    first_relief = (4 * d / t + 4 / t) * tokens if lora and s.ac == "none" else 0
     cast_cache = casts if s.ac != "none" else 0  # autocast's copies, released when the forward ends
     backward_extra = block_backward_extra(s) * tokens + (cast_cache + rope_tables(s) if s.ac != "none" else 0)
     loss_fwd, loss_bwd = loss_memory(s)
@@ -687,7 +697,7 @@ def _walk_step(s: Setup) -> _Peak:
         for i in range(L):
             if s.fsdp:  # this block's all-gather output and its copy-out into the parameters
                 ledger.moment(f"forward of layer {i} {tag}", unsharded=unit_block, comm=gather, temporaries=dequant)
-            now["activations"] += saved + cast_cache
+            now["activations"] += saved + cast_cache - (first_relief if i == 0 else 0)
         now["activations"] += norm_saved
         if s.fsdp:  # [norm, head] (untied): gathered as the norm runs, kept through the loss
             now["unsharded"] += pb * full_head
@@ -719,7 +729,7 @@ def _walk_step(s: Setup) -> _Peak:
             elif new_grads:
                 moment["grads"] = 4 * w2
             ledger.moment(f"backward of layer {i} {tag}", **moment)
-            now["activations"] -= saved
+            now["activations"] -= saved - (first_relief if i == 0 else 0)
             if not s.fsdp:
                 now["grads"] += 4 * train_shard_block if new_grads else 0
             else:

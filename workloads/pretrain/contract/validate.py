@@ -166,12 +166,6 @@ def check_lora(cfg: TrainerCfg) -> None:
     )
     if not nf4:
         return
-    _require(
-        par.tp == 1,
-        "model.lora.quantize_base",
-        f"nf4 cannot run under tensor parallelism (parallel.tp={par.tp}): torchao's NF4 weight does not work inside"
-        " TP's sharded tensors. Fix: parallel.tp=1 (FSDP shards the 4-bit base), or model.lora.quantize_base=none",
-    )
     group = NF4_BLOCK * NF4_SCALER_BLOCK
     for name, (fan_in, fan_out) in target_linears(cfg.model).items():
         _require(
@@ -181,6 +175,15 @@ def check_lora(cfg: TrainerCfg) -> None:
             f" {fan_in} x {fan_out} = {fan_in * fan_out} weights of model '{cfg.model.name}'. Fix: a model whose"
             f" linears are multiples of {group} weights, leave {name} out of model.lora.targets,"
             " or model.lora.quantize_base=none",
+        )
+        # TP splits the rows of wq wk wv w1 w3 (``nf4.TensorParallelNF4Linear``): each rank's rows
+        # must be whole scale groups of the one-process quantization; wo and w2 stay whole
+        colwise = name not in ("wo", "w2")
+        _require(
+            name not in lora.targets or not colwise or (fan_in * fan_out // group) % par.tp == 0,
+            "parallel.tp",
+            f"{par.tp} TP ranks cannot split {name}'s NF4 weight ({fan_in * fan_out // group} groups of {group}"
+            " weights) into whole groups. Fix: a parallel.tp that divides it, or model.lora.quantize_base=none",
         )
 
 
@@ -192,6 +195,13 @@ def check_lora_layout(cfg: TrainerCfg, dp_shard: int) -> None:
     lora = cfg.model.lora
     if not lora.rank or lora.quantize_base != "nf4" or dp_shard == 1:
         return
+    _require(
+        cfg.parallel.tp == 1,
+        "parallel.dp_shard",
+        f"nf4 under tensor parallelism (parallel.tp={cfg.parallel.tp}) keeps the 4-bit base out of FSDP, which"
+        f" cannot also shard it over {dp_shard} ranks. Fix: parallel.dp_shard=1 (parallel.dp_replicate for more"
+        " data parallelism), parallel.tp=1 (FSDP shards the 4-bit base), or model.lora.quantize_base=none",
+    )
     group = NF4_BLOCK * NF4_SCALER_BLOCK
     for name, (fan_in, fan_out) in target_linears(cfg.model).items():
         _require(

@@ -84,7 +84,7 @@ def init_parameters(
     for fqn, linear in nf4.linears(model):
         name = canonical_name(f"{fqn}.weight")
         if only is None or only(name):
-            nf4.fill(linear, initial_value(name, tuple(linear.weight.shape), seed, n_layers, nf4.device(linear)))
+            nf4.fill(linear, initial_value(name, tuple(nf4.full_shape(linear)), seed, n_layers, nf4.device(linear)))
 
 
 def initial_value(name: str, shape: tuple[int, ...], seed: int, n_layers: int, device: torch.device) -> torch.Tensor:

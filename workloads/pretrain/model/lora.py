@@ -70,12 +70,11 @@ def _lora_class(base: type) -> type:
     return _CLASSES[base]
 
 
-def _adapter_weight(rows: int, cols: int, like: torch.Tensor, shard_dim: int | None) -> nn.Parameter:
-    """An empty adapter matrix on ``like``'s device, a DTensor on ``like``'s mesh when ``like`` is
-    one (``shard_dim``: None replicated, else Shard(shard_dim)); dtype fp32 like the trainer's
+def _adapter_weight(rows: int, cols: int, device: torch.device, mesh, shard_dim: int | None) -> nn.Parameter:
+    """An empty adapter matrix on ``device``, a DTensor on ``mesh`` (the base's TP mesh) when there
+    is one (``shard_dim``: None replicated, else Shard(shard_dim)); dtype fp32 like the trainer's
     master weights whatever the base's storage (NF4 included)."""
-    empty = torch.empty(rows, cols, device=like.device, dtype=torch.float32)
-    mesh = getattr(like, "device_mesh", None)
+    empty = torch.empty(rows, cols, device=device, dtype=torch.float32)
     if mesh is None:
         return nn.Parameter(empty)
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
@@ -86,16 +85,18 @@ def _adapter_weight(rows: int, cols: int, like: torch.Tensor, shard_dim: int | N
 
 def add_adapters(linear: nn.Linear, cfg: LoraCfg) -> None:
     """Give ``linear`` its ``lora_a`` / ``lora_b`` (empty: ``init_weights`` or ``init_adapters``
-    fills them) and the LoRA forward, in place."""
+    fills them) and the LoRA forward, in place. The layout follows the base weight's TP placements
+    (a QLoRA base under TP keeps them beside its NF4 buffer: ``nf4.TensorParallelNF4Linear``)."""
     rank = int(cfg.rank)
     weight = linear.weight
-    placements = getattr(weight, "placements", ())
+    placements = getattr(linear, "nf4_placements", None) or getattr(weight, "placements", ())
+    mesh = getattr(linear, "nf4_mesh", None) or getattr(weight, "device_mesh", None)
     rowwise = any(getattr(p, "dim", None) in (1, -1) for p in placements)  # Shard(1): features split
     colwise = any(getattr(p, "dim", None) == 0 for p in placements)
     a = nn.Linear(linear.in_features, rank, bias=False, device="meta")
     b = nn.Linear(rank, linear.out_features, bias=False, device="meta")
-    a.weight = _adapter_weight(rank, linear.in_features, weight, 1 if rowwise else None)
-    b.weight = _adapter_weight(linear.out_features, rank, weight, 0 if colwise else None)
+    a.weight = _adapter_weight(rank, linear.in_features, weight.device, mesh, 1 if rowwise else None)
+    b.weight = _adapter_weight(linear.out_features, rank, weight.device, mesh, 0 if colwise else None)
     linear.__class__ = _lora_class(type(linear))
     linear.lora_a, linear.lora_b = a, b
     linear.lora_dropout = nn.Dropout(float(cfg.dropout)) if cfg.dropout else nn.Identity()
@@ -152,7 +153,7 @@ def describe(model: nn.Module, cfg: LoraCfg) -> str:
 
     trainable = trainable_parameters(model)
     total = sum(p.numel() for p in model.parameters() if not nf4.is_nf4(p))
-    total += sum(m.weight.numel() for _, m in nf4.linears(model))  # NF4 buffers (one process) and parameters
+    total += sum(nf4.full_shape(m).numel() for _, m in nf4.linears(model))  # NF4 buffers and parameters
     base = " in NF4 (QLoRA)" if cfg.quantize_base == "nf4" else ""
     return (
         f"pretrain | lora rank {cfg.rank}, alpha {cfg.alpha:g} (x{lora_scaling(cfg):g}), dropout {cfg.dropout:g} on"

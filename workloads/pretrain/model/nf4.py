@@ -19,6 +19,17 @@ dim 0: every shard then carries the whole tensor's scale statistics (the double 
 mean), which FSDP's all-gather reassembles into exactly the tensor quantized in one process.
 Hence the layout is fixed before the values exist: ``placeholder`` makes an NF4 tensor of the
 right shape on meta for ``fully_shard``, and ``fill`` quantizes the real weights into it.
+
+Under tensor parallelism the weight cannot be a DTensor of NF4 (DTensor's matmul rules run on the
+inner tensors, which NF4 does not implement), so a TP target becomes ``TensorParallelNF4Linear``:
+a plain NF4 buffer of what this rank multiplies by, and a forward that does locally what TP's
+DTensor linear would, in TP's layouts. A colwise target (wq wk wv w1 w3, rows split) keeps its
+rows of the whole tensor's quantization (the same row split FSDP uses: exact). A rowwise target
+(wo w2, input columns split) keeps the whole NF4 weight and multiplies by its columns: NF4's
+scale groups run along rows, so a column shard of the one-process quantization does not exist,
+and quantizing the shard alone would compute another model at each TP degree. That costs 0.53
+bytes per weight of wo and w2 on every TP rank (the memory plan counts it) and buys a QLoRA run
+that computes the same at tp 1, 2 or 8, resumes across layouts and exports one merge.
 """
 
 from __future__ import annotations
@@ -67,17 +78,104 @@ def placeholder(linear: nn.Linear, dtype: torch.dtype, shard: bool) -> None:
     gathers as 4-bit bytes. Else a non-persistent buffer, which FSDP leaves alone: torch's FSDP2
     skips the all-gather extension on a 1-rank shard group (it copies only the first of NF4's
     three inner tensors and then fails), and one rank has nothing to shard anyway. Either way the
-    base is outside the checkpoint's state (it is re-read from ``init_from``). Plain weights only:
-    under tensor parallelism the weight is a DTensor, and NF4 inside one is refused (``validate``)."""
+    base is outside the checkpoint's state (it is re-read from ``init_from``). A weight TP has
+    made a DTensor becomes ``TensorParallelNF4Linear``'s buffer (``validate`` keeps FSDP from
+    sharding it: ``parallel.dp_shard=1`` with TP)."""
     weight = linear.weight
     if hasattr(weight, "device_mesh"):
-        raise NotImplementedError("NF4 base weights under tensor parallelism (refused by validate)")
+        TensorParallelNF4Linear.convert(linear, dtype)
+        return
     quantized = to_nf4(weight, dtype)
     if shard:
         linear.weight = nn.Parameter(quantized, requires_grad=False)
     else:
-        del linear._parameters["weight"]
-        linear.register_buffer("weight", quantized, persistent=False)
+        _set_buffer(linear, quantized)
+
+
+def _set_buffer(linear: nn.Linear, quantized: torch.Tensor) -> None:
+    """``linear.weight`` as a non-persistent buffer holding ``quantized``."""
+    del linear._parameters["weight"]
+    linear.register_buffer("weight", quantized, persistent=False)
+
+
+def _own_copy(part: torch.Tensor) -> torch.Tensor:
+    """An NF4 row split (a view into the whole tensor's storage) copied into storage of its own, so
+    the whole tensor can be freed. torchao's ``clone`` re-quantizes the piece, changing its scale
+    statistics; copying the inner tensors keeps the values exact."""
+    names, meta = part.__tensor_flatten__()
+    return type(part).__tensor_unflatten__({k: getattr(part, k).clone() for k in names}, meta, None, None)
+
+
+class _ColumnsOfNF4(torch.autograd.Function):
+    """``x @ W[:, start:stop].T`` for an NF4 ``W``, saving only ``W`` (dequantized again in
+    backward, as torchao's ``linear_nf4`` does for a whole weight): no full-precision copy of the
+    frozen weight lives from forward to backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        ctx.weight, ctx.columns = weight, (start, stop)
+        return torch.nn.functional.linear(x, weight.get_original_weight()[:, start:stop])
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        start, stop = ctx.columns
+        return grad @ ctx.weight.get_original_weight()[:, start:stop], None, None, None
+
+
+class TensorParallelNF4Linear(nn.Linear):
+    """A TP-sharded QLoRA target (module docstring): ``weight`` a plain NF4 buffer (colwise: this
+    rank's rows; rowwise: the whole weight, of which this rank multiplies ``nf4_columns``), the
+    forward in TP's layouts: a Replicate input gives a Shard(-1) output (colwise), a Shard(-1)
+    input a Partial output (rowwise), which TP's own hooks then redistribute. ``nf4_shape``: the
+    whole weight's shape; ``nf4_placements``: TP's placements of the weight it replaces (LoRA lays
+    its adapters out by them, ``lora.add_adapters``)."""
+
+    nf4_mesh: object
+    nf4_placements: tuple
+    nf4_shape: torch.Size
+    nf4_columns: tuple[int, int] | None
+
+    @classmethod
+    def convert(cls, linear: nn.Linear, dtype: torch.dtype) -> None:
+        """Swap ``linear``'s DTensor weight (TP's Shard(0) or Shard(1) on a 1-D tp mesh) for an NF4
+        buffer of the layout above (values on meta until ``fill``)."""
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        weight = linear.weight
+        mesh, placements = weight.device_mesh, tuple(weight.placements)
+        rowwise = any(getattr(p, "dim", None) in (1, -1) for p in placements)
+        shape, offset = compute_local_shape_and_global_offset(weight.shape, mesh, placements)
+        stored = tuple(weight.shape) if rowwise else tuple(shape)
+        _set_buffer(linear, to_nf4(torch.empty(stored, device=weight.device), dtype))
+        linear.__class__ = cls
+        linear.nf4_mesh, linear.nf4_placements, linear.nf4_shape = mesh, placements, weight.shape
+        linear.nf4_columns = (offset[1], offset[1] + shape[1]) if rowwise else None
+
+    def local_part(self, quantized: torch.Tensor) -> torch.Tensor:
+        """This rank's stored part of ``quantized`` (the whole weight in NF4): all of it (rowwise),
+        or its rows in storage of their own (colwise)."""
+        if self.nf4_columns is not None:
+            return quantized
+        rows = self.weight.shape[0]
+        return _own_copy(quantized.split(rows)[self.nf4_mesh.get_local_rank()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor, Partial, Shard
+
+        if self.nf4_columns is None:  # the input's gradient is this rank's share of the whole
+            local = x.to_local(grad_placements=[Partial()]) if isinstance(x, DTensor) else x
+            out, placement = torch.nn.functional.linear(local, self.weight), Shard(x.ndim - 1)
+        else:
+            local = x.to_local() if isinstance(x, DTensor) else x
+            out, placement = _ColumnsOfNF4.apply(local, self.weight, *self.nf4_columns), Partial()
+        # the whole output's shape follows: TP splits rows evenly (``validate``)
+        result = DTensor.from_local(out, self.nf4_mesh, [placement], run_check=False)
+        return result if self.bias is None else result + self.bias
+
+
+def full_shape(linear: nn.Linear) -> torch.Size:
+    """The whole weight's shape of an NF4 linear (whatever this rank stores of it)."""
+    return getattr(linear, "nf4_shape", None) or linear.weight.shape
 
 
 def linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
@@ -93,7 +191,7 @@ def device(linear: nn.Linear) -> torch.device:
 @torch.no_grad()
 def fill(linear: nn.Linear, full: torch.Tensor) -> None:
     """Quantize ``full`` (the whole weight, any float dtype) into ``linear``'s NF4 weight, keeping
-    this rank's rows where FSDP shards it.
+    this rank's rows where FSDP or (colwise) TP shards it.
 
     A sharded parameter is replaced (``load_state_dict(assign=True)``): FSDP2 registers a hook
     there that re-reads a replaced parameter, which in-place copies cannot do for NF4's unsharded
@@ -103,6 +201,8 @@ def fill(linear: nn.Linear, full: torch.Tensor) -> None:
 
     weight = linear.weight
     quantized = to_nf4(full.to(device(linear)), weight.dtype)
+    if isinstance(linear, TensorParallelNF4Linear):
+        quantized = linear.local_part(quantized)
     if "weight" in linear._buffers:
         linear.weight = quantized
         return

@@ -97,7 +97,7 @@ def parallelize(model: Transformer, dims: ParallelDims, mesh: DeviceMesh | None,
        LoRA (``model.lora.rank``) then freezes the model and gives the target linears adapters
        laid out on the tp mesh beside their TP-sharded weights, keeping TP's hooks on the module
        (``lora.py``); with ``quantize_base=nf4`` their weights become NF4 placeholders, which
-       FSDP shards as 4-bit bytes (``nf4.py``).
+       FSDP shards as 4-bit bytes, or under TP NF4 buffers in TP's layout (``nf4.py``).
     2. AC wraps whole blocks, so it comes after TP (and LoRA) have rewritten the modules inside them.
     3. compile each (checkpointed) block: the graph then contains the recomputation and TP's
        DTensor ops, but not FSDP's hooks, which stay in eager and overlap communication.
