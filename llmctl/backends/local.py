@@ -25,6 +25,7 @@ from llmctl.backends.base import ENDED, JobStatus
 from llmctl.config.compose import Composed, to_yaml
 from llmctl.config.launcher_checks import resolve_layout
 from llmctl.config.root_schema import InfraCfg
+from llmctl.config.workload import is_command
 from llmctl.controller import progress, test_hooks
 from llmctl.controller.procs import Interrupted, note_stop_request, same_process, signal_tree, start_time
 from llmctl.controller.workdir import JOB_END_FILE, read_json, run_dir, update_json
@@ -96,6 +97,8 @@ def _foreign_key_message(key: str, value: Any, default: Any) -> str:
 
 def _process_count(cfg: dict[str, Any], settings: LocalSettings, gpus: int) -> int:
     par = cfg["parallel"]
+    if is_command(cfg):  # a user's program: one process, or torchrun's per GPU (or as infra says)
+        return (settings.nproc_per_node or gpus or 1) if cfg["workload"].get("torchrun") else 1
     if settings.nproc_per_node:
         return int(settings.nproc_per_node)
     if gpus:
@@ -104,9 +107,13 @@ def _process_count(cfg: dict[str, Any], settings: LocalSettings, gpus: int) -> i
     return par["dp_replicate"] * shard * par["tp"]
 
 
-def job_command(nproc: int, config_path: str) -> list[str]:
+def job_command(nproc: int, config_path: str, command: bool = False) -> list[str]:
     """torchrun for several processes; one process runs the workload itself (torchrun's agent
-    would only add a second interpreter and a torch import to every single-process run)."""
+    would only add a second interpreter and a torch import to every single-process run). A
+    ``workload=command`` runs under its guard, which starts the user's program (and torchrun when
+    ``workload.torchrun``) itself: ``workloads/command/guard.py``."""
+    if command:
+        return [sys.executable, "-u", "-m", "workloads.command", "--config", config_path, f"--nproc-per-node={nproc}"]
     workload = ["-m", "workloads.pretrain", "--config", config_path]
     if nproc == 1:
         return [sys.executable, "-u", *workload]
@@ -213,7 +220,8 @@ class LocalBackend:
         hardware = this_machine()
         gpus = hardware.gpus_per_node
         nproc = _process_count(cfg, settings, gpus)
-        layout = resolve_layout(cfg, nproc)
+        # the trainer's mesh; a user's program lays out its own processes
+        layout = {"dp_replicate": 1, "dp_shard": nproc, "tp": 1} if is_command(cfg) else resolve_layout(cfg, nproc)
         resolved = {**cfg, "parallel": {**cfg["parallel"], **layout}}
         device = f"{gpus} local GPU(s), nccl" if gpus else "CPU, gloo"
         notes = []
@@ -228,7 +236,7 @@ class LocalBackend:
             nproc_per_node=nproc,
             layout=layout,
             device=device,
-            command=job_command(nproc, CONFIG_PLACEHOLDER),
+            command=job_command(nproc, CONFIG_PLACEHOLDER, is_command(cfg)),
             tracking_uri="",
             hardware=hardware,
             notes=notes,
@@ -251,7 +259,7 @@ class LocalBackend:
         rdir.mkdir(parents=True, exist_ok=True)
         config_path = rdir / "config.yaml"
         config_path.write_text(to_yaml(plan.cfg))
-        cmd = job_command(plan.nproc_per_node, str(config_path))
+        cmd = job_command(plan.nproc_per_node, str(config_path), is_command(plan.cfg))
         out = echo or sys.stdout
         bar = progress.StepProgress(out) if progress.wanted(out) else None
         with open(rdir / "output.log", "a") as log, bar or contextlib.nullcontext():  # a resume appends

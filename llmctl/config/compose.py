@@ -18,7 +18,7 @@ from typing import Any, Optional, cast
 from llmctl.config import root_schema as schema
 from llmctl.errors import ConfigError
 
-GROUPS = ("model", "data", "train", "parallel", "infra", "experiment")
+GROUPS = ("model", "data", "train", "parallel", "infra", "workload", "experiment")
 SCHEMA_NAME = "llmctl_schema"
 
 
@@ -109,6 +109,8 @@ def _check_override(raw: str, key: str, is_add: bool, is_delete: bool, value: An
         return
     if top == "hydra":
         raise ConfigError(f"'{raw}': hydra.* settings are managed by llmctl and cannot be overridden")
+    if free_form(key):  # a user program's own flags and environment: any name
+        return
     known = schema.schema_keys()
     if key not in known:
         hint = _did_you_mean(key, known)
@@ -124,6 +126,22 @@ def _check_override(raw: str, key: str, is_add: bool, is_delete: bool, value: An
         raise ConfigError(f"'{raw}': schema keys cannot be deleted; set '{key}' to a value instead")
     if key in ("model", "data", "train", "parallel", "infra", "checkpoint", "tracking"):
         raise ConfigError(f"'{raw}': '{key}' is a section; set one of its keys, e.g. {key}.<key>=...")
+
+
+# Keys under these are the user's own names (``workload=command``'s flags and environment)
+FREE_FORM = ("workload.args.", "workload.env.")
+
+
+def free_form(key: str) -> bool:
+    """Whether ``key`` names one of a user program's own flags or variables (``FREE_FORM``)."""
+    return key.startswith(FREE_FORM) and len(key.split(".")) == 3
+
+
+def hydra_form(raw: str) -> str:
+    """An override as Hydra takes it: a free-form key is added or set (``++``), since the schema
+    cannot list a user's flag names."""
+    key = raw.split("=", 1)[0]
+    return "++" + raw if free_form(key) else raw
 
 
 def parse_overrides(overrides: list[str], parser: Any = None) -> list[Any]:
@@ -190,7 +208,7 @@ def compose(overrides: Optional[list[str]] = None, config_dir: Optional[str] = N
 
     _register_schema()
     dirs = search_dirs(config_dir)
-    hydra_overrides = list(overrides)
+    hydra_overrides = [hydra_form(o) for o in overrides]
     if len(dirs) > 1:
         hydra_overrides.append("hydra.searchpath=[" + ",".join(f"file://{d}" for d in dirs[:-1]) + "]")
     GlobalHydra.instance().clear()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from llmctl.config import workload
 from llmctl.errors import ConfigError
 from workloads.pretrain.contract import validate as trainer
 from workloads.pretrain.contract.config import typed
@@ -21,6 +22,7 @@ def validate(cfg: dict[str, Any]) -> None:
         trainer.validate(typed(cfg))
     except trainer.ConfigError as exc:
         raise ConfigError(str(exc)) from None
+    workload.validate(cfg)
     if cfg["infra"]["nodes"] < 1:
         raise ConfigError("Bad value for 'infra.nodes': must be >= 1")
     if cfg["infra"]["nproc_per_node"] < 0:

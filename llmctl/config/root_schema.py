@@ -9,7 +9,7 @@ configs against ``RootCfg`` (registered in a ConfigStore by ``llmctl.config.comp
 from __future__ import annotations
 
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
-from typing import Dict, Optional
+from typing import Any, Dict, Optional
 
 from workloads.pretrain.contract.schema import (  # noqa: F401 - the enums are looked up by name (config._field_type_name)
     LAUNCHER_SECTIONS,
@@ -90,11 +90,26 @@ class TrackingCfg:
 
 
 @dataclass
+class WorkloadCfg:
+    """What runs (conf/workload/*.yaml): ``pretrain``, the bundled trainer (the default), or
+    ``command``, any program under llmctl's run contract (``workloads/command``, docs/workloads.md).
+    Only ``kind`` is read for ``pretrain``."""
+
+    kind: str = "pretrain"  # pretrain | command
+    run: Optional[str] = None  # command: the program and its fixed arguments (``python train.py``)
+    args: Dict[str, Any] = field(default_factory=dict)  # command: appended as --<name> <value>
+    torchrun: bool = False  # command: start it under torchrun with the plan's processes (and nodes)
+    env: Dict[str, str] = field(default_factory=dict)  # command: extra environment
+    hours: Optional[float] = None  # command: expected wall hours, for the estimate
+
+
+@dataclass
 class RootCfg(TrainerCfg):
     """The trainer's sections, then the launcher's (``workloads.pretrain.contract.schema.LAUNCHER_SECTIONS``)."""
 
     infra: InfraCfg = field(default_factory=InfraCfg)
     tracking: TrackingCfg = field(default_factory=TrackingCfg)
+    workload: WorkloadCfg = field(default_factory=WorkloadCfg)
 
 
 # Keys older llmctl versions wrote into a run's config.yaml that the schema no longer has (what a

@@ -256,6 +256,7 @@ class Estimate:
     max_cost: Optional[float] = None
     work: Optional[Work] = None  # recompute and FP8, as the throughput assumed them
     lora: bool = False  # model.lora.rank > 0: the frozen base's weight gradients are not computed
+    command: Optional[str] = None  # workload=command: the program; its hours come from ``throughput``
 
     @property
     def flops(self) -> float:
@@ -309,6 +310,8 @@ class Estimate:
         )
 
     def describe(self) -> str:
+        if self.command is not None:
+            return self._describe_command()
         lines = [
             "# cost estimate",
             f"model:       N = {self.n_params:,} params (no input embedding);"
@@ -323,12 +326,20 @@ class Estimate:
             f" + train {_dur(self.train_s)}"
             f" + {self.val_passes} val pass(es) x {self.throughput.val_pass_s:.2f} s;"
             f" {self.device_hours:,.3f} device-hours",
+            *self._price_lines()[:1],
+            f"total:       {self.total_text} estimated",
+            *self._price_lines()[1:],
+        ]
+        return "\n".join(lines)
+
+    def _price_lines(self) -> list[str]:
+        """The price line, the max-cost verdict and the offers: the same for every workload."""
+        lines = [
             (
                 f"price:       ${self.price.usd_per_hour:,.2f}/h ({self.price.label}; {self.price.source})"
                 if self.priced
                 else f"price:       unpriced ({self.price.label}: {self.price.source})"
-            ),
-            f"total:       {self.total_text} estimated",
+            )
         ]
         if self.budget_refusal():
             lines.append(f"max cost:    ${self.max_cost:,.2f} (REFUSED: launch will refuse: {self.budget_refusal()})")
@@ -342,6 +353,21 @@ class Estimate:
             lines.append(f"{'offer':<52} {'$/h':>9} {'total $':>10}")
             for p in self.offers:
                 lines.append(f"{p.label[:52]:<52} {p.usd_per_hour:>9,.2f} {self.cost_at(p):>10,.2f}")
+        return lines
+
+    def _describe_command(self) -> str:
+        """A user's program: no model to count, so hours are given (``workload.hours``) or measured
+        (an earlier FINISHED run of the same command on the same hardware), and the price is per hour."""
+        known = self.throughput.kind != "unknown"
+        lines = [
+            "# cost estimate",
+            f"workload:    {self.command}",
+            f"wall time:   {_dur(self.wall_s) if known else 'unknown'} ({self.throughput.source})",
+            *self._price_lines()[:1],
+            f"total:       {self.total_text + ' estimated' if known else 'unknown: set workload.hours=<hours>'}"
+            + (f"; {self.device_hours:,.3f} device-hours" if known else ""),
+            *self._price_lines()[1:],
+        ]
         return "\n".join(lines)
 
     def assumed(self) -> list[tuple[str, str]]:
@@ -418,4 +444,50 @@ def estimate(
         max_cost=max_cost,
         work=work_per_token(cfg),
         lora=bool(model.lora.rank),
+    )
+
+
+def command_key(cfg: Mapping[str, Any]) -> str:
+    """What makes two command runs' wall times comparable (tag ``llmctl.shape``): the program with
+    its arguments (``workload.args`` included: a sweep's trials differ) and the processes per node."""
+    from workloads.command.contract import program
+
+    wl = cfg["workload"]
+    return "command:" + " ".join(program(wl)) + f" torchrun={bool(wl.get('torchrun'))}"
+
+
+def command_estimate(
+    cfg: Mapping[str, Any],
+    hw: Hardware,
+    *,
+    measured: Optional[tuple[str, float]] = None,
+    catalog: Optional[list[Price]] = None,
+    max_cost: Optional[float] = None,
+) -> Estimate:
+    """The estimate of a command workload: ``workload.hours`` if given, else ``measured`` (run id,
+    billed wall seconds of an earlier FINISHED run of the same command on this hardware), else
+    unknown (the price per hour stands alone)."""
+    from workloads.command.contract import program
+
+    hours = cfg["workload"].get("hours")
+    if hours is not None:
+        wall, kind, source = float(hours) * 3600.0, "given", f"workload.hours={hours:g}"
+    elif measured is not None:
+        wall, kind = measured[1], "measured"
+        source = f"measured: FINISHED run {measured[0]} of the same command on {hw.accelerator}"
+    else:
+        wall, kind, source = 0.0, "unknown", "no workload.hours and no FINISHED run of this command here"
+    catalog = catalog or []
+    return Estimate(
+        n_params=0,
+        flops_per_token=0,
+        steps=0,
+        tokens=0,
+        val_passes=0,
+        hw=hw,
+        throughput=Throughput(1.0, 0.0, wall, kind, source, measured[0] if measured and kind == "measured" else None),
+        price=choose_price(cfg["infra"], hw, catalog),
+        offers=catalog,
+        max_cost=max_cost,
+        command=" ".join(program(cfg["workload"])),
     )

@@ -79,6 +79,23 @@ def find(uri: str, shape: str, accelerator: str, cfg: Mapping[str, Any]) -> Opti
     return found
 
 
+def command_wall(uri: str, key: str, accelerator: str) -> Optional[tuple[str, float]]:
+    """(run id, billed wall seconds over all its attempts) of the newest FINISHED run of the same
+    command (``estimate.command_key``) on this accelerator; None without one (or a store)."""
+    if not store_exists(uri):
+        return None
+    try:
+        for r in candidates(uri, key, accelerator):
+            figures = r.figures
+            if "cost/billed_hours" in figures:
+                return r.run_id, figures["cost/billed_hours"] * 3600.0
+            if WALL in figures:
+                return r.run_id, figures[WALL]
+    except Exception:
+        return None
+    return None
+
+
 def _usable(runs: list[Candidate]) -> list[Candidate]:
     return [r for r in runs if STEADY in r.figures and OVERHEAD in r.figures]
 

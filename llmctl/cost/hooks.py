@@ -64,13 +64,15 @@ def record_estimate(mc: Any, run_id: str, plan: Any, max_cost: Optional[float], 
     are what the next estimate of this shape looks for)."""
     from mlflow.entities import RunTag
 
+    from llmctl.config.workload import is_command
     from llmctl.cost import ledger
-    from llmctl.cost.estimate import shape_key
+    from llmctl.cost.estimate import command_key, shape_key
     from llmctl.cost.history import TAG_ACCELERATOR, TAG_FLOPS, TAG_SHAPE
 
     try:
         est = plan.estimate
-        tags = {TAG_ACCELERATOR: plan.hardware.accelerator, TAG_SHAPE: shape_key(plan.cfg, bool(plan.hardware.gpu))}
+        shape = command_key(plan.cfg) if is_command(plan.cfg) else shape_key(plan.cfg, bool(plan.hardware.gpu))
+        tags = {TAG_ACCELERATOR: plan.hardware.accelerator, TAG_SHAPE: shape[:5000]}
         metrics = {}
         if est:
             tags.update(
@@ -127,8 +129,9 @@ def budget_reason(stop: str) -> str:
     """The run's final ``llmctl.status`` from the workload's ``llmctl.budget_stop`` tag."""
     try:
         info = json.loads(stop)
+        at = f"at step {info['step']}" if info.get("step") is not None else "(the program stopped on SIGTERM)"
         return (
-            f"stopped: budget ${float(info['max_cost_usd']):,.2f} reached at step {info['step']}"
+            f"stopped: budget ${float(info['max_cost_usd']):,.2f} reached {at}"
             f" (spent ${float(info['spent_usd']):,.2f}; checkpoint {'saved' if info.get('checkpoint') else 'none'})"
         )
     except (ValueError, KeyError, TypeError):

@@ -73,8 +73,11 @@ def check(cfg: dict[str, Any], backend: str, say: Optional[Say] = None) -> None:
 
 
 def check_plan(plan: Any, say: Optional[Say] = None) -> None:
-    """``check`` for a plan (launch, resume)."""
-    check(plan.cfg, plan.backend, say)
+    """``check`` for a plan (launch, resume); a user's program reads its own data."""
+    from llmctl.config.workload import is_command
+
+    if not is_command(plan.cfg):
+        check(plan.cfg, plan.backend, say)
 
 
 def _list(source: str, say: Optional[Say]) -> Optional[tuple[list[SourceFile], bool]]:

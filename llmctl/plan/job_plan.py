@@ -92,20 +92,33 @@ class Plan:
 
     def describe(self) -> str:
         """Human summary (no secrets): the resolved config and how it would run."""
+        from llmctl.config.workload import is_command, shown
+
         lay, train = self.layout, self.cfg["train"]
         checkpoint = self.cfg["checkpoint"]["dir"] or "llmctl-runs/<run-id>/checkpoints"
         lines = [
             "# resolved config",
-            to_yaml(self.cfg).rstrip(),
+            to_yaml(shown(self.cfg)).rstrip(),
             "",
             "# plan",
             f"where:       {self.where}",
             f"processes:   {self.nodes} node(s) x {self.nproc_per_node} = {self.world_size} on {self.device}",
-            f"mesh:        dp_replicate={lay['dp_replicate']} dp_shard={lay['dp_shard']} tp={lay['tp']}",
-            *kernel_lines(self.cfg, bool(self.hardware.gpus_per_node)),
-            *lora_lines(self.cfg, bool(self.hardware.gpus_per_node)),
-            f"tokens:      {train['steps'] * train['batch_size'] * train['seq_len']:,}"
-            f" ({train['steps']} steps x {train['batch_size']} x {train['seq_len']})",
+        ]
+        if is_command(self.cfg):
+            from workloads.command.contract import program
+
+            wl = self.cfg["workload"]
+            how = "under torchrun, one per process" if wl.get("torchrun") else "one per node"
+            lines.append(f"program:     {redact(shlex.join(program(wl)))} ({how}, from the launch directory)")
+        else:
+            lines += [
+                f"mesh:        dp_replicate={lay['dp_replicate']} dp_shard={lay['dp_shard']} tp={lay['tp']}",
+                *kernel_lines(self.cfg, bool(self.hardware.gpus_per_node)),
+                *lora_lines(self.cfg, bool(self.hardware.gpus_per_node)),
+                f"tokens:      {train['steps'] * train['batch_size'] * train['seq_len']:,}"
+                f" ({train['steps']} steps x {train['batch_size']} x {train['seq_len']})",
+            ]
+        lines += [
             f"command:     {redact(shlex.join(self.command))}",
             f"tracking:    {redact(self.tracking_uri)} (experiment '{self.cfg['tracking']['experiment']}')",
             f"checkpoints: {redact(checkpoint)}",

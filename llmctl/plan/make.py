@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from llmctl.config.compose import Composed
+from llmctl.config.workload import is_command
 from llmctl.plan.job_plan import Plan
 from llmctl.tracking.mlflow_run import resolve_uri
 
@@ -23,12 +24,13 @@ def make_plan(composed: Composed) -> Plan:
     plan = backend_for(composed.cfg["infra"]["kind"]).plan(composed)
     check_hardware(plan.cfg, plan.hardware)  # e.g. train.fp8 on a GPU without FP8: refused, nothing created
     plan.tracking_uri = resolve_uri(composed.cfg["tracking"]["uri"])
-    try:
-        from llmctl.plan import memory_fit as memory
+    if not is_command(plan.cfg):  # a user's program: its memory is its own
+        try:
+            from llmctl.plan import memory_fit as memory
 
-        plan.memory = memory.check(plan)
-    except Exception as exc:
-        plan.notes.append(f"no memory plan: {type(exc).__name__}: {exc}")
+            plan.memory = memory.check(plan)
+        except Exception as exc:
+            plan.notes.append(f"no memory plan: {type(exc).__name__}: {exc}")
     try:
         plan.estimate = estimate_for(plan)
     except Exception as exc:
@@ -78,6 +80,15 @@ def estimate_for(
     from llmctl.cost import estimate, history
 
     cfg = cfg or plan.cfg
+    if is_command(cfg):
+        found = (
+            history.command_wall(plan.tracking_uri, estimate.command_key(cfg), plan.hardware.accelerator)
+            if lookup
+            else None
+        )
+        return estimate.command_estimate(
+            cfg, plan.hardware, measured=found, catalog=estimate.catalog_prices(plan.offers), max_cost=max_cost
+        )
     measured = None
     if lookup:
         measured = history.find(

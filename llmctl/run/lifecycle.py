@@ -516,9 +516,10 @@ def _upload_log(mc: Any, run_id: str, n: int) -> None:
 
 def _log_models(mc: Any, handle: RunHandle, cfg: Optional[dict[str, Any]]) -> None:
     """The final and best checkpoints as the run's MLflow logged models (``checkpoint_models``)."""
+    from llmctl.config.workload import is_command
     from llmctl.tracking.logged_models import log_checkpoints
 
-    if cfg is None:
+    if cfg is None or is_command(cfg):  # a user's program's checkpoints are in its own format
         return
     try:
         log_checkpoints(mc, handle.experiment_id, handle.run_id, (cfg.get("checkpoint") or {}).get("dir"))
@@ -619,6 +620,8 @@ def _preempted_reason(raw: str, run_id: str) -> str:
         info = json.loads(raw)
     except ValueError:
         info = {}
+    if info.get("program"):  # a command workload's program exited 75 (``workloads/command/guard.py``)
+        return f"preempted after the program saved its state (exit 75) — resume with: llmctl resume {run_id}"
     ck = info.get("checkpoint")
     saved = f"checkpoint step-{ck}" if ck is not None else "no checkpoint: resume restarts from step 0"
     return f"preempted at step {info.get('step', '?')} ({saved}) — resume with: llmctl resume {run_id}"
@@ -654,6 +657,8 @@ def _requested_reason(request: dict[str, Any], preempted: Optional[str], run_id:
         ck = info.get("checkpoint") if isinstance(info, dict) else None
         saved = f"checkpoint step-{ck}" if ck is not None else "no checkpoint: resume restarts from step 0"
         where = f"at step {info.get('step', '?') if isinstance(info, dict) else '?'} ({saved})"
+        if isinstance(info, dict) and info.get("program"):  # a user's program: its own state, its own steps
+            where = "after the program saved its state (exit 75)"
         hint = "resume with"
     tail = f" — {hint}: llmctl resume {run_id}" if request.get("resume", True) else ""
     return f"{what} by {by} {where}{tail}"

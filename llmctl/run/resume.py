@@ -50,7 +50,7 @@ def compose_resume(
     the old machine's layout). ``model=`` and ``experiment=`` are refused: a checkpoint only loads
     into the model that wrote it.
     """
-    from llmctl.config.compose import GROUPS, compose, parse_overrides
+    from llmctl.config.compose import GROUPS, compose, free_form, parse_overrides
     from llmctl.config.root_schema import drop_retired
 
     user = list(overrides)
@@ -76,6 +76,17 @@ def compose_resume(
         for section, values in drop_retired(stored).items()
         if section not in dropped
         for key, v in values.items()
+        if not free_form(f"{section}.{key}.")
+    ]
+    # a user program's flags and variables (``workload.args``, ``workload.env``): one override each,
+    # as they were given (the schema has no names for them to merge a whole map into)
+    base += [
+        f"{section}.{key}.{name}={_hydra_value(v)}"
+        for section, values in drop_retired(stored).items()
+        if section not in dropped
+        for key, entries in values.items()
+        if free_form(f"{section}.{key}.") and isinstance(entries, dict)
+        for name, v in entries.items()
     ]
     return compose(base + user, config_dir)
 
@@ -121,6 +132,7 @@ def resume(
 ) -> int:
     """The whole command; returns the exit code. ConfigError (→ 3) before anything is changed."""
     from llmctl.config.compose import Composed
+    from llmctl.config.workload import is_command
     from llmctl.plan.make import estimate_for, make_plan
     from llmctl.run import lifecycle
     from llmctl.tracking import mlflow_run as tracking
@@ -136,6 +148,20 @@ def resume(
         choices.pop("model", None)  # the stored model values (the checkpoint's shape) are all there is to it
     composed = compose_resume(stored, choices, overrides, config_dir)
     root = composed.cfg["checkpoint"]["dir"]
+    if is_command(composed.cfg):  # a user's program finds its own state: LLMCTL_RESUME=1, LLMCTL_CHECKPOINT_DIR
+        plan = make_plan(Composed(cfg=composed.cfg, choices=choices, overrides=overrides))
+        where = f"(the program continues from its own state in {tracking.redact(str(root or '-'))})"
+        return lifecycle.resume(
+            plan,
+            uri,
+            run,
+            from_step=None,
+            remaining=plan.estimate,
+            max_cost=max_cost,
+            say=echo,
+            where=where,
+            ignore_memory_plan=ignore_memory_plan,
+        )
     if not root:
         raise ConfigError(f"run {run_id} has no checkpoint.dir: there is nothing to resume from; launch it again")
     try:

@@ -169,7 +169,7 @@ class _Composer:
         from omegaconf import OmegaConf
         from omegaconf.errors import OmegaConfBaseException
 
-        from llmctl.config.compose import _translate
+        from llmctl.config.compose import _translate, free_form
         from llmctl.config.launcher_checks import validate
 
         for raw in overrides:
@@ -183,7 +183,9 @@ class _Composer:
                 if _is_group(ov):
                     continue
                 try:
-                    OmegaConf.update(cfg, ov.key_or_group, ov.value(), merge=True)
+                    # a user program's own flag (``workload.args.*``) is added, as ``++`` does
+                    add = free_form(ov.key_or_group)
+                    OmegaConf.update(cfg, ov.key_or_group, ov.value(), merge=True, force_add=add)
                 except OmegaConfBaseException as exc:
                     raise ConfigCompositionException(f"Error merging override {ov.input_line}") from exc
             resolved = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True, enum_to_str=True)

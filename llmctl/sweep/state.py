@@ -253,10 +253,11 @@ def supervisor_pid(sweep_id: str) -> Optional[int]:
         return None
 
 
-def _key_metrics(run: Any) -> dict[str, float]:
-    """The table's metrics of a trial; tokens/s is the steady figure its close recorded, when there is
+def _key_metrics(run: Any, metric: str) -> dict[str, float]:
+    """The table's metrics of a trial and the sweep's ``metric`` (``--metric``: any the trial logs, a
+    user program's own included); tokens/s is the steady figure its close recorded, when there is
     one (what ``llmctl runs`` shows), else the newest logged value."""
-    out = {k: v for k, v in run.data.metrics.items() if k in KEY_METRICS}
+    out = {k: v for k, v in run.data.metrics.items() if k in KEY_METRICS or k == metric}
     steady = ledger.figures(run).get("perf/tokens_per_s_steady")
     if steady is not None:
         out["perf/tokens_per_s"] = steady
@@ -285,7 +286,7 @@ def get_status(sweep_id: str, uri: Optional[str] = None) -> SweepStatus:
                 t["overrides"],
                 run.info.run_id,
                 status,
-                _key_metrics(run),
+                _key_metrics(run, spec["metric"]),
                 run.data.tags.get("llmctl.status", ""),
                 ledger.figures(run).get("cost/actual_usd"),
                 run.data.tags.get("llmctl.price.usd_per_hour") == "unpriced",

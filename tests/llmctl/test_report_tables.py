@@ -79,7 +79,7 @@ def test_a_sweep_table_shows_searched_floats_short_and_the_steady_tokens_per_s(s
     mc.log_batch(rid, tags=ledger.figure_tags({"perf/tokens_per_s_steady": 1819.0}))
     run = mc.get_run(rid)
     trials = [
-        state.TrialStatus(0, ["train.lr=0.0031622776601683794"], rid, "FINISHED", state._key_metrics(run)),
+        state.TrialStatus(0, ["train.lr=0.0031622776601683794"], rid, "FINISHED", state._key_metrics(run, "val/loss")),
         state.TrialStatus(1, ["train.lr=0.01"], None, "PENDING", {}),
     ]
     st = state.SweepStatus(

@@ -189,11 +189,14 @@ def test_every_backend_implements_the_whole_interface() -> None:
 
 
 CONTRACT = "workloads.pretrain.contract"
+# a user program's workload (``workload=command``): what llmctl and its node-side guard share
+COMMAND_CONTRACT = "workloads.command.contract"
 
 
 def test_llmctl_imports_only_the_trainers_contract() -> None:
-    """llmctl reads the trainer through its stdlib contract package alone; everything else of the
-    trainer (torch) runs as a process (torchrun, ``python -m workloads.pretrain.<entry>``)."""
+    """llmctl reads the trainer through its stdlib contract package alone, and a command workload
+    through its stdlib contract module; everything else of the workloads (torch, the guard) runs as
+    a process (torchrun, ``python -m workloads.pretrain.<entry>``, ``python -m workloads.command``)."""
     known = set(_modules("workloads")) | set(_modules("llmctl"))
     reached = {
         (name, m)
@@ -202,8 +205,18 @@ def test_llmctl_imports_only_the_trainers_contract() -> None:
         if m.startswith("workloads")
     }
     assert any(m.startswith(CONTRACT + ".") for _, m in reached), "the scan sees llmctl's contract imports"
-    outside = sorted((name, m) for name, m in reached if m != CONTRACT and not m.startswith(CONTRACT + "."))
-    assert outside == [], f"llmctl imports trainer modules outside {CONTRACT}: {outside}"
+    assert any(m == COMMAND_CONTRACT for _, m in reached), "the scan sees the command contract's imports"
+    outside = sorted(
+        (name, m) for name, m in reached if m not in (CONTRACT, COMMAND_CONTRACT) and not m.startswith(CONTRACT + ".")
+    )
+    assert outside == [], f"llmctl imports workload modules outside {CONTRACT} and {COMMAND_CONTRACT}: {outside}"
+
+
+def test_the_command_contract_is_stdlib() -> None:
+    """``workloads/command/contract.py`` reaches every ``llmctl plan``: the standard library only."""
+    path = ROOT / "workloads" / "command" / "contract.py"
+    found = _imports(path, COMMAND_CONTRACT, set(_modules("workloads")))
+    assert found and all(m.split(".")[0] in sys.stdlib_module_names or m == "__future__" for m in found), found
 
 
 def test_the_contract_imports_no_torch_or_numpy() -> None:

@@ -1,0 +1,52 @@
+"""Which program a config runs (``workload``): the bundled trainer (``pretrain``) or a user's own
+(``command``, ``workloads/command``). For a command only ``workload``, ``infra``, ``tracking`` and
+``checkpoint`` mean anything: those are its params and its printed config; the trainer's sections
+stay in the resolved YAML (a resume reads it whole) but are not shown as if they configured it."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Optional
+
+from llmctl.errors import ConfigError
+from workloads.command.contract import KIND_COMMAND, KIND_PRETRAIN, BadWorkload, check, is_command
+
+COMMAND_SECTIONS = ("workload", "infra", "tracking", "checkpoint")
+# names of variables that hold credentials: refused in ``workload.env`` (they would become params)
+SECRET = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|API_KEY|ACCESS_KEY|PRIVATE_KEY", re.IGNORECASE)
+
+__all__ = ["COMMAND_SECTIONS", "is_command", "shown", "validate"]
+
+
+def shown(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The sections that configure this run: all of them for the trainer, ``COMMAND_SECTIONS`` for a
+    command (``workload`` is left out for the trainer, which it does not configure)."""
+    if is_command(cfg):
+        return {k: cfg[k] for k in COMMAND_SECTIONS if k in cfg}
+    return {k: v for k, v in cfg.items() if k != "workload"}
+
+
+def validate(cfg: dict[str, Any], cwd: Optional[Path] = None) -> None:
+    """``workload.*``: a known kind, and for a command a program that can start (one-line errors)."""
+    wl = cfg.get("workload") or {}
+    kind = wl.get("kind", KIND_PRETRAIN)
+    if kind not in (KIND_PRETRAIN, KIND_COMMAND):
+        raise ConfigError(
+            f"Bad value for 'workload.kind': '{kind}'. Fix: workload=pretrain (the bundled trainer) or workload=command"
+        )
+    if kind != KIND_COMMAND:
+        return
+    for name in wl.get("env") or {}:
+        if SECRET.search(str(name)):
+            raise ConfigError(
+                f"Bad value for 'workload.env.{name}': a secret would be stored in the run's params and config."
+                f" Fix: export {name} in the shell llmctl runs from (the program inherits llmctl's environment)"
+            )
+    hours = wl.get("hours")
+    if hours is not None and not float(hours) > 0:
+        raise ConfigError(f"Bad value for 'workload.hours': {hours} (wall hours, > 0). Fix: workload.hours=2.5")
+    try:
+        check(wl, cwd or Path.cwd())
+    except BadWorkload as exc:
+        raise ConfigError(f"Bad value for '{exc.key}': {exc}") from None

@@ -1,0 +1,78 @@
+"""A user's own transformers ``Trainer`` script, written against llmctl's run contract
+(docs/workloads.md) and nothing else of llmctl: it reads ``LLMCTL_CHECKPOINT_DIR`` and
+``LLMCTL_RESUME``, reports to MLflow with transformers' own callback (which logs into the run named
+by ``MLFLOW_RUN_ID``), saves and exits 75 on SIGTERM, and continues from its newest checkpoint.
+
+    python hf_trainer.py --model DIR [--learning_rate 1e-3] [--max_steps 12] [--save_steps 4]
+
+The data: fixed random token sequences (no download), the same on every start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+
+import torch
+import transformers
+from transformers.trainer_utils import get_last_checkpoint
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--model", required=True)
+parser.add_argument("--learning_rate", type=float, default=1e-3)
+parser.add_argument("--max_steps", type=int, default=12)
+parser.add_argument("--save_steps", type=int, default=4)
+parser.add_argument("--step_sleep", type=float, default=0.0)  # slows each step: time for a test to stop it
+args = parser.parse_args()
+
+stop = {"asked": False}
+signal.signal(signal.SIGTERM, lambda signum, frame: stop.update(asked=True))
+
+
+class SaveAndStopOnSigterm(transformers.TrainerCallback):
+    """The contract's stop: on SIGTERM, save at the end of this step and leave training."""
+
+    def on_step_end(self, targs, state, control, **kwargs):
+        time.sleep(args.step_sleep)
+        if stop["asked"]:
+            control.should_save = True
+            control.should_training_stop = True
+        return control
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __init__(self, vocab: int, n: int = 256, seq: int = 16) -> None:
+        self.ids = torch.randint(0, vocab, (n, seq), generator=torch.Generator().manual_seed(0))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+out = os.environ["LLMCTL_CHECKPOINT_DIR"]
+targs = transformers.TrainingArguments(
+    output_dir=out,
+    max_steps=args.max_steps,
+    per_device_train_batch_size=4,
+    learning_rate=args.learning_rate,
+    logging_steps=1,
+    save_steps=args.save_steps,
+    save_total_limit=2,
+    report_to=["mlflow"],
+    use_cpu=True,
+    seed=0,
+    dataloader_num_workers=0,
+)
+model = transformers.AutoModelForCausalLM.from_pretrained(args.model)
+trainer = transformers.Trainer(
+    model=model, args=targs, train_dataset=Tokens(model.config.vocab_size), callbacks=[SaveAndStopOnSigterm()]
+)
+resume = os.environ.get("LLMCTL_RESUME") == "1" and os.path.isdir(out) and get_last_checkpoint(out) is not None
+trainer.train(resume_from_checkpoint=True if resume else None)
+print(f"program | stopped at step {trainer.state.global_step}" if stop["asked"] else "program | done", flush=True)
+sys.exit(75 if stop["asked"] else 0)

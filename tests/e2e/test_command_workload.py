@@ -1,0 +1,252 @@
+"""``workload=command``: programs nobody here wrote, run through the real CLI under llmctl's plan,
+tracking, cost, sweeps and recovery (``workloads/command``, docs/workloads.md).
+
+- a transformers ``Trainer`` script (``programs/hf_trainer.py``, a tiny Llama made here,
+  ``report_to=["mlflow"]``): its losses land in llmctl's run (the only run in the experiment); a
+  stop (``llmctl down``: SIGTERM) makes it save and exit 75, the run is KILLED as preempted, and
+  ``llmctl resume`` continues it from its own checkpoint (``resume_from_checkpoint``) in the same
+  run: every training step is logged exactly once across the two attempts;
+- a plain torchrun DDP loop on 2 gloo processes (``programs/ddp.py``);
+- the budget guard: SIGTERM before ``--max-cost`` is passed, exit 4, the ledger summing to
+  ``cost/actual_usd`` (``programs/steps.py``);
+- a 2-trial grid and a 2-trial TPE search over the program's own flag, one parent run each;
+- bad input: one line naming the key, exit 3, nothing created.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from helpers import assert_outcome, mlflow_client, mlflow_runs, run_cli
+
+from llmctl.run.lifecycle import Outcome
+
+pytestmark = pytest.mark.slow
+
+PROGRAMS = Path(__file__).with_name("programs")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _here(tmp_path: Path, *names: str) -> Path:
+    """The programs a user keeps in the directory they launch from."""
+    for name in names:
+        shutil.copy(PROGRAMS / name, tmp_path / name)
+    return tmp_path
+
+
+def _the_run(tmp_path: Path):
+    runs = mlflow_runs(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    assert len(runs) == 1, [(r.info.run_id, r.info.run_name) for r in runs]  # one run per job, not two
+    return runs[0]
+
+
+def _steps(uri: str, run_id: str, key: str) -> list[int]:
+    points = sorted(mlflow_client(uri).get_metric_history(run_id, key), key=lambda m: (m.timestamp, m.step))
+    return [m.step for m in points]
+
+
+@pytest.fixture()
+def tiny_llama(tmp_path: Path) -> Path:
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    transformers.LlamaForCausalLM(cfg).save_pretrained(str(tmp_path / "tiny"))
+    return tmp_path / "tiny"
+
+
+def _wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.3)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_a_transformers_trainer_script_is_tracked_stopped_and_resumed_in_one_run(
+    cli_env: dict[str, str], tmp_path: Path, tiny_llama: Path
+) -> None:
+    _here(tmp_path, "hf_trainer.py")
+    steps = 12
+    args = [
+        "launch",
+        "workload=command",
+        "workload.run=python hf_trainer.py --model tiny",
+        f"workload.args.max_steps={steps}",
+        "workload.args.save_steps=50",  # no periodic save: the one that counts is the stop's
+        "workload.args.step_sleep=0.5",
+    ]
+    launch = subprocess.Popen(
+        [sys.executable, "-m", "llmctl", *args],
+        cwd=tmp_path,
+        env=cli_env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        runs_dir = tmp_path / "llmctl-runs"
+
+        def logged_three() -> bool:
+            logs = list(runs_dir.glob("*/output.log")) if runs_dir.is_dir() else []
+            return bool(logs) and logs[0].read_text().count("'loss'") >= 3
+
+        _wait_for(logged_three, 240, "three logged losses")
+        rid = next(p.name for p in runs_dir.iterdir() if (p / "output.log").is_file())
+        down = run_cli(["down", rid], tmp_path, cli_env)
+        out, _ = launch.communicate(timeout=120)
+    finally:
+        if launch.poll() is None:
+            launch.kill()
+    assert down.returncode == 0, down.stdout + down.stderr
+    assert launch.returncode == 75, out[-3000:]
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    run = _the_run(tmp_path)
+    assert run.info.status == "KILLED"
+    status = run.data.tags["llmctl.status"]
+    assert status.startswith("stopped by llmctl down after the program saved its state (exit 75)"), status
+    first = _steps(uri, rid, "loss")
+    assert first and first == list(range(1, len(first) + 1)) and len(first) < steps, first
+    saved = sorted((tmp_path / "llmctl-runs" / rid / "checkpoints").glob("checkpoint-*"))
+    assert [p.name for p in saved] == [f"checkpoint-{first[-1]}"], saved  # the stop's own save
+
+    res = run_cli(["resume", rid], tmp_path, cli_env)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "the program continues from its own state" in res.stdout
+    run = _the_run(tmp_path)
+    assert run.info.run_id == rid and run.info.status == "FINISHED"
+    # each step once: the second attempt started after the first one's last step, not from 1
+    assert _steps(uri, rid, "loss") == list(range(1, steps + 1))
+    assert_outcome(uri, rid, Outcome.FINISHED, res.returncode, attempt=2)
+    starts = {k: json.loads(v) for k, v in run.data.tags.items() if k.startswith("llmctl.workload_start.")}
+    assert [s["attempt"] for _, s in sorted(starts.items())] == [1, 2]
+    assert run.data.params["workload.args.max_steps"] == str(steps) and "model.dim" not in run.data.params
+
+
+def test_a_torchrun_ddp_script_on_two_gloo_processes(cli_env: dict[str, str], tmp_path: Path) -> None:
+    _here(tmp_path, "ddp.py")
+    out = run_cli(
+        [
+            "launch",
+            "workload=command",
+            "workload.run=python ddp.py",
+            "workload.torchrun=true",
+            "infra.nproc_per_node=2",
+        ],
+        tmp_path,
+        cli_env,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "program | 2 ranks, replicas equal: True, LLMCTL_ATTEMPT=1" in out.stdout
+    run = _the_run(tmp_path)
+    assert run.info.status == "FINISHED"
+    assert _steps(f"sqlite:///{tmp_path / 'mlflow.db'}", run.info.run_id, "ddp/loss") == [1, 2, 3, 4, 5]
+
+
+def test_the_budget_guard_stops_the_program_with_sigterm(cli_env: dict[str, str], tmp_path: Path) -> None:
+    """$3,600/h is $1/s: the program gets SIGTERM when the spend plus its 2 s grace and the 5 s
+    reserve would pass $15, i.e. ~8 s into the attempt's billing, long before its 200 steps end."""
+    _here(tmp_path, "steps.py")
+    out = run_cli(
+        [
+            "launch",
+            "--max-cost",
+            "15",
+            "workload=command",
+            "workload.run=python steps.py --steps 200 --step_s 0.2",
+            "infra.price_per_gpu_hour=3600",
+            "checkpoint.preempt_grace_s=2",
+        ],
+        tmp_path,
+        cli_env,
+    )
+    assert out.returncode == 4, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "budget | stopping the program (SIGTERM)" in out.stdout and "program | stopped at step" in out.stdout
+    run = _the_run(tmp_path)
+    tags = assert_outcome(f"sqlite:///{tmp_path / 'mlflow.db'}", run.info.run_id, Outcome.BUDGET_STOP, 4, attempt=1)
+    assert "(the program stopped on SIGTERM)" in tags["llmctl.status"]
+    assert float(tags["cost/actual_usd"]) <= 15.0
+    state = json.loads((tmp_path / "llmctl-runs" / run.info.run_id / "checkpoints" / "state.json").read_text())
+    assert 0 < state["step"] < 200
+
+
+def _sweep(tmp_path: Path):
+    runs = mlflow_runs(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    parents = [r for r in runs if r.data.tags.get("llmctl.sweep_role") == "parent" or "sweep.metric" in r.data.params]
+    return parents, [r for r in runs if r not in parents]
+
+
+@pytest.mark.parametrize(
+    "how",
+    [
+        ["workload.args.lr=0.1,0.5"],
+        ["--search", "tpe", "--trials", "2", "--seed", "3", "workload.args.lr=interval(0.1, 0.9)"],
+    ],
+    ids=["grid", "tpe"],
+)
+def test_a_sweep_over_the_programs_own_flag(cli_env: dict[str, str], tmp_path: Path, how: list[str]) -> None:
+    _here(tmp_path, "steps.py")
+    args = ["launch", "-m", "--wait", "--metric", "final_loss", "workload=command", "workload.run=python steps.py"]
+    out = run_cli([*args, "workload.args.steps=3", "workload.args.step_s=0.05", *how], tmp_path, cli_env)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    parents, trials = _sweep(tmp_path)
+    assert len(parents) == 1 and len(trials) == 2, [r.data.tags.get("mlflow.runName") for r in parents + trials]
+    assert all(t.info.status == "FINISHED" for t in trials)
+    lrs = sorted(float(t.data.params["workload.args.lr"]) for t in trials)
+    if how[0] != "--search":
+        assert lrs == [0.1, 0.5]
+    else:
+        assert all(0.1 <= lr <= 0.9 for lr in lrs) and lrs[0] != lrs[1]
+    best = min(trials, key=lambda t: t.data.metrics["final_loss"])
+    assert best.data.metrics["final_loss"] == pytest.approx(1 / (1 + 3 * max(lrs)))
+    assert parents[0].data.metrics["final_loss"] == pytest.approx(best.data.metrics["final_loss"])
+
+
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [
+        (["workload=command"], "Bad value for 'workload.run': workload=command needs the program to run"),
+        (
+            ["workload=command", "workload.run=python missing.py"],
+            "Bad value for 'workload.run': missing.py does not exist",
+        ),
+        (["workload=command", "workload.run=no-such-program --x 1"], "no program 'no-such-program' on PATH"),
+        (
+            ["workload=command", "workload.run=python steps.py --lr 0.1", "workload.args.lr=0.2"],
+            "Bad value for 'workload.args.lr': --lr is already in workload.run",
+        ),
+        (
+            ["workload=command", "workload.run=bash -c true", "workload.torchrun=true"],
+            "Bad value for 'workload.torchrun': torchrun starts Python programs",
+        ),
+        (
+            ["workload=command", "workload.run=python steps.py", "workload.env.HF_TOKEN=abc"],
+            "Bad value for 'workload.env.HF_TOKEN': a secret would be stored",
+        ),
+    ],
+    ids=["no-program", "no-script", "not-on-path", "twice", "torchrun-not-python", "secret"],
+)
+def test_bad_input_is_one_line_and_creates_nothing(
+    cli_env: dict[str, str], tmp_path: Path, overrides: list[str], needle: str
+) -> None:
+    _here(tmp_path, "steps.py")
+    out = run_cli(["launch", *overrides], tmp_path, cli_env)
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 3 and needle in lines[-1] and "Fix: " in lines[-1], out.stderr[-2000:]
+    assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "llmctl-runs").exists()

@@ -1,0 +1,254 @@
+"""The node-side guard of a command workload: starts the user's program (under torchrun when
+``workload.torchrun``) and does for it what the bundled trainer does for itself.
+
+- **The start** is recorded in llmctl's MLflow run (``llmctl.workload_start.<k>``, node rank 0), so
+  the ledger bills each start and a managed job's recovery counts as a new attempt.
+- **Stops**: SIGTERM, SIGHUP or SIGUSR1 to the guard (a preemption notice, ``llmctl down``,
+  ``scancel``) is passed to the program once; past ``LLMCTL_STOP_GRACE_S`` (+15 s) it is killed.
+- **The budget** (``--max-cost``): the same inputs as the trainer's guard (price, billing start,
+  earlier spend); the program gets SIGTERM when the spend, plus its grace period and a reserve,
+  would pass the limit, and the run is tagged ``llmctl.budget_stop``: the controller closes it
+  FINISHED with exit 4, as for the trainer.
+- **The exit**: 75 ("stopped with state saved"; per rank under torchrun, ``rank``) tags the run
+  ``llmctl.preempted``; the guard exits with the program's code (0 after a budget stop).
+
+The program runs in a session of its own, so a signal reaches it once, from here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from workloads.command.contract import (
+    ENV_CHECKPOINT_DIR,
+    ENV_EXIT_DIR,
+    ENV_RESUME,
+    ENV_STOP_GRACE,
+    PYTHONS,
+    program,
+    python_target,
+)
+from workloads.pretrain.contract.protocol import (
+    ENV_ATTEMPT,
+    ENV_BILLING_START,
+    ENV_MAX_COST,
+    ENV_PRICE,
+    ENV_SPENT,
+    EXIT_PREEMPTED,
+    TAG_BUDGET_STOP,
+    TAG_PREEMPTED,
+    TAG_START_PREFIX,
+    TAG_TASK_ID,
+)
+
+RESERVE_S = 5.0  # kept beyond the grace period: the program's last save may run a little long
+KILL_AFTER_GRACE_S = 15.0
+STOPS = (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
+
+
+def _num(key: str) -> Optional[float]:
+    raw = os.environ.get(key, "").strip()
+    return float(raw) if raw else None
+
+
+class Guard:
+    def __init__(self, cfg: dict[str, Any], nproc: int, nnodes: int, node_rank: int, rdzv: Optional[str]) -> None:
+        self.workload = cfg.get("workload") or {}
+        self.checkpoint_dir = str((cfg.get("checkpoint") or {}).get("dir") or "")
+        self.grace = float((cfg.get("checkpoint") or {}).get("preempt_grace_s") or 0)
+        self.nproc, self.nnodes, self.node_rank, self.rdzv = nproc, nnodes, node_rank, rdzv
+        self.main = node_rank == 0
+        self.run_id = os.environ.get("MLFLOW_RUN_ID")
+        self.attempt = int(os.environ.get(ENV_ATTEMPT, "1") or 1)
+        self.start: Optional[int] = None
+        self.stop_signal: Optional[int] = None
+        self.budget: Optional[dict[str, Any]] = None
+        self.proc: Optional[subprocess.Popen[bytes]] = None
+        self.exit_dir = tempfile.mkdtemp(prefix="llmctl-exit-")
+
+    # ------------------------------------------------------------------ the command
+
+    def argv(self) -> list[str]:
+        words = program(self.workload)
+        if not self.workload.get("torchrun"):
+            return [sys.executable, *words[1:]] if words[0] in PYTHONS else words
+        target = python_target(words)
+        assert target is not None  # llmctl refused it before launch (contract.check)
+        nodes = ["--standalone", "--nnodes=1"] if self.nnodes == 1 else [f"--nnodes={self.nnodes}"]
+        if self.nnodes > 1:
+            nodes += [f"--node_rank={self.node_rank}", "--rdzv_backend=c10d", f"--rdzv_endpoint={self.rdzv}"]
+        return [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            *nodes,
+            f"--nproc_per_node={self.nproc}",
+            "-m",
+            "workloads.command.rank",
+            *target,
+        ]
+
+    def env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update({str(k): str(v) for k, v in (self.workload.get("env") or {}).items()})
+        env[ENV_CHECKPOINT_DIR] = self.checkpoint_dir
+        # a resume (attempt > 1), or a managed job's supervisor rerunning it (an earlier start)
+        env[ENV_RESUME] = "1" if (self.start or self.attempt) > 1 else "0"
+        env[ENV_STOP_GRACE] = f"{self.grace:g}"
+        env[ENV_EXIT_DIR] = self.exit_dir
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        return env
+
+    # ------------------------------------------------------------------ the run's facts
+
+    def _client(self) -> Any:
+        from mlflow.tracking import MlflowClient
+
+        return MlflowClient()
+
+    def _tag(self, key: str, info: dict[str, Any]) -> None:
+        if not (self.main and self.run_id):
+            return
+        try:
+            self._client().set_tag(self.run_id, key, json.dumps({**info, "start": self.start, "attempt": self.attempt}))
+        except Exception as exc:  # the controller then reads the exit code alone; the log says why
+            print(f"warning: could not tag the run {key} ({type(exc).__name__}: {exc})", file=sys.stderr, flush=True)
+
+    def record_start(self) -> None:
+        if not (self.main and self.run_id):
+            return
+        try:
+            from mlflow.entities import RunTag
+
+            mc = self._client()
+            run = mc.get_run(self.run_id)
+            self.start = len([t for t in run.data.tags if t.startswith(TAG_START_PREFIX)]) + 1
+            start = {
+                "time": round(time.time(), 3),
+                "attempt": self.attempt,
+                "from_step": None,
+                "world_size": self.nproc * self.nnodes,
+            }
+            tags = {f"{TAG_START_PREFIX}{self.start}": json.dumps(start)}
+            if os.environ.get("SKYPILOT_TASK_ID"):
+                tags[TAG_TASK_ID] = os.environ["SKYPILOT_TASK_ID"]
+            mc.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in tags.items()])
+        except Exception as exc:
+            print(f"warning: recording the start failed ({type(exc).__name__}: {exc})", file=sys.stderr, flush=True)
+
+    # ------------------------------------------------------------------ stops
+
+    def _signal_program(self, sig: int) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def _stop_program(self) -> None:
+        """SIGTERM now, SIGKILL if it is still running past the grace period."""
+        self._signal_program(signal.SIGTERM)
+        timer = threading.Timer(self.grace + KILL_AFTER_GRACE_S, self._signal_program, (signal.SIGKILL,))
+        timer.daemon = True
+        timer.start()
+
+    def on_stop(self, signum: int, frame: Any) -> None:
+        if self.stop_signal is None and self.budget is None:
+            self.stop_signal = signum
+            self._stop_program()
+
+    def budget_deadline(self) -> Optional[float]:
+        """When the program must get SIGTERM for its save to end before the spend passes the limit."""
+        limit, price = _num(ENV_MAX_COST), _num(ENV_PRICE) or 0.0
+        if limit is None or price <= 0:
+            return None
+        billing_start, spent = _num(ENV_BILLING_START) or time.time(), _num(ENV_SPENT) or 0.0
+        return billing_start + (limit - spent) / price * 3600.0 - self.grace - RESERVE_S
+
+    def on_budget(self) -> None:
+        if self.stop_signal is not None or self.budget is not None or self.proc is None or self.proc.poll() is not None:
+            return
+        price, billing_start = _num(ENV_PRICE) or 0.0, _num(ENV_BILLING_START) or time.time()
+        spent = (_num(ENV_SPENT) or 0.0) + price * max(0.0, time.time() - billing_start) / 3600.0
+        self.budget = {
+            "step": None,
+            "spent_usd": round(spent, 6),
+            "max_cost_usd": _num(ENV_MAX_COST),
+            "usd_per_hour": price,
+        }
+        print(
+            f"budget | stopping the program (SIGTERM): spent ${spent:.4f} of ${self.budget['max_cost_usd']:.4f}"
+            f" at ${price:.2f}/h, {self.grace:g} s left to save",
+            flush=True,
+        )
+        self._stop_program()
+
+    # ------------------------------------------------------------------ the exit
+
+    def program_code(self, code: int) -> int:
+        """The program's exit: under torchrun each rank's own (75 if every rank that ended on its own
+        said so), else the process's (a signal's death as 128 + its number)."""
+        if code < 0:
+            code = 128 - code
+        if not self.workload.get("torchrun"):
+            return code
+        ranks = [int(p.read_text() or 1) for p in Path(self.exit_dir).glob("rank-*")]
+        if not ranks:
+            return code
+        failed = [c for c in ranks if c not in (0, EXIT_PREEMPTED)]
+        if failed:
+            return failed[0]
+        return EXIT_PREEMPTED if EXIT_PREEMPTED in ranks else (0 if code == 0 else code)
+
+    def run(self) -> int:
+        self.record_start()
+        previous = {sig: signal.signal(sig, self.on_stop) for sig in STOPS}
+        self.proc = subprocess.Popen(self.argv(), env=self.env(), start_new_session=True)
+        deadline = self.budget_deadline()
+        timer = None
+        if deadline is not None:
+            timer = threading.Timer(max(0.0, deadline - time.time()), self.on_budget)
+            timer.daemon = True
+            timer.start()
+        try:
+            code = self.program_code(self.proc.wait())
+        except KeyboardInterrupt:
+            self._signal_program(signal.SIGINT)
+            code = self.program_code(self.proc.wait())
+        finally:
+            if timer is not None:
+                timer.cancel()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        saved = code == EXIT_PREEMPTED
+        if self.budget is not None and code in (0, EXIT_PREEMPTED):
+            self._tag(TAG_BUDGET_STOP, {**self.budget, "checkpoint": saved or code == 0})
+            return 0
+        if saved:
+            name = signal.Signals(self.stop_signal).name if self.stop_signal else None
+            self._tag(TAG_PREEMPTED, {"step": None, "checkpoint": None, "saved": True, "signal": name, "program": True})
+        return code
+
+
+def main(argv: list[str]) -> int:
+    import yaml
+
+    parser = argparse.ArgumentParser(prog="python -m workloads.command")
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--nproc-per-node", type=int, default=1)
+    parser.add_argument("--nnodes", type=int, default=1)
+    parser.add_argument("--node-rank", type=int, default=0)
+    parser.add_argument("--rdzv-endpoint", default=None)
+    args = parser.parse_args(argv)
+    cfg = yaml.safe_load(Path(args.config).read_text())
+    return Guard(cfg, args.nproc_per_node, args.nnodes, args.node_rank, args.rdzv_endpoint).run()
