@@ -391,6 +391,8 @@ def steady_tokens_per_s(points: list[Any], start_step: int = 0) -> Optional[floa
 
 def calibration(mc: Any, run_id: str, cfg: Mapping[str, Any], wall_s: float, start_step: int = 0) -> dict[str, float]:
     """Metrics that let the next estimate of this shape reproduce this run's wall time."""
+    if (cfg.get("workload") or {}).get("kind") == "command":  # a user's program: its wall time alone
+        return {WALL: wall_s}
     t = cfg["train"]
     done = steps_done(mc, run_id)
     out: dict[str, float] = {WALL: wall_s, "train/steps_done": float(done)}

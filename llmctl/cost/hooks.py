@@ -83,8 +83,10 @@ def record_estimate(mc: Any, run_id: str, plan: Any, max_cost: Optional[float], 
                     "llmctl.estimate.source": est.throughput.source,
                 }
             )
-            metrics = {"time/estimate_h": est.wall_h, "cost/estimate_device_hours": est.device_hours}
-            if est.priced:  # unpriced: no $0 that reads like a price
+            # a program with no known hours has no estimate to chart (not a $0 one)
+            known = est.throughput.kind != "unknown"
+            metrics = {"time/estimate_h": est.wall_h, "cost/estimate_device_hours": est.device_hours} if known else {}
+            if est.priced and known:  # unpriced: no $0 that reads like a price
                 metrics["cost/estimate_usd"] = est.total_usd
             mc.log_dict(run_id, {**est.to_json(), "priced_at": at}, "estimate.json")
         if max_cost is not None:

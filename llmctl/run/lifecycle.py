@@ -29,6 +29,7 @@ from typing import Any, Callable, Optional, TextIO
 from llmctl.backends import backend_for
 from llmctl.backends.base import Backend
 from llmctl.config.compose import to_yaml
+from llmctl.config.workload import is_command
 from llmctl.controller.procs import (
     Interrupted,
     clear_stop_requests,
@@ -328,7 +329,8 @@ def _open_attempt(
             "infra": plan.cfg["infra"]["name"],
             "world_size": plan.world_size,
             "from_step": from_step,
-            "train_steps": plan.cfg["train"]["steps"],
+            # the trainer's step target (a user's program counts its own steps)
+            **({} if is_command(plan.cfg) else {"train_steps": plan.cfg["train"]["steps"]}),
         },
     )
     mc.log_batch(
@@ -516,7 +518,6 @@ def _upload_log(mc: Any, run_id: str, n: int) -> None:
 
 def _log_models(mc: Any, handle: RunHandle, cfg: Optional[dict[str, Any]]) -> None:
     """The final and best checkpoints as the run's MLflow logged models (``checkpoint_models``)."""
-    from llmctl.config.workload import is_command
     from llmctl.tracking.logged_models import log_checkpoints
 
     if cfg is None or is_command(cfg):  # a user's program's checkpoints are in its own format
