@@ -9,7 +9,9 @@ tracking, cost, sweeps and recovery (``workloads/command``, docs/workloads.md).
 - a plain torchrun DDP loop on 2 gloo processes (``programs/ddp.py``);
 - the budget guard: SIGTERM before ``--max-cost`` is passed, exit 4, the ledger summing to
   ``cost/actual_usd`` (``programs/steps.py``);
-- a 2-trial grid and a 2-trial TPE search over the program's own flag, one parent run each;
+- a 2-trial grid and a 2-trial TPE search over the script's ``--learning_rate``, one parent run each
+  (and the same script as a managed job on the localhost Slurm cluster, recovered after ``scancel``:
+  tests/sky/test_slurm_launch.py);
 - bad input: one line naming the key, exit 3, nothing created.
 """
 
@@ -195,27 +197,42 @@ def _sweep(tmp_path: Path):
 @pytest.mark.parametrize(
     "how",
     [
-        ["workload.args.lr=0.1,0.5"],
-        ["--search", "tpe", "--trials", "2", "--seed", "3", "workload.args.lr=interval(0.1, 0.9)"],
+        ["workload.args.learning_rate=0.001,0.01"],
+        [
+            "--search",
+            "tpe",
+            "--trials",
+            "2",
+            "--seed",
+            "3",
+            "workload.args.learning_rate=tag(log, interval(1e-4, 1e-1))",
+        ],
     ],
     ids=["grid", "tpe"],
 )
-def test_a_sweep_over_the_programs_own_flag(cli_env: dict[str, str], tmp_path: Path, how: list[str]) -> None:
-    _here(tmp_path, "steps.py")
-    args = ["launch", "-m", "--wait", "--metric", "final_loss", "workload=command", "workload.run=python steps.py"]
-    out = run_cli([*args, "workload.args.steps=3", "workload.args.step_s=0.05", *how], tmp_path, cli_env)
+def test_a_sweep_over_the_scripts_learning_rate(
+    cli_env: dict[str, str], tmp_path: Path, tiny_llama: Path, how: list[str]
+) -> None:
+    """The transformers script's own ``--learning_rate``: one parent run and one run per trial; the
+    parent reports the best trial's ``train_loss`` (the metric transformers logs at the end)."""
+    _here(tmp_path, "hf_trainer.py")
+    args = ["launch", "-m", "--wait", "--metric", "train_loss", "workload=command"]
+    job = ["workload.run=python hf_trainer.py --model tiny", "workload.args.max_steps=4"]
+    out = run_cli([*args, *job, *how], tmp_path, cli_env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     parents, trials = _sweep(tmp_path)
     assert len(parents) == 1 and len(trials) == 2, [r.data.tags.get("mlflow.runName") for r in parents + trials]
     assert all(t.info.status == "FINISHED" for t in trials)
-    lrs = sorted(float(t.data.params["workload.args.lr"]) for t in trials)
+    lrs = sorted(float(t.data.params["workload.args.learning_rate"]) for t in trials)
     if how[0] != "--search":
-        assert lrs == [0.1, 0.5]
+        assert lrs == [0.001, 0.01]
     else:
-        assert all(0.1 <= lr <= 0.9 for lr in lrs) and lrs[0] != lrs[1]
-    best = min(trials, key=lambda t: t.data.metrics["final_loss"])
-    assert best.data.metrics["final_loss"] == pytest.approx(1 / (1 + 3 * max(lrs)))
-    assert parents[0].data.metrics["final_loss"] == pytest.approx(best.data.metrics["final_loss"])
+        assert all(1e-4 <= lr <= 1e-1 for lr in lrs) and lrs[0] != lrs[1]
+    for t in trials:  # transformers' callback logged its own TrainingArguments into the trial's run
+        assert float(t.data.params["learning_rate"]) == float(t.data.params["workload.args.learning_rate"])
+    best = min(trials, key=lambda t: t.data.metrics["train_loss"])
+    assert parents[0].data.metrics["train_loss"] == pytest.approx(best.data.metrics["train_loss"])
+    assert parents[0].data.tags["llmctl.sweep.best_run_id"] == best.info.run_id
 
 
 @pytest.mark.parametrize(

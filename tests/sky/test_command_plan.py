@@ -1,7 +1,6 @@
 """``llmctl plan`` of a user's own program on a cloud (issue #35): the price per hour from SkyPilot's
 catalog (the fixture's), the total from ``workload.hours``, and no memory plan or token count (the
-program's memory and work are its own); launching it through SkyPilot is refused in one line, with
-nothing created."""
+program's memory and work are its own); the task ships the launch directory and runs the guard."""
 
 from __future__ import annotations
 
@@ -9,7 +8,6 @@ import re
 from pathlib import Path
 
 from sky_helpers import run_cli
-from test_plan_and_rules import _nothing_created
 
 ON_LAMBDA = ["infra=lambda", "infra.accelerators=H100:8", "tracking.uri=http://127.0.0.1:5000"]
 
@@ -42,8 +40,14 @@ def test_plan_without_hours_prices_per_hour_and_says_the_total_is_unknown(
     assert "total:       unknown: set workload.hours=<hours>" in out.stdout
 
 
-def test_launch_through_skypilot_is_refused_for_now(sky_env: dict[str, str], tmp_path: Path) -> None:
-    out = run_cli(["launch", *_program(tmp_path), *ON_LAMBDA], tmp_path, sky_env)
-    last = out.stderr.strip().splitlines()[-1]
-    assert out.returncode == 3 and "workload=command runs on infra=local in this version" in last, out.stderr[-2000:]
-    _nothing_created(tmp_path, sky_env)
+def test_the_skypilot_task_ships_the_launch_directory_and_runs_the_guard(
+    sky_env: dict[str, str], tmp_path: Path
+) -> None:
+    """The task the plan shows: the launch directory mounted on every node, and the node script told
+    to start the program's guard there (``node_run.sh``'s command branch)."""
+    out = run_cli(["plan", *_program(tmp_path), *ON_LAMBDA], tmp_path, sky_env)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    task = out.stdout.split("# SkyPilot task", 1)[1]
+    assert "LLMCTL_WORKLOAD: command" in task
+    assert f"~/.llmctl/runs/<run-id>/program: {tmp_path}" in task, task[:3000]
+    assert "-m workloads.command --config" in task and 'cd "$HOME/.llmctl/runs/$LLMCTL_RUN_ID/program"' in task

@@ -1,6 +1,7 @@
 """Real launches through SkyPilot's Slurm backend on a localhost Slurm cluster, tracked on a real
 MLflow server: a cluster launch followed by ``status``, ``logs`` and ``down``; a managed job whose
-Slurm job is cancelled mid-run, recovered by SkyPilot and finished as one MLflow run; and (opt-in,
+Slurm job is cancelled mid-run, recovered by SkyPilot and finished as one MLflow run (the bundled
+trainer, and a user's transformers script under ``workload=command``); and (opt-in,
 ``LLMCTL_SLURM_SWEEP=1``: it adds ~9 min, and CI is over its time target) a sweep whose two trials
 are managed jobs.
 
@@ -304,6 +305,99 @@ def _launch_and_recover(
             os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(timeout=60)
         log.close()
+
+
+def test_a_transformers_script_as_a_managed_job_recovers_from_scancel_as_one_run(
+    tracking_server: str, cluster: Cluster, tmp_path: Path, cli_env: dict[str, str]
+) -> None:
+    """``workload=command``: the transformers ``Trainer`` script of tests/e2e/programs (shipped from
+    the launch directory with the tiny Llama it trains) as a managed job. scancel its Slurm
+    allocation once it has logged a few steps: SkyPilot reruns it, the guard starts it with
+    ``LLMCTL_RESUME=1``, it continues from its newest checkpoint on the shared filesystem
+    (``resume_from_checkpoint``), and the one MLflow run holds every step over two billed attempts."""
+    import torch
+    import transformers
+
+    shared = cluster.root / "shared-program"
+    shared.mkdir()
+    shutil.chown(shared, USER, USER)
+    shutil.copy(Path(__file__).parents[1] / "e2e" / "programs" / "hf_trainer.py", tmp_path / "hf_trainer.py")
+    torch.manual_seed(0)
+    tiny = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    transformers.LlamaForCausalLM(tiny).save_pretrained(str(tmp_path / "tiny"))
+    steps = 60
+    with _managed_jobs(cluster, cli_env, tracking_server) as (env, sky_bin):
+        from mlflow.tracking import MlflowClient
+
+        mc = MlflowClient(tracking_uri=env["MLFLOW_TRACKING_URI"])
+        log = open(tmp_path / "launch.log", "w+")  # noqa: SIM115 - the launch's output, read after it ends
+        launch = [
+            sys.executable,
+            "-m",
+            "llmctl",
+            "launch",
+            "infra=slurm",
+            "infra.managed=true",
+            f"infra.region={CLUSTER}",
+            f"infra.zone={PARTITION}",
+            f"infra.node_python={sys.executable}",
+            "infra.cpus=1",
+            "infra.memory=2",
+            "workload=command",
+            "workload.run=python hf_trainer.py --model tiny",
+            f"workload.args.max_steps={steps}",
+            "workload.args.save_steps=2",
+            "workload.args.step_sleep=0.3",
+            f"checkpoint.dir={shared / 'out'}",
+            "tracking.run_name=program-recovery",
+        ]
+        proc = subprocess.Popen(
+            launch, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        )
+
+        def losses() -> list[int]:
+            exp = mc.get_experiment_by_name("llmctl")
+            found = mc.search_runs([exp.experiment_id], "tags.mlflow.runName = 'program-recovery'") if exp else []
+            return [m.step for m in mc.get_metric_history(found[0].info.run_id, "loss")] if found else []
+
+        try:
+            _wait_for(
+                "a checkpoint and 5 logged steps",
+                lambda: len(losses()) >= 5 and any((shared / "out").glob("checkpoint-*")),
+                420,
+                proc,
+            )
+            (job,) = cluster.squeue().split("\n")[:1]
+            subprocess.run(["scancel", job.split()[0]], env=cluster.env, check=True, timeout=30)
+            assert proc.wait(timeout=840) == 0, _tail(log)
+
+            runs = mc.search_runs(
+                [mc.get_experiment_by_name("llmctl").experiment_id],
+                filter_string="tags.mlflow.runName = 'program-recovery'",
+            )
+            assert len(runs) == 1, "one MLflow run across the recovery"
+            run, tags = runs[0], runs[0].data.tags
+            assert run.info.status == "FINISHED", tags.get("llmctl.status")
+            assert tags["llmctl.attempt"] == "2" and float(tags["cost/attempts"]) == 2, tags
+            assert "llmctl.attempt.1.end" in tags and "llmctl.attempt.2.end" in tags, "both attempts billed and closed"
+            logged = losses()
+            assert sorted(set(logged)) == list(range(1, steps + 1)), logged
+            # the rerun continued from a checkpoint: steps before it were not trained (logged) again
+            assert logged.count(1) == 1 and len(logged) < 2 * steps - 5, logged
+            _assert_no_slurm_job_left(cluster)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+                proc.wait(timeout=60)
+            log.close()
 
 
 def _tail(log: "object") -> str:

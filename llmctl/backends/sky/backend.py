@@ -29,7 +29,6 @@ from llmctl.backends.sky.facts import remembered
 from llmctl.backends.sky.settings import SkySettings
 from llmctl.config.compose import Composed, to_yaml
 from llmctl.config.launcher_checks import resolve_layout
-from llmctl.config.workload import is_command
 from llmctl.controller.procs import stop_controller
 from llmctl.controller.workdir import run_dir
 from llmctl.errors import ConfigError, LaunchError
@@ -271,17 +270,6 @@ def _job_end_at(cluster: str, job_id: str) -> Optional[float]:
     return None
 
 
-def _command_refusal(cfg: dict[str, Any]) -> Optional[str]:
-    """``workload=command`` runs on this machine only, for now: its program, shipped as the task's
-    workdir and started by its guard on every node, is not wired into the node script yet."""
-    if not is_command(cfg):
-        return None
-    return (
-        f"Bad value for 'workload.kind': workload=command runs on infra=local in this version, not on"
-        f" infra '{cfg['infra']['name']}' (SkyPilot). Fix: infra=local, or workload=pretrain"
-    )
-
-
 class SkyBackend:
     """SkyPilot clusters and managed jobs; ``llmctl.sky.*`` tags on the run say where it lives."""
 
@@ -345,7 +333,7 @@ class SkyBackend:
             offers=offers,
             notes=notes,
             task_yaml=task_yaml(config),
-            refusals=[r for r in [sky_rules.tracking_refusal(infra.name, uri), _command_refusal(cfg)] if r],
+            refusals=[r for r in [sky_rules.tracking_refusal(infra.name, uri)] if r],
             offers_text=sky_rules.format_offers(found, resolved["infra"]),
             settings=infra,
         )
@@ -354,7 +342,7 @@ class SkyBackend:
         """A store the nodes can reach, and credentials as ``sky check`` sees them, before an MLflow
         run or a cluster is created."""
         infra = _settings(plan)
-        refusal = sky_rules.tracking_refusal(infra.name, plan.tracking_uri) or _command_refusal(plan.cfg)
+        refusal = sky_rules.tracking_refusal(infra.name, plan.tracking_uri)
         if refusal:
             raise ConfigError(refusal)
         sky_rules.check_credentials(str(infra.provider))

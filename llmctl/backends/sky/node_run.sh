@@ -11,4 +11,9 @@ if [ "$SKYPILOT_NUM_NODES" -gt 1 ]; then
   export TORCH_NCCL_TRACE_BUFFER_SIZE="${TORCH_NCCL_TRACE_BUFFER_SIZE:-2000}"
   export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
 fi
+if [ "${LLMCTL_WORKLOAD:-pretrain}" = command ]; then
+  # a user's program (workload=command), from its launch directory, under its guard on every node
+  cd "$HOME/.llmctl/runs/$LLMCTL_RUN_ID/program"
+  exec "$PY" -m workloads.command --config "$LLMCTL_CONFIG" --nproc-per-node="$NPROC" --nnodes="$SKYPILOT_NUM_NODES" --node-rank="$SKYPILOT_NODE_RANK" --rdzv-endpoint="$MASTER_ADDR:${LLMCTL_MASTER_PORT:-29500}"
+fi
 exec "$PY" -m torch.distributed.run --nnodes="$SKYPILOT_NUM_NODES" --nproc_per_node="$NPROC" --node_rank="$SKYPILOT_NODE_RANK" --master_addr="$MASTER_ADDR" --master_port="${LLMCTL_MASTER_PORT:-29500}" -m workloads.pretrain --config "$LLMCTL_CONFIG"

@@ -15,12 +15,15 @@ from pathlib import Path
 from typing import Any, Mapping, Optional
 
 from llmctl.backends.sky.settings import SkySettings
+from llmctl.config.workload import is_command
 from llmctl.errors import ConfigError
 
 RUN_ID_PLACEHOLDER = "<run-id>"
 BUCKET_MOUNT = "/llmctl-ckpt"
 # where the resolved config lands on every node (a file mount; ~ is the node user's home)
 REMOTE_CONFIG = "~/.llmctl/runs/{run_id}/config.yaml"
+# workload=command: the launch directory (the user's program) on every node; node_run.sh runs it there
+REMOTE_PROGRAM = "~/.llmctl/runs/{run_id}/program"
 # credentials copied from the launching environment into SkyPilot secrets (never envs, never MLflow)
 SECRET_ENVS = (
     "MLFLOW_TRACKING_USERNAME",
@@ -158,11 +161,13 @@ def task_config(
     environ: Optional[Mapping[str, str]] = None,
     attempt_env: Optional[Mapping[str, str]] = None,
     settings: Optional[SkySettings] = None,
+    program_dir: Optional[str] = None,
 ) -> dict[str, Any]:
     """The SkyPilot task as a YAML-style dict (``sky.Task.from_yaml_config`` loads it).
 
     ``attempt_env``: the attempt number and the budget guard's inputs (``RunHandle.attempt_env``).
-    ``settings``: the plan's (default: built from ``cfg["infra"]``)."""
+    ``settings``: the plan's (default: built from ``cfg["infra"]``). ``program_dir``: for
+    ``workload=command``, the directory shipped to the nodes (default: the current one)."""
     infra = settings or SkySettings.from_cfg(cfg)
     secrets = secrets_from(os.environ if environ is None else environ, tracking_uri)
     envs = {
@@ -180,6 +185,9 @@ def task_config(
     if infra.node_python:
         envs["LLMCTL_PYTHON"] = str(infra.node_python)
     file_mounts: dict[str, Any] = {REMOTE_CONFIG.format(run_id=run_id): local_config}
+    if is_command(cfg):  # the user's program and its files: the directory llmctl was launched from
+        envs["LLMCTL_WORKLOAD"] = "command"
+        file_mounts[REMOTE_PROGRAM.format(run_id=run_id)] = program_dir or os.getcwd()
     if infra.bucket and infra.mount_bucket and str(cfg["checkpoint"]["dir"]).startswith(BUCKET_MOUNT):
         file_mounts[BUCKET_MOUNT] = {"source": str(infra.bucket), "mode": "MOUNT"}
     task: dict[str, Any] = {
