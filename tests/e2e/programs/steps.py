@@ -8,15 +8,19 @@ metric per step with plain ``mlflow.log_metric`` (into ``MLFLOW_RUN_ID``), keeps
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import signal
-import sys
-import time
-from pathlib import Path
 
-import mlflow
+stop = {"asked": False}  # first thing: a stop that comes while mlflow imports is not lost
+signal.signal(signal.SIGTERM, lambda signum, frame: stop.update(asked=True))
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import mlflow  # noqa: E402
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=20)
@@ -24,8 +28,6 @@ parser.add_argument("--step_s", type=float, default=0.5)
 parser.add_argument("--lr", type=float, default=0.1)
 args = parser.parse_args()
 
-stop = {"asked": False}
-signal.signal(signal.SIGTERM, lambda signum, frame: stop.update(asked=True))
 state_file = Path(os.environ["LLMCTL_CHECKPOINT_DIR"]) / "state.json"
 step = 0
 if os.environ.get("LLMCTL_RESUME") == "1" and state_file.is_file():
