@@ -219,3 +219,23 @@ def read_loss_file(path: Path) -> dict[str, dict[int, float]]:
         kind = "train" if "train/loss" in rec else "val"
         out[kind][rec["step"]] = rec[f"{kind}/loss"]
     return out
+
+
+def save_tiny_llama(path: Path) -> Path:
+    """A tiny transformers Llama (vocab 128, 2 layers of 32) saved at ``path``, seed 0: what a user's
+    own training script fine-tunes in the command-workload tests."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    transformers.LlamaForCausalLM(cfg).save_pretrained(str(path))
+    return path

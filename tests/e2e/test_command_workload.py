@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import assert_outcome, mlflow_client, mlflow_runs, run_cli
+from helpers import assert_outcome, mlflow_client, mlflow_runs, run_cli, save_tiny_llama
 
 from llmctl.run.lifecycle import Outcome
 
@@ -55,21 +55,7 @@ def _steps(uri: str, run_id: str, key: str) -> list[int]:
 
 @pytest.fixture()
 def tiny_llama(tmp_path: Path) -> Path:
-    import torch
-    import transformers
-
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    transformers.LlamaForCausalLM(cfg).save_pretrained(str(tmp_path / "tiny"))
-    return tmp_path / "tiny"
+    return save_tiny_llama(tmp_path / "tiny")
 
 
 def _wait_for(predicate, timeout: float, what: str) -> None:

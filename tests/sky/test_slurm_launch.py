@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
-from helpers import mlflow_server, skip_or_fail_in_ci
+from helpers import mlflow_server, save_tiny_llama, skip_or_fail_in_ci
 from sky_helpers import run_cli
 from slurm_harness import CLUSTER, PARTITION, USER, Cluster, missing_prerequisites, slurm_cluster
 
@@ -315,24 +315,11 @@ def test_a_transformers_script_as_a_managed_job_recovers_from_scancel_as_one_run
     allocation once it has logged a few steps: SkyPilot reruns it, the guard starts it with
     ``LLMCTL_RESUME=1``, it continues from its newest checkpoint on the shared filesystem
     (``resume_from_checkpoint``), and the one MLflow run holds every step over two billed attempts."""
-    import torch
-    import transformers
-
     shared = cluster.root / "shared-program"
     shared.mkdir()
     shutil.chown(shared, USER, USER)
     shutil.copy(Path(__file__).parents[1] / "e2e" / "programs" / "hf_trainer.py", tmp_path / "hf_trainer.py")
-    torch.manual_seed(0)
-    tiny = transformers.LlamaConfig(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    transformers.LlamaForCausalLM(tiny).save_pretrained(str(tmp_path / "tiny"))
+    save_tiny_llama(tmp_path / "tiny")
     steps = 60
     with _managed_jobs(cluster, cli_env, tracking_server) as (env, sky_bin):
         from mlflow.tracking import MlflowClient
