@@ -472,25 +472,38 @@ def eval_cmd(
         None, "--hf", help="Score this Hugging Face export (transformers + accelerate) instead."
     ),
     tasks: Optional[str] = typer.Option(
-        None, "--tasks", help="lm-eval-harness tasks (comma-separated), run on an HF export."
+        None, "--tasks", help="lm-evaluation-harness tasks, groups or tags (comma-separated), scored on an HF export."
     ),
-    limit: Optional[float] = typer.Option(None, "--limit", help="lm-eval: examples per task (or fraction)."),
+    include_path: Optional[str] = typer.Option(
+        None, "--include-path", help="lm-eval: a directory of your own task YAMLs (local data works offline)."
+    ),
+    num_fewshot: Optional[int] = typer.Option(None, "--num-fewshot", help="lm-eval: examples in each prompt."),
+    limit: Optional[int] = typer.Option(None, "--limit", help="lm-eval: score the first N examples of each task."),
+    batch_size: str = typer.Option("1", "--batch-size", help="lm-eval: requests per forward (a number, or auto)."),
+    parallelize: bool = typer.Option(
+        False, "--parallelize", help="lm-eval: spread a model bigger than one GPU over this node's GPUs."
+    ),
     config_dir: Optional[str] = ConfigDirOpt,
     tracking_uri: Optional[str] = TrackingUriOpt,
 ) -> None:
-    """Score a checkpoint (loss, perplexity, bits/byte, samples)."""
+    """Score a checkpoint (loss, perplexity, bits/byte, samples; benchmark tasks with --tasks)."""
     from llmctl.run import eval_and_export as ev
     from llmctl.sweep.state import untrained
 
     try:
         if hf or tasks:
             ev.require_transformers()  # before any work: the messages name the install
-        if tasks:
-            ev.require_lm_eval()
+        request = None
+        if tasks is not None:
+            from llmctl.run import benchmark_scores
+
+            request = benchmark_scores.parse_request(tasks, include_path, num_fewshot, limit, batch_size, parallelize)
         t = ev.resolve_target(target, overrides or [], tracking_uri, config_dir, untrained)
-        if tasks:
-            hf_dir, step = (hf, ev.export_step(hf) or 0) if hf else ev.export_hf(t, None, typer.echo)
-            ev.run_lm_eval(t, hf_dir, step, [x for x in tasks.split(",") if x], limit, typer.echo)
+        if request is not None:
+            result, step = benchmark_scores.score(t, request, hf, typer.echo)
+            where = f"run {t.run_id} at step {step}" if t.run_id else "nothing (no run: a bare checkpoint URL)"
+            names = ", ".join(request.tasks)
+            typer.echo(f"llmctl: {len(result['scores'])} lm-eval scores of {names} logged to {where}")
             return
         if hf:
             result = ev.run_workload(t, 1, ["--hf", str(hf)], typer.echo)

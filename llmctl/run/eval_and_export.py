@@ -12,7 +12,7 @@ checkpoint's step):
     eval/val_loss, eval/perplexity, eval/bits_per_byte   held-out split (training's val batches)
     eval/source/...                                      ``data.source=...`` (another data set)
     eval/hf/...                                          ``--hf DIR`` (the export, via transformers)
-    lm_eval/<task>/<metric>                              ``--tasks`` (lm-evaluation-harness)
+    eval/<task>/<metric>                                 ``--tasks`` (lm-evaluation-harness: benchmark_scores)
     artifact eval/step-<N>/samples.json                  metrics, samples, what was evaluated
 
 torch, mlflow and omegaconf are imported inside functions (``llmctl --help`` stays fast).
@@ -36,7 +36,6 @@ from llmctl.tracking.logged_models import resolve as resolve_model
 from workloads.pretrain.contract.hardware import cpu_threads
 from workloads.pretrain.contract.protocol import EXPORT_DTYPES, EXPORT_INFO
 
-LM_EVAL_HINT = "lm-eval is not installed: `pip install lm-eval` (lm-evaluation-harness), then run again"
 # ``data.*`` overrides of an existing run would change how its tokenizer was built; for eval they
 # name the data set to score instead, tokenized with the run's own tokenizer.
 DATA_TO_EVAL = {"data.source": "eval.source", "data.text_field": "eval.text_field"}
@@ -299,16 +298,16 @@ def check_export_dtype(dtype: str) -> None:
 
 
 def export_hf(
-    t: Target, out: Optional[str], echo: Callable[[str], None], dtype: str = EXPORT_DTYPES[0]
+    t: Target, out: Optional[str], echo: Callable[[str], None], dtype: str = EXPORT_DTYPES[0], tag: bool = True
 ) -> tuple[Path, int]:
     """Write the checkpoint as a transformers Llama model (weights in ``dtype``: bf16, fp16 or
-    fp32); tag the run with where it is."""
+    fp32); tag the run with where it is (not a scratch export ``--tasks`` scores and deletes)."""
     check_export_dtype(dtype)
     out_dir = Path(out).expanduser().resolve() if out else t.workdir.parent / "export-hf"
     args = ["--export-hf", str(out_dir), "--export-dtype", dtype] + (["--run-id", t.run_id] if t.run_id else [])
     result = run_workload(t, 1, args, echo)
     step = int(result["step"])
-    if t.run_id:
+    if t.run_id and tag:
         from llmctl.tracking.mlflow_run import client
 
         mc = client(t.uri)
@@ -358,7 +357,7 @@ def export_step(hf_dir: str) -> Optional[int]:
     return json.loads(info.read_text())["step"] if info.is_file() else None
 
 
-# ----------------------------------------------------------------------------- lm-eval
+# ----------------------------------------------------------------------------- transformers
 
 
 def require_transformers() -> None:
@@ -369,36 +368,3 @@ def require_transformers() -> None:
         raise ConfigError(
             "scoring a Hugging Face export needs transformers: pip install 'llmctl[hf]' (llmctl export itself does not)"
         ) from None
-
-
-def require_lm_eval() -> Any:
-    try:
-        import lm_eval
-    except ImportError:
-        raise ConfigError(LM_EVAL_HINT) from None
-    return lm_eval
-
-
-def run_lm_eval(
-    t: Target, hf_dir: Path, step: int, tasks: list[str], limit: Optional[float], echo: Callable[[str], None]
-) -> dict[str, float]:
-    """lm-evaluation-harness on the export (its ``hf`` model: transformers + accelerate)."""
-    lm_eval = require_lm_eval()
-    out = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={hf_dir},dtype=float32", tasks=tasks, limit=limit)
-    scores: dict[str, float] = {}
-    for task, metrics in (out or {}).get("results", {}).items():
-        for key, value in metrics.items():
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                scores[f"lm_eval/{task}/{key.split(',')[0]}"] = float(value)
-    for k, v in sorted(scores.items()):
-        echo(f"{k} {v:.4f}")
-    if t.run_id:
-        from mlflow.entities import Metric
-
-        from llmctl.tracking.mlflow_run import client
-
-        ts = int(time.time() * 1000)
-        mc = client(t.uri)
-        mc.log_batch(t.run_id, metrics=[Metric(k, v, ts, step) for k, v in scores.items()])
-        mc.log_dict(t.run_id, {"tasks": tasks, "limit": limit, "scores": scores}, f"eval/step-{step}/lm_eval.json")
-    return scores

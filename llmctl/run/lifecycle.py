@@ -41,7 +41,7 @@ from llmctl.controller.procs import (
 from llmctl.controller.workdir import JOB_END_FILE, read_json, run_dir, update_json
 from llmctl.cost import hooks, ledger
 from llmctl.errors import ConfigError, LaunchError
-from llmctl.plan import data_check
+from llmctl.plan import data_check, task_check
 from llmctl.plan.job_plan import Plan
 from llmctl.tracking import mlflow_run as tracking
 from llmctl.tracking.mlflow_run import RunHandle
@@ -155,6 +155,7 @@ def launch(plan: Plan, *, max_cost: Optional[float], say: Say, ignore_memory_pla
     hooks.check_budget(plan.estimate, max_cost)  # before preflight: the plan alone decides it
     backend.preflight(plan)
     data_check.check_plan(plan, say)  # bad records, no files, a validation split too short: refused now
+    task_check.check_plan(plan)  # eval.tasks: known lm-eval tasks whose data can be read
     handle = tracking.create_run(plan.cfg, plan.choices)
     attempt = _open_attempt(handle, plan, max_cost, spent=0.0, from_step=0, first=True)
     return _run(
@@ -206,6 +207,7 @@ def resume(
     check_memory(plan, ignore_memory_plan, say)
     backend.preflight(plan)
     data_check.check_plan(plan, say)
+    task_check.check_plan(plan)
     rid = run.info.run_id
     mc = tracking.client(uri)
     ledger.reconcile(mc, rid)  # a managed job's recoveries are attempts before this one is numbered

@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional
 
 from llmctl.controller.procs import pid_alive
 from llmctl.errors import ConfigError
-from llmctl.plan import data_check
+from llmctl.plan import data_check, task_check
 from llmctl.sweep.state import (
     DOWN_GRACE_S,
     LOG_FILE,
@@ -62,6 +62,7 @@ def start(
     shapes = {_data_shape(t.plan.cfg): t.plan for t in sp.trials}
     for plan in shapes.values():  # the data preflight, once per data and batch shape
         data_check.check_plan(plan)
+        task_check.check_plan(plan)
     sweep_id = new_sweep_id()
     first = sp.trials[0].plan
     cfg = {

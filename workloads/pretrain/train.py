@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from workloads.pretrain.checkpoint.dcp import Checkpointer
-from workloads.pretrain.components import preempt, system_metrics, test_hooks
+from workloads.pretrain.components import preempt, system_metrics, task_scores, test_hooks
 from workloads.pretrain.components.budget import BudgetGuard
 from workloads.pretrain.components.dataset_input import log_training_corpus
 from workloads.pretrain.components.metrics import MetricSink, format_train_line, peak_memory_gib, peak_tflops
@@ -329,6 +329,7 @@ def train(cfg: TrainerCfg) -> dict:
     if env.is_main:
         log_training_corpus(str(cfg.data.name), corpus.path)  # the run's Datasets: source, digest, tokens
     loss_file = LossFile(enabled=env.is_main)
+    tasks = task_scores.scorer(cfg, env, sink, corpus)  # eval.tasks: lm-eval at checkpoint steps
     fail_at = test_hooks.fail_at_step()
     tokens_per_step = tc.batch_size * tc.seq_len  # global: the batch is split over dp ranks
     log_every, val_every = max(1, int(tc.log_every)), max(0, int(tc.val_every))  # val_every 0: start/end only
@@ -443,6 +444,10 @@ def train(cfg: TrainerCfg) -> dict:
             t_interval += time.perf_counter() - t_val  # keep eval out of the throughput numbers
 
         checkpointer.maybe_save(step, last=last)
+        if tasks is not None and tasks.due(step, last):  # eval.tasks: lm-eval on the checkpoint just saved
+            t_tasks = time.perf_counter()
+            tasks.score(step, checkpointer)
+            t_interval += time.perf_counter() - t_tasks  # not training's throughput either
         if not last:  # SIGTERM/SIGUSR1 on any rank: every rank stops after this same step
             grace = float(cfg.checkpoint.preempt_grace_s)
             save = preempt.PREEMPTION.check(env.device, grace, checkpointer.emergency_save_s(), agree)

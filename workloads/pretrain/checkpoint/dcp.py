@@ -299,6 +299,10 @@ class Checkpointer:
                 fs.rm(fs_and_path(self._step_dir(s))[1], recursive=True)
         self.save_s = written_s + time.monotonic() - t0  # the pruning too: the run waits for it on a stop
 
+    def wait(self) -> None:
+        """Commit an async save still in flight (its step is then ``last_committed``)."""
+        self._finish_pending()
+
     def close(self) -> None:
         """Wait for an async save and commit it (call at exit)."""
         self._finish_pending()

@@ -61,6 +61,16 @@ class MetricSink:
     def active(self) -> bool:
         return self.run_id is not None
 
+    def client(self):
+        """The MLflow client of the run (None when inactive): artifacts such as lm-eval's samples."""
+        if not self.active:
+            return None
+        if self._client is None:
+            from mlflow.tracking import MlflowClient
+
+            self._client = MlflowClient()
+        return self._client
+
     def log(self, metrics: dict[str, float | None], step: int) -> None:
         if not self.active:
             return

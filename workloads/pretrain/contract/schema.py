@@ -280,6 +280,16 @@ class EvalCfg:
     # None: the held-out split. ``llmctl eval RUN data.source=...`` sets this.
     source: Optional[str] = None
     text_field: str = "text"  # the text of a record of eval.source (like data.text_field)
+    # lm-evaluation-harness tasks (names, groups or tags) scored during training at checkpoint steps,
+    # logged as eval/<task>/<metric> at those steps (components/task_scores.py); []: none
+    tasks: List[str] = field(default_factory=list)
+    # score eval.tasks every N steps (a multiple of checkpoint.every: the checkpoint is what is
+    # scored) and at the last step; None: at every checkpoint
+    every: Optional[int] = None
+    include_path: Optional[str] = None  # lm-eval --include_path: a directory of your own task YAMLs
+    num_fewshot: Optional[int] = None  # lm-eval --num_fewshot; None: each task's own
+    limit: Optional[int] = None  # lm-eval --limit: the first N examples of each task; None: all
+    batch_size: str = "1"  # lm-eval --batch_size: a number, or auto
 
 
 @dataclass

@@ -120,6 +120,26 @@ def validate(cfg: TrainerCfg) -> None:
     _require(ckpt.keep >= 1, "checkpoint.keep", "must keep at least 1 checkpoint")
     check_static_layout(cfg)
     check_fp8_tokens(cfg)
+    check_eval_tasks(cfg)
+
+
+def check_eval_tasks(cfg: TrainerCfg) -> None:
+    """``eval.*``'s lm-eval settings: their ranges, and ``eval.every`` on checkpoint steps (what is scored)."""
+    ev, ckpt = cfg.eval, cfg.checkpoint
+    _require(ev.limit is None or ev.limit >= 1, "eval.limit", f"examples per task, at least 1 (got {ev.limit})")
+    _require(ev.num_fewshot is None or ev.num_fewshot >= 0, "eval.num_fewshot", "shots per example, 0 or more")
+    size = str(ev.batch_size)
+    _require(size == "auto" or (size.isdigit() and int(size) >= 1), "eval.batch_size", f"{size}: a number or auto")
+    if not ev.tasks:
+        _require(ev.every is None, "eval.every", "scores eval.tasks, and none is set. Fix: eval.tasks=[task,...]")
+        return
+    if ev.every is not None:
+        _require(
+            ev.every >= 1 and ckpt.every >= 1 and ev.every % ckpt.every == 0,
+            "eval.every",
+            f"{ev.every}: the tasks score a checkpoint, saved every {ckpt.every} steps."
+            f" Fix: eval.every=<a multiple of checkpoint.every>, or leave it out to score every checkpoint",
+        )
 
 
 def check_lora(cfg: TrainerCfg) -> None:

@@ -1,0 +1,113 @@
+"""``eval.tasks`` during training: lm-eval scores of the run's checkpoints, at their steps.
+
+At a checkpoint step that ``eval.every`` divides (every checkpoint when unset) and at the last
+step, rank 0 waits for that checkpoint to be committed, exports it to Hugging Face format in a
+scratch directory (tensor by tensor from DCP: no rank gathers the model) and runs
+``python -m workloads.pretrain.harness`` on it in a child process, on its own device; the scores go
+into the run as ``eval/<task>/<metric>`` at the step, the per-sample logs and results as artifacts
+``eval/step-N/lm_eval/``. The other ranks wait at a barrier meanwhile (training pauses: the
+benchmark curve is the checkpoints', not a moving model's). The child's device memory is freed
+when it exits, and a failed scoring is reported and does not stop training.
+
+Why a child process and not lm-eval in the trainer: its model (transformers) and its imports
+(datasets, evaluate) then never share the training process's memory or state, and what it runs is
+exactly ``llmctl eval RUN --tasks``'s path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import torch.distributed as dist
+
+from workloads.pretrain.contract.checkpoint_layout import step_dir
+
+
+class TaskScorer:
+    """Scores ``cfg.eval.tasks`` on checkpoints as training commits them (see the module doc)."""
+
+    def __init__(self, cfg: Any, env: Any, sink: Any, corpus: Any) -> None:
+        self.cfg, self.env, self.sink, self.corpus = cfg, env, sink, corpus
+        ev = cfg.eval
+        self.tasks = list(ev.tasks or [])
+        every = ev.every if ev.every is not None else int(cfg.checkpoint.every)
+        self.every = int(every or 0)
+
+    @property
+    def active(self) -> bool:
+        return bool(self.tasks) and bool(self.cfg.checkpoint.dir)
+
+    def due(self, step: int, last: bool) -> bool:
+        return self.active and (last or (self.every > 0 and step % self.every == 0))
+
+    def score(self, step: int, checkpointer: Any) -> None:
+        """Every rank calls this at a due step, after ``checkpointer.maybe_save``."""
+        checkpointer.wait()  # the scored checkpoint is the committed one
+        if self.env.rank == 0:
+            try:
+                self._score_on_this_rank(step)
+            except Exception as exc:  # benchmark scores are reported, never a reason to stop training
+                print(f"lm-eval | step {step} not scored: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        if dist.is_initialized():
+            dist.barrier()
+
+    def _score_on_this_rank(self, step: int) -> None:
+        from workloads.pretrain.evaluate import export_checkpoint
+
+        ev, t0 = self.cfg.eval, time.perf_counter()
+        scratch = Path(tempfile.mkdtemp(prefix=f"llmctl-tasks-step{step}-"))
+        try:
+            hf_dir = scratch / "export-hf"
+            dtype = "bf16" if self.env.device.type == "cuda" else "fp32"
+            export_checkpoint(self.cfg, step_dir(str(self.cfg.checkpoint.dir), step), self.corpus, str(hf_dir), dtype)
+            out, samples = scratch / "result.json", scratch / "lm_eval"
+            cmd = [sys.executable, "-m", "workloads.pretrain.harness", "--hf", str(hf_dir), "--out", str(out)]
+            cmd += ["--tasks", ",".join(self.tasks), "--batch-size", str(ev.batch_size), "--samples-dir", str(samples)]
+            cmd += ["--device", str(self.env.device)]
+            if ev.include_path:
+                cmd += ["--include-path", str(Path(ev.include_path).expanduser().resolve())]
+            if ev.num_fewshot is not None:
+                cmd += ["--num-fewshot", str(ev.num_fewshot)]
+            if ev.limit is not None:
+                cmd += ["--limit", str(ev.limit)]
+            env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
+            done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            if done.returncode != 0 or not out.is_file():
+                tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+                raise RuntimeError(f"the harness exited {done.returncode}: {tail[0]}")
+            result = json.loads(out.read_text())
+            self.sink.log(result["scores"], step)
+            self.sink.flush()
+            self._log_files(result, samples, step)
+            shown = " | ".join(f"{k.removeprefix('eval/')} {v:.4f}" for k, v in sorted(result["scores"].items()))
+            print(f"lm-eval | step {step} in {time.perf_counter() - t0:.1f}s | {shown}", flush=True)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+    def _log_files(self, result: dict[str, Any], samples: Path, step: int) -> None:
+        """Versions as params (first value kept), results and per-sample logs as artifacts."""
+        params = {"lm_eval.version": result["lm_eval_version"]}
+        params.update({f"lm_eval.task.{k}.version": v for k, v in result["versions"].items()})
+        self.sink.log_params(params)
+        client = self.sink.client()
+        if client is None:
+            return
+        client.log_dict(self.sink.run_id, result, f"eval/step-{step}/lm_eval/results.json")
+        if samples.is_dir():
+            client.log_artifacts(self.sink.run_id, str(samples), f"eval/step-{step}/lm_eval")
+
+
+def scorer(cfg: Any, env: Any, sink: Any, corpus: Any) -> Optional[TaskScorer]:
+    """A scorer when ``eval.tasks`` names any; the device is free of the scorer otherwise."""
+    s = TaskScorer(cfg, env, sink, corpus)
+    if s.tasks and not s.active and env.is_main:  # llmctl's backends always set one; a bare trainer may not
+        print("lm-eval | eval.tasks not scored: they score checkpoints, and checkpoint.dir is unset", flush=True)
+    return s if s.active else None
