@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from helpers import mlflow_runs, run_cli
+from helpers import ROOT, mlflow_runs, run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -20,6 +23,7 @@ TRAIN = [
     "checkpoint.every=3",
 ]  # saved at 3, 6, 9, 10; checkpoint.keep=2 leaves 9 and 10
 FEW_TOKENS = ["eval.max_new_tokens=6", "eval.prompts=[The,'def ']"]
+TASKS = ROOT / "examples" / "eval-tasks"  # docs/eval.md's local lm-eval tasks (multiple choice, generation)
 
 
 @pytest.fixture(scope="module")
@@ -117,10 +121,138 @@ def test_export_loads_in_transformers_and_accelerate_eval_matches(trained) -> No
     assert abs(hf_loss[10] - _history(uri, run_id, "val/loss")[10]) <= 1e-5
 
 
+def _lm_eval_oracle(hf_dir: Path, out_dir: Path, flags: list[str]) -> tuple[dict, dict[str, list[dict]]]:
+    """``lm_eval --model hf`` (lm-eval's own CLI) on an export: its results and per-sample logs."""
+    cmd = [sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args", f"pretrained={hf_dir},dtype=auto"]
+    cmd += [*flags, "--device", "cpu", "--output_path", str(out_dir), "--log_samples"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (results,) = out_dir.rglob("results_*.json")
+    samples = {f.name.split("_20")[0].removeprefix("samples_"): _jsonl(f) for f in out_dir.rglob("samples_*.jsonl")}
+    return json.loads(results.read_text()), samples
+
+
+def _jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def test_lm_eval_tasks_score_as_lm_eval_itself_on_the_export(trained) -> None:
+    """``llmctl eval RUN --tasks`` (a local multiple-choice task and a local generation task, lm-eval's
+    flags) logs into the run what ``lm_eval --model hf`` computes on ``llmctl export`` of the same
+    step: every score and stderr equal, every sample's log-likelihoods and greedy generations equal."""
+    from mlflow.tracking import MlflowClient
+
+    cwd, env, uri, run_id = trained
+    tasks = ["python_facts_mc", "python_facts_gen"]
+    # the docs' tasks, but generation stops at "." only: a 10-step model's greedy text is newlines,
+    # which the docs' stop ("\n") would cut to nothing, and the comparison is of the generated text
+    local = cwd / "eval-tasks"
+    shutil.copytree(TASKS, local, dirs_exist_ok=True)
+    gen = local / "python_facts_gen.yaml"
+    gen.write_text(gen.read_text().replace('until: ["\\n"]', 'until: ["."]'))
+    assert 'until: ["."]' in gen.read_text()
+    flags = ["--num-fewshot", "1", "--limit", "8", "--batch-size", "2"]
+    out = run_cli(
+        ["eval", run_id, "eval.step=9", "--tasks", ",".join(tasks), "--include-path", str(local), *flags], cwd, env
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert f"logged to run {run_id} at step 9" in out.stdout, out.stdout
+
+    client = MlflowClient(tracking_uri=uri)
+    run = client.get_run(run_id)
+    logged = {
+        k: v for k, v in run.data.metrics.items() if k.startswith(("eval/python_facts_mc/", "eval/python_facts_gen/"))
+    }
+    assert {
+        "eval/python_facts_mc/acc",
+        "eval/python_facts_mc/acc_stderr",
+        "eval/python_facts_mc/acc_norm",
+        "eval/python_facts_gen/exact_match",
+    } <= set(logged), sorted(logged)
+    assert all(list(_history(uri, run_id, k)) == [9] for k in logged)  # at the checkpoint's step
+    assert run.data.params["lm_eval.task.python_facts_mc.version"] == "1.0"
+    import lm_eval
+
+    assert run.data.params["lm_eval.version"] == lm_eval.__version__
+    # the scored export was scratch: gone, and no tag points at it
+    assert not run.data.tags.get("llmctl.export.hf", "").endswith("export-hf")
+    assert not list((cwd / "llmctl-runs" / run_id).glob("eval-*/export-hf"))
+    ours = {
+        task: _jsonl(
+            Path(client.download_artifacts(run_id, f"eval/step-9/lm_eval/samples_{task}.jsonl", str(cwd / "dl")))
+        )
+        for task in tasks
+    }
+
+    # the oracle: lm-eval's own CLI on `llmctl export` of the same step
+    hf = cwd / "hf-step9"
+    exp = run_cli(["export", run_id, "--step", "9", "--dtype", "fp32", "--out", str(hf)], cwd, env)
+    assert exp.returncode == 0, exp.stdout[-3000:] + exp.stderr[-3000:]
+    oracle_flags = ["--tasks", ",".join(tasks), "--include_path", str(local), "--num_fewshot", "1", "--limit", "8"]
+    results, theirs = _lm_eval_oracle(hf, cwd / "oracle", [*oracle_flags, "--batch_size", "2"])
+    expected = {}
+    for task, metrics in results["results"].items():
+        for key, value in metrics.items():
+            metric, _, filt = key.partition(",")
+            if filt == "none" and isinstance(value, float):
+                expected[f"eval/{task}/{metric}"] = value
+    assert expected and logged == expected  # exactly: same model, same requests, same arithmetic
+    for task in tasks:
+        assert len(ours[task]) == len(theirs[task]) == 8
+        mine = sorted(ours[task], key=lambda r: r["doc_id"])
+        for a, b in zip(mine, sorted(theirs[task], key=lambda r: r["doc_id"])):
+            assert a["arguments"] == b["arguments"]  # the same prompts, few-shot examples included
+            assert a["resps"] == b["resps"], (task, a["doc_id"])  # log-likelihoods / greedy text, exactly
+    assert all(len(r["resps"][0][0]) > 0 for r in ours["python_facts_gen"])  # generation produced text
+
+
+def test_lm_eval_bad_requests_exit_3_and_log_nothing(trained) -> None:
+    """An unknown task, a Hub task where the Hub cannot be reached, --limit 0, lm-eval not installed:
+    one line each, exit 3, and the run is as it was (no metric, param, tag or artifact, no eval dir)."""
+    from mlflow.tracking import MlflowClient
+
+    cwd, env, uri, run_id = trained
+    client = MlflowClient(tracking_uri=uri)
+
+    def snapshot() -> tuple:
+        run = client.get_run(run_id)
+        arts = sorted(a.path for a in client.list_artifacts(run_id, "eval"))
+        evals = sorted(p.name for p in (cwd / "llmctl-runs" / run_id).glob("eval-*"))
+        return dict(run.data.metrics), dict(run.data.params), dict(run.data.tags), arts, evals
+
+    before = snapshot()
+    poisoned = cwd / "no-lm-eval" / "lm_eval"
+    poisoned.mkdir(parents=True, exist_ok=True)
+    (poisoned / "__init__.py").write_text("raise ImportError('no lm-eval here')\n")
+    no_lm_eval = {**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(poisoned.parent), env.get("PYTHONPATH")]))}
+    cases = [
+        (["--tasks", "python_facts_mcq", "--include-path", str(TASKS)], env, "unknown lm-eval task 'python_facts_mcq'"),
+        (
+            ["--tasks", "arc_easy"],
+            {**env, "HF_ENDPOINT": "http://127.0.0.1:9"},
+            "reads its data set 'allenai/ai2_arc' from the Hugging Face Hub",
+        ),
+        (["--tasks", "arc_easy"], {**env, "HF_HUB_OFFLINE": "1"}, "(HF_HUB_OFFLINE is set)"),
+        (
+            ["--tasks", "python_facts_mc", "--include-path", str(TASKS), "--limit", "0"],
+            env,
+            "--limit 0: examples per task, at least 1",
+        ),
+        (["--tasks", "python_facts_mc"], no_lm_eval, "pip install 'llmctl[eval]'"),
+    ]
+    for args, case_env, message in cases:
+        out = run_cli(["eval", run_id, *args], cwd, case_env)
+        lines = out.stderr.strip().splitlines()
+        assert out.returncode == 3 and len(lines) == 1 and message in lines[0], (
+            args,
+            out.stdout[-2000:],
+            out.stderr[-2000:],
+        )
+    assert snapshot() == before
+
+
 def test_eval_usage_errors(trained) -> None:
     cwd, env, uri, run_id = trained
-    out = run_cli(["eval", run_id, "--tasks", "hellaswag"], cwd, env)
-    assert out.returncode == 3 and "pip install lm-eval" in out.stderr
     # without transformers, scoring an export is refused before any work, naming the extra
     poisoned = cwd / "no-transformers" / "transformers"
     poisoned.mkdir(parents=True, exist_ok=True)

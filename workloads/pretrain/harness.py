@@ -194,12 +194,7 @@ def run(
     if out is None:  # a non-zero rank of lm-eval's data-parallel mode
         return {}
     if samples_dir is not None:
-        root = Path(samples_dir)
-        root.mkdir(parents=True, exist_ok=True)
-        for task, rows in (out.get("samples") or {}).items():
-            with open(root / f"samples_{task}.jsonl", "w") as f:
-                for row in rows:
-                    f.write(json.dumps(row, default=str, ensure_ascii=False) + "\n")
+        _write_samples(out.get("samples") or {}, Path(samples_dir))
     return {
         "scores": scores_of(out.get("results") or {}),
         "results": out.get("results") or {},
@@ -210,6 +205,19 @@ def run(
         "limit": limit,
         "num_fewshot": num_fewshot,
     }
+
+
+def _write_samples(samples: dict[str, list[dict[str, Any]]], root: Path) -> None:
+    """lm-eval's per-sample log, written by lm-eval's own ``EvaluationTracker`` (the format
+    ``lm_eval --log_samples`` writes), one ``samples_<task>.jsonl`` per task."""
+    from lm_eval.loggers import EvaluationTracker
+
+    root.mkdir(parents=True, exist_ok=True)
+    tracker = EvaluationTracker(output_path=str(root / "results.json"))  # a .json path: files go beside it
+    tracker.date_id = "llmctl"  # set by its save_results_aggregated, which llmctl does not call (it logs them)
+    for task, rows in samples.items():
+        tracker.save_results_samples(task_name=task, samples=rows)
+        (root / f"samples_{task}_llmctl.jsonl").replace(root / f"samples_{task}.jsonl")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
