@@ -486,7 +486,7 @@ def eval_cmd(
     config_dir: Optional[str] = ConfigDirOpt,
     tracking_uri: Optional[str] = TrackingUriOpt,
 ) -> None:
-    """Score a checkpoint (loss, perplexity, bits/byte, samples; benchmark tasks with --tasks)."""
+    """Score a checkpoint: loss, perplexity, bits/byte; lm-eval tasks."""
     from llmctl.run import eval_and_export as ev
     from llmctl.sweep.state import untrained
 

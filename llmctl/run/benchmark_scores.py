@@ -2,7 +2,7 @@
 
 The request is checked before anything is written (one line, exit 3): ``--limit`` below 1, a bad
 ``--batch-size``, an unknown task, a task that reads the Hugging Face Hub where the Hub cannot be
-reached (``workloads.pretrain.harness.check_tasks``: the same check ``launch eval.tasks=...`` runs).
+reached (``workloads.pretrain.contract.lm_eval_tasks.check_tasks``: the same check ``launch eval.tasks=...`` runs).
 Then the checkpoint is exported to Hugging Face format in the eval's scratch directory (``--hf DIR``
 skips that: an export already made), ``python -m workloads.pretrain.harness`` scores it in a
 process of its own, and the result goes into the run the checkpoint belongs to:
@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from llmctl.errors import ConfigError, LaunchError
-from workloads.pretrain.harness import check_tasks
+from workloads.pretrain.contract.lm_eval_tasks import check_tasks
 
 
 @dataclass

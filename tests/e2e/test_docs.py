@@ -143,6 +143,7 @@ def test_doc_commands_run(doc: Path, tmp_path: Path, cli_env: dict[str, str]) ->
         pytest.skip("no ```bash commands")
     workdir = tmp_path / "session"
     workdir.mkdir()
+    (workdir / "examples").symlink_to(ROOT / "examples")  # the docs run in a checkout: its examples are there
     install_catalog(Path(cli_env["HOME"]))
     env = {
         **cli_env,

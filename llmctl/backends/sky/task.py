@@ -47,10 +47,10 @@ else
   UV="$(command -v uv || echo "$HOME/.local/bin/uv")"
   if [ -x "$UV" ]; then
     [ -x "$VENV/bin/python" ] || "$UV" venv --quiet --python "$(command -v python3)" "$VENV"
-    "$UV" pip install --quiet --python "$VENV/bin/python" $LLMCTL_PIP_ARGS -e .
+    "$UV" pip install --quiet --python "$VENV/bin/python" $LLMCTL_PIP_ARGS -e ".${LLMCTL_EXTRAS:-}"
   else
     [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
-    "$VENV/bin/pip" install --quiet $LLMCTL_PIP_ARGS -e .
+    "$VENV/bin/pip" install --quiet $LLMCTL_PIP_ARGS -e ".${LLMCTL_EXTRAS:-}"
   fi
 fi
 """
@@ -177,6 +177,8 @@ def task_config(
         "PYTHONUNBUFFERED": "1",
         "LLMCTL_PIP_ARGS": str(infra.pip_args or ""),
     }
+    if (cfg.get("eval") or {}).get("tasks"):  # eval.tasks: the nodes score checkpoints with lm-eval
+        envs["LLMCTL_EXTRAS"] = "[eval]"
     envs.update(attempt_env or {})
     if "MLFLOW_TRACKING_URI" not in secrets:
         envs["MLFLOW_TRACKING_URI"] = tracking_uri

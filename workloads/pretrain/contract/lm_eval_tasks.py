@@ -1,0 +1,138 @@
+"""Which lm-eval tasks a request names and whether they can run here; lm-eval's results as llmctl's
+metric names. Read by both sides: ``llmctl eval --tasks`` and ``launch eval.tasks=...`` check a
+request here before anything is created, and the trainer's harness (``workloads.pretrain.harness``)
+names its scores here. The standard library at import; ``check_tasks`` imports lm-eval's task index
+(no torch) when called.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+from typing import Any, Optional
+from urllib.parse import urlparse
+
+# datasets' packaged builders: a task whose ``dataset_path`` is one of these reads local files
+# (``dataset_kwargs.data_files``), not the Hub
+LOCAL_BUILDERS = {"json", "csv", "parquet", "text", "arrow", "pandas"}
+OFFLINE_ENV = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+LM_EVAL_MISSING = "lm-eval is not installed: pip install 'llmctl[eval]' (lm-evaluation-harness), then run again"
+
+
+def metric_name(task: str, key: str) -> Optional[tuple[str, str]]:
+    """lm-eval's ``acc,none`` / ``acc_stderr,none`` / ``exact_match,strict-match`` → (``eval/<task>/<metric>``,
+    its stderr's name); None for what is not a metric (``alias``, ``samples``) or is a stderr itself."""
+    metric, _, filt = key.partition(",")
+    if not filt or metric.endswith("_stderr"):
+        return None
+    suffix = "" if filt == "none" else f"/{filt}"
+    return f"eval/{task}/{metric}{suffix}", f"eval/{task}/{metric}_stderr{suffix}"
+
+
+def scores_of(results: dict[str, Any]) -> dict[str, float]:
+    """Every numeric metric of lm-eval's ``results`` (groups too), and its stderr where lm-eval has one."""
+    out: dict[str, float] = {}
+    for task, metrics in results.items():
+        for key, value in metrics.items():
+            names = metric_name(task, key)
+            if names is None or not _number(value):
+                continue
+            out[names[0]] = float(value)
+            metric, _, filt = key.partition(",")
+            err = metrics.get(f"{metric}_stderr,{filt}")
+            if _number(err):
+                out[names[1]] = float(err)
+    return out
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value  # NaN: not a score
+
+
+# ----------------------------------------------------------------------------- checks before any work
+
+
+def _tasks_of(index: dict[str, Any], name: str, depth: int = 0) -> list[Any]:
+    """The leaf task entries a task, group or tag name stands for (lm-eval's task index)."""
+    entry = index.get(name)
+    if entry is None or depth > 8:
+        return []
+    kind = getattr(getattr(entry, "kind", None), "name", "")
+    if kind == "TASK" or (isinstance(entry.cfg, dict) and "dataset_path" in entry.cfg):
+        return [entry]
+    members: list[str] = []
+    if isinstance(entry.cfg, dict):
+        for sub in entry.cfg.get("task") or []:
+            members.append(sub if isinstance(sub, str) else (sub.get("task") if isinstance(sub, dict) else ""))
+    if kind == "TAG" or not members:
+        members += [n for n, e in index.items() if name in (getattr(e, "tags", None) or ())]
+    return [leaf for m in members if m for leaf in _tasks_of(index, m, depth + 1)]
+
+
+def _reads_hub(cfg: dict[str, Any]) -> Optional[str]:
+    """The Hub data set a task reads, or None when its data is local (a packaged builder over local
+    files, a local directory, or a custom loader)."""
+    if cfg.get("custom_dataset"):
+        return None
+    path = str(cfg.get("dataset_path") or "")
+    if not path:
+        return None
+    if path in LOCAL_BUILDERS:
+        files = (cfg.get("dataset_kwargs") or {}).get("data_files") or {}
+        urls = files.values() if isinstance(files, dict) else files if isinstance(files, list) else [files]
+        flat = [u for v in urls for u in (v if isinstance(v, list) else [v])]
+        remote = [u for u in flat if urlparse(str(u)).scheme in ("http", "https", "hf")]
+        return str(remote[0]) if remote else None
+    return None if Path(path).expanduser().exists() else path
+
+
+def hub_unreachable(timeout_s: float = 5.0) -> Optional[str]:
+    """Why the Hugging Face Hub cannot be read from here, or None: offline mode set, or no TCP
+    connection to ``HF_ENDPOINT`` (default huggingface.co) within ``timeout_s``."""
+    for var in OFFLINE_ENV:
+        if os.environ.get(var, "").strip().lower() in ("1", "true", "yes", "on"):
+            return f"{var} is set"
+    endpoint = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    host, port = endpoint.hostname or "huggingface.co", endpoint.port or (80 if endpoint.scheme == "http" else 443)
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+    except OSError as exc:
+        return f"no connection to {host}:{port} ({type(exc).__name__})"
+    return None
+
+
+def check_tasks(tasks: list[str], include_path: Optional[str], flag: str = "--include-path") -> Optional[str]:
+    """One line saying what is wrong with ``tasks``, or None: lm-eval missing, an unknown task (with
+    lm-eval's closest names), a task reading the Hub where the Hub cannot be reached. ``flag``: how
+    the caller's user names the include path (``--include-path``, ``eval.include_path=``)."""
+    if not tasks:
+        return "no task named: --tasks T1,T2 (lm-eval task, group or tag names)"
+    flag += "" if flag.endswith("=") else " "
+    if include_path and not Path(include_path).expanduser().is_dir():
+        return f"{flag}{include_path}: no such directory (lm-eval task YAMLs)"
+    try:
+        from lm_eval.tasks import TaskManager
+    except ImportError:
+        return LM_EVAL_MISSING
+    import difflib
+
+    manager = TaskManager(include_path=str(Path(include_path).expanduser()) if include_path else None)
+    index = manager.task_index
+    unknown = [t for t in tasks if t not in index]
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], list(index), n=3)
+        hint = f" Did you mean: {', '.join(close)}?" if close else ""
+        local = "" if include_path else f"; a task of your own: {flag}DIR with its YAML"
+        return f"unknown lm-eval task '{unknown[0]}'.{hint} Fix: `lm_eval ls tasks` lists them{local}"
+    hub = [(t, ds) for t in tasks for leaf in _tasks_of(index, t) if (ds := _reads_hub(leaf.cfg or {}))]
+    if hub:
+        why = hub_unreachable()
+        if why:
+            task, ds = hub[0]
+            return (
+                f"task '{task}' reads its data set '{ds}' from the Hugging Face Hub, which cannot be reached"
+                f" from here ({why}). Fix: run where the Hub is reachable, or point a task YAML at local"
+                f" files (dataset_path: json, data_files) and pass {flag}DIR"
+            )
+    return None
