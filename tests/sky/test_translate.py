@@ -69,11 +69,28 @@ def test_task_round_trips_through_skypilot(
     assert task.num_nodes == nodes
     assert task.envs["MLFLOW_TRACKING_URI"] == REMOTE_URI and task.envs["MLFLOW_RUN_ID"] == "abc123"
     assert "~/.llmctl/runs/abc123/config.yaml" in task.file_mounts
-    assert "pip install" in task.setup and "-e ." in task.setup
+    assert "pip install" in task.setup and '-e ".${LLMCTL_EXTRAS:-}"' in task.setup
+    assert "LLMCTL_EXTRAS" not in task.envs  # llmctl alone: no eval.tasks here
     assert "workloads.pretrain" in task.run
     # and once more through YAML text, as `sky launch task.yaml` would read it
     again = sky.Task.from_yaml_config(task.to_yaml_config())
     assert _only(again.resources).accelerators == acc and again.num_nodes == nodes
+
+
+def test_eval_tasks_install_the_eval_extra_on_the_nodes(sky_home: Path) -> None:
+    """``eval.tasks``: the nodes score checkpoints with lm-eval, so their setup installs ``.[eval]``."""
+    import subprocess
+
+    _, task = _task(["infra=lambda", "eval.tasks=[python_facts_mc]"])
+    assert task.envs["LLMCTL_EXTRAS"] == "[eval]"
+    line = next(ln for ln in task.setup.splitlines() if ln.strip().startswith("\"$VENV/bin/pip\" install"))
+    shown = subprocess.run(
+        ["bash", "-c", "echo " + line.split("-e ", 1)[1]],
+        env={"LLMCTL_EXTRAS": "[eval]"},
+        capture_output=True,
+        text=True,
+    )
+    assert shown.stdout.strip() == ".[eval]"
 
 
 def test_autostop_spot_and_managed_are_data(sky_home: Path) -> None:

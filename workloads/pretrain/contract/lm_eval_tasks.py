@@ -64,7 +64,7 @@ def _tasks_of(index: dict[str, Any], name: str, depth: int = 0) -> list[Any]:
     members: list[str] = []
     if isinstance(entry.cfg, dict):
         for sub in entry.cfg.get("task") or []:
-            members.append(sub if isinstance(sub, str) else (sub.get("task") if isinstance(sub, dict) else ""))
+            members.append(sub if isinstance(sub, str) else str(sub.get("task") or "") if isinstance(sub, dict) else "")
     if kind == "TAG" or not members:
         members += [n for n, e in index.items() if name in (getattr(e, "tags", None) or ())]
     return [leaf for m in members if m for leaf in _tasks_of(index, m, depth + 1)]
