@@ -197,3 +197,29 @@ def test_down_cancels_running_and_pending_trials(cli_env: dict[str, str], tmp_pa
     assert "config.yaml" not in ev.stderr + ex.stderr
     assert not (tmp_path / "llmctl-runs" / parent.info.run_id).exists()  # refused before any eval directory
     assert _processes_mentioning(sid, *(c.info.run_id for c in children)) == []
+
+
+def test_a_sweep_picks_and_reports_trials_by_a_benchmark_score(cli_env: dict[str, str], tmp_path: Path) -> None:
+    """``eval.tasks`` in a sweep: every trial scores its final checkpoint with lm-eval, the sweep picks
+    its best by that score (``--metric eval/<task>/<metric> --mode max``), and the parent reports it."""
+    from helpers import ROOT
+
+    tasks = ROOT / "examples" / "eval-tasks"
+    env = {k: v for k, v in cli_env.items() if k != "OMP_NUM_THREADS"}
+    scored = ["eval.tasks=[python_facts_mc]", f"eval.include_path={tasks}", "eval.limit=6"]
+    metric = "eval/python_facts_mc/acc_norm"
+    args = ["launch", "-m", "--max-parallel", "2", "--wait", "--metric", metric, "--mode", "max", *TINY, *scored]
+    out = run_cli([*args, "train.seed=0,1"], tmp_path, env)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    parent, children = _sweep_runs(tmp_path)
+    mc = _client(tmp_path)
+    scores = {}
+    for c in children:
+        history = mc.get_metric_history(c.info.run_id, metric)
+        assert [m.step for m in history] == [STEPS], history  # checkpoint.every=0: the final checkpoint only
+        scores[c.info.run_id] = history[0].value
+    best = parent.data.tags["llmctl.sweep.best_run_id"]
+    assert scores[best] == max(scores.values())
+    assert mc.get_run(parent.info.run_id).data.metrics[metric] == max(scores.values())  # the parent's own
+    final = out.stdout.rsplit(": FINISHED\n", 1)[-1]
+    assert all(f"{v:.4g}" in final for v in scores.values()), final  # each trial's score in the table

@@ -83,7 +83,7 @@ def test_eval_tasks_install_the_eval_extra_on_the_nodes(sky_home: Path) -> None:
 
     _, task = _task(["infra=lambda", "eval.tasks=[python_facts_mc]"])
     assert task.envs["LLMCTL_EXTRAS"] == "[eval]"
-    line = next(ln for ln in task.setup.splitlines() if ln.strip().startswith("\"$VENV/bin/pip\" install"))
+    line = next(ln for ln in task.setup.splitlines() if ln.strip().startswith('"$VENV/bin/pip" install'))
     shown = subprocess.run(
         ["bash", "-c", "echo " + line.split("-e ", 1)[1]],
         env={"LLMCTL_EXTRAS": "[eval]"},
