@@ -1,9 +1,9 @@
 """``eval.tasks`` during training: lm-eval scores of each scored checkpoint, in the run, at its step.
 
-A real launch (torchrun, DCP checkpoints, a sqlite MLflow store) scoring the docs' local
-multiple-choice task at steps 5 and 10; the score at step 10 is held to lm-eval run by hand
-(``python -m workloads.pretrain.harness``, lm-eval's ``hf`` model) on ``llmctl export`` of step 10.
-Bad ``eval.*`` settings are refused before a run exists.
+A real launch (torchrun with two FSDP ranks, sharded DCP checkpoints, a sqlite MLflow store)
+scoring the docs' local multiple-choice task at steps 5 and 10 (rank 0 scores, rank 1 waits); the
+score at step 10 is held to lm-eval run by hand (``python -m workloads.pretrain.harness``, lm-eval's
+``hf`` model) on ``llmctl export`` of step 10. Bad ``eval.*`` settings are refused before a run exists.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ SCORED = ["eval.tasks=[python_facts_mc]", f"eval.include_path={TASKS}", "eval.li
 def test_eval_tasks_score_every_checkpoint_into_the_run(cli_env: dict[str, str], tmp_path: Path) -> None:
     from mlflow.tracking import MlflowClient
 
-    out = run_cli(["launch", *TRAIN, *SCORED], tmp_path, cli_env)
+    env = {k: v for k, v in cli_env.items() if k != "OMP_NUM_THREADS"}
+    out = run_cli(["launch", *TRAIN, *SCORED, "parallel.dp_shard=2"], tmp_path, env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "lm-eval | step 5 in " in out.stdout and "lm-eval | step 10 in " in out.stdout, out.stdout[-3000:]
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
