@@ -262,3 +262,45 @@ def test_peft_export_of_a_full_fine_tune_is_refused(work, tmp_path: Path) -> Non
     out = run_cli(["export", str(tmp_path / "ck"), "--format", "peft"], tmp_path, work["env"])
     assert out.returncode == 3 and "model.lora.rank=0" in out.stderr.strip().splitlines()[-1], out.stderr
     assert not (tmp_path / "llmctl-runs").exists() or not any((tmp_path / "llmctl-runs").iterdir())
+
+
+def test_lm_eval_scores_of_a_lora_run_are_lm_evals_through_peft(work, reference) -> None:
+    """``llmctl eval RUN --tasks`` on a LoRA run (its adapters merged into the export it scores) gives
+    the scores lm-eval's own ``hf`` model gives with the adapters applied by PEFT over the base
+    (``--model_args pretrained=BASE,peft=ADAPTERS``): accuracies equal, each choice's log-likelihood
+    to 1e-4 (merged vs. adapter arithmetic, in fp32)."""
+    import subprocess
+    import sys
+
+    from helpers import ROOT
+    from mlflow.tracking import MlflowClient
+
+    rid, _, cwd = reference["lora"]
+    env, tasks = work["env"], ROOT / "examples" / "eval-tasks"
+    flags = ["--tasks", "python_facts_mc", "--limit", "6"]
+    out = run_cli(["eval", rid, *flags, "--include-path", str(tasks)], cwd, env)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    client = MlflowClient(tracking_uri=f"sqlite:///{cwd / 'mlflow.db'}")
+    ours = client.get_run(rid).data.metrics
+    path = client.download_artifacts(rid, f"eval/step-{STEPS}/lm_eval/samples_python_facts_mc.jsonl", str(cwd / "dl"))
+    our_samples = [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+    peft_dir = cwd / "peft-for-lm-eval"
+    done = run_cli(["export", rid, "--format", "peft", "--out", str(peft_dir)], cwd, env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    model_args = f"pretrained={work['bases']['lora']},peft={peft_dir},dtype=float32"
+    cmd = [sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args", model_args, *flags]
+    cmd += ["--include_path", str(tasks), "--device", "cpu", "--output_path", str(cwd / "oracle"), "--log_samples"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (results,) = (cwd / "oracle").rglob("results_*.json")
+    theirs = json.loads(results.read_text())["results"]["python_facts_mc"]
+    for metric in ("acc", "acc_norm"):
+        assert ours[f"eval/python_facts_mc/{metric}"] == theirs[f"{metric},none"], metric
+    (samples,) = (cwd / "oracle").rglob("samples_python_facts_mc_*.jsonl")
+    their_samples = {r["doc_id"]: r for r in map(json.loads, samples.read_text().splitlines())}
+    assert len(our_samples) == len(their_samples) == 6
+    for row in our_samples:
+        mine = [float(r[0][0]) for r in row["resps"]]
+        other = [float(r[0][0]) for r in their_samples[row["doc_id"]]["resps"]]
+        assert mine == pytest.approx(other, abs=1e-4), row["doc_id"]
