@@ -115,6 +115,7 @@ class Plan:
                 f"mesh:        dp_replicate={lay['dp_replicate']} dp_shard={lay['dp_shard']} tp={lay['tp']}",
                 *kernel_lines(self.cfg, bool(self.hardware.gpus_per_node)),
                 *lora_lines(self.cfg, bool(self.hardware.gpus_per_node)),
+                *benchmark_lines(self.cfg),
                 f"tokens:      {train['steps'] * train['batch_size'] * train['seq_len']:,}"
                 f" ({train['steps']} steps x {train['batch_size']} x {train['seq_len']})",
             ]
@@ -130,3 +131,16 @@ class Plan:
         if self.estimate is not None:
             lines += ["", self.estimate.describe()]
         return "\n".join(lines)
+
+
+def benchmark_lines(cfg: dict[str, Any]) -> list[str]:
+    """``eval.tasks``: what lm-eval scores during training and at which steps. Its time is the tasks'
+    and the device's (unknown before a first scoring), so the wall time and cost below leave it out."""
+    ev = cfg.get("eval") or {}
+    tasks = list(ev.get("tasks") or [])
+    if not tasks:
+        return []
+    steps, every = int(cfg["train"]["steps"]), int(ev.get("every") or cfg["checkpoint"]["every"] or 0)
+    at = sorted({*(range(every, steps + 1, every) if every else ()), steps})
+    when = f"step(s) {', '.join(map(str, at))}" if len(at) <= 6 else f"{len(at)} steps (every {every} and the last)"
+    return [f"lm-eval:     {', '.join(tasks)} at {when}; its time is not in the estimate below"]

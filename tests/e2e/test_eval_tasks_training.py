@@ -75,3 +75,11 @@ def test_bad_eval_tasks_are_refused_before_a_run_exists(
     db = tmp_path / "mlflow.db"
     assert not db.exists() or not mlflow_runs(f"sqlite:///{db}")  # no run was created
     assert not (tmp_path / "llmctl-runs").exists() or not any((tmp_path / "llmctl-runs").iterdir())
+
+
+def test_plan_names_the_scored_steps_and_leaves_their_time_out(cli_env: dict[str, str], tmp_path: Path) -> None:
+    out = run_cli(["plan", *TRAIN, *SCORED], tmp_path, cli_env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "lm-eval:     python_facts_mc at step(s) 5, 10; its time is not in the estimate below" in out.stdout
+    many = run_cli(["plan", *TRAIN, "eval.tasks=[a,b]", "train.steps=1000", "checkpoint.every=100"], tmp_path, cli_env)
+    assert "lm-eval:     a, b at 10 steps (every 100 and the last)" in many.stdout, many.stdout[-2000:]
