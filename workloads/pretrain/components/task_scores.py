@@ -6,7 +6,9 @@ scratch directory (tensor by tensor from DCP: no rank gathers the model) and run
 ``python -m workloads.pretrain.harness`` on it in a child process, on its own device; the scores go
 into the run as ``eval/<task>/<metric>`` at the step, the per-sample logs and results as artifacts
 ``eval/step-N/lm_eval/``. The other ranks wait at a barrier meanwhile (training pauses: the
-benchmark curve is the checkpoints', not a moving model's). The child's device memory is freed
+benchmark curve is the checkpoints', not a moving model's), on a gloo group of its own whose timeout
+is ``SCORING_TIMEOUT``: a benchmark on a large model outlasts the training collectives' 10 minutes,
+which would otherwise end a healthy job. The child's device memory is freed
 when it exits, and a failed scoring is reported and does not stop training.
 
 Why a child process and not lm-eval in the trainer: its model (transformers) and its imports
@@ -23,12 +25,15 @@ import subprocess
 import sys
 import tempfile
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Optional
 
 import torch.distributed as dist
 
 from workloads.pretrain.contract.checkpoint_layout import step_dir
+
+SCORING_TIMEOUT = timedelta(hours=6)  # how long the other ranks wait for rank 0's scoring
 
 
 class TaskScorer:
@@ -40,6 +45,9 @@ class TaskScorer:
         self.tasks = list(ev.tasks or [])
         every = ev.every if ev.every is not None else int(cfg.checkpoint.every)
         self.every = int(every or 0)
+        self._pg = None
+        if self.active and dist.is_initialized() and dist.get_world_size() > 1:  # every rank builds one
+            self._pg = dist.new_group(backend="gloo", timeout=SCORING_TIMEOUT)
 
     @property
     def active(self) -> bool:
@@ -56,8 +64,8 @@ class TaskScorer:
                 self._score_on_this_rank(step)
             except Exception as exc:  # benchmark scores are reported, never a reason to stop training
                 print(f"lm-eval | step {step} not scored: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
-        if dist.is_initialized():
-            dist.barrier()
+        if self._pg is not None:
+            dist.barrier(group=self._pg)
 
     def _score_on_this_rank(self, step: int) -> None:
         from workloads.pretrain.evaluate import export_checkpoint
