@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from llmctl.errors import ConfigError, LaunchError
-from workloads.pretrain.contract.lm_eval_tasks import check_tasks
+from workloads.pretrain.contract.lm_eval_tasks import check_tasks, harness_command, version_params
 
 
 @dataclass
@@ -39,16 +39,6 @@ class TaskRequest:
     limit: Optional[int] = None  # examples per task
     batch_size: str = "1"  # an int, or lm-eval's "auto"
     parallelize: bool = False  # spread the model over this node's GPUs (lm-eval's hf parallelize=True)
-
-    def harness_args(self) -> list[str]:
-        args = ["--tasks", ",".join(self.tasks), "--batch-size", self.batch_size]
-        if self.include_path:
-            args += ["--include-path", str(Path(self.include_path).expanduser().resolve())]
-        if self.num_fewshot is not None:
-            args += ["--num-fewshot", str(self.num_fewshot)]
-        if self.limit is not None:
-            args += ["--limit", str(self.limit)]
-        return args + (["--parallelize"] if self.parallelize else [])
 
 
 def parse_request(
@@ -90,8 +80,19 @@ def score(t: Any, request: TaskRequest, hf: Optional[str], echo: Callable[[str],
     else:
         hf_dir, step = ev.export_hf(t, str(t.workdir / "export-hf"), echo, _export_dtype(), tag=False)
     out, samples = t.workdir / "lm_eval.json", t.workdir / "lm_eval"
-    cmd = [sys.executable, "-m", "workloads.pretrain.harness", "--hf", str(hf_dir), "--out", str(out)]
-    cmd += [*request.harness_args(), "--samples-dir", str(samples)]
+    r = request
+    cmd = harness_command(
+        sys.executable,
+        str(hf_dir),
+        str(out),
+        str(samples),
+        r.tasks,
+        r.include_path,
+        r.num_fewshot,
+        r.limit,
+        r.batch_size,
+        r.parallelize,
+    )
     with open(t.workdir / "lm_eval.log", "w") as log:
         proc = subprocess.Popen(
             cmd, env=ev._env(1), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
@@ -124,8 +125,7 @@ def log_scores(uri: str, run_id: str, result: dict[str, Any], step: int, samples
     metrics = [Metric(k, float(v), ts, step) for k, v in result["scores"].items()]
     for i in range(0, len(metrics), 1000):
         mc.log_batch(run_id, metrics=metrics[i : i + 1000])
-    params = {"lm_eval.version": result["lm_eval_version"]}
-    params.update({f"lm_eval.task.{k}.version": v for k, v in result["versions"].items()})
+    params = version_params(result)
     logged = mc.get_run(run_id).data.params
     new = [Param(k, str(v)) for k, v in params.items() if k not in logged]
     changed = {k: v for k, v in params.items() if k in logged and logged[k] != str(v)}
@@ -136,7 +136,7 @@ def log_scores(uri: str, run_id: str, result: dict[str, Any], step: int, samples
             pass  # logged by a concurrent eval of the same run meanwhile: same values
     for k, v in changed.items():  # a param cannot change: a later lm-eval's versions go to tags
         mc.set_tag(run_id, f"{k}.step-{step}", str(v))
-    mc.log_dict(run_id, {k: v for k, v in result.items()}, f"eval/step-{step}/lm_eval/results.json")
+    mc.log_dict(run_id, result, f"eval/step-{step}/lm_eval/results.json")
     if samples is not None and samples.is_dir():
         mc.log_artifacts(run_id, str(samples), f"eval/step-{step}/lm_eval")
     mc.set_tag(run_id, "llmctl.eval.last_step", str(step))

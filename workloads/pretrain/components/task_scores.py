@@ -32,6 +32,7 @@ from typing import Any, Optional
 import torch.distributed as dist
 
 from workloads.pretrain.contract.checkpoint_layout import step_dir
+from workloads.pretrain.contract.lm_eval_tasks import harness_command, version_params
 
 SCORING_TIMEOUT = timedelta(hours=6)  # how long the other ranks wait for rank 0's scoring
 
@@ -77,15 +78,18 @@ class TaskScorer:
             dtype = "bf16" if self.env.device.type == "cuda" else "fp32"
             export_checkpoint(self.cfg, step_dir(str(self.cfg.checkpoint.dir), step), self.corpus, str(hf_dir), dtype)
             out, samples = scratch / "result.json", scratch / "lm_eval"
-            cmd = [sys.executable, "-m", "workloads.pretrain.harness", "--hf", str(hf_dir), "--out", str(out)]
-            cmd += ["--tasks", ",".join(self.tasks), "--batch-size", str(ev.batch_size), "--samples-dir", str(samples)]
-            cmd += ["--device", str(self.env.device)]
-            if ev.include_path:
-                cmd += ["--include-path", str(Path(ev.include_path).expanduser().resolve())]
-            if ev.num_fewshot is not None:
-                cmd += ["--num-fewshot", str(ev.num_fewshot)]
-            if ev.limit is not None:
-                cmd += ["--limit", str(ev.limit)]
+            cmd = harness_command(
+                sys.executable,
+                str(hf_dir),
+                str(out),
+                str(samples),
+                self.tasks,
+                ev.include_path,
+                ev.num_fewshot,
+                ev.limit,
+                str(ev.batch_size),
+                device=str(self.env.device),
+            )
             env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
             done = subprocess.run(cmd, env=env, capture_output=True, text=True)
             if done.returncode != 0 or not out.is_file():
@@ -102,9 +106,7 @@ class TaskScorer:
 
     def _log_files(self, result: dict[str, Any], samples: Path, step: int) -> None:
         """Versions as params (first value kept), results and per-sample logs as artifacts."""
-        params = {"lm_eval.version": result["lm_eval_version"]}
-        params.update({f"lm_eval.task.{k}.version": v for k, v in result["versions"].items()})
-        self.sink.log_params(params)
+        self.sink.log_params(version_params(result))
         client = self.sink.client()
         if client is None:
             return

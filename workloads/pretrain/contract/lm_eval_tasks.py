@@ -136,3 +136,39 @@ def check_tasks(tasks: list[str], include_path: Optional[str], flag: str = "--in
                 f" files (dataset_path: json, data_files) and pass {flag}DIR"
             )
     return None
+
+
+def harness_command(
+    python: str,
+    hf_dir: str,
+    out: str,
+    samples_dir: str,
+    tasks: list[str],
+    include_path: Optional[str] = None,
+    num_fewshot: Optional[int] = None,
+    limit: Optional[int] = None,
+    batch_size: str = "1",
+    parallelize: bool = False,
+    device: Optional[str] = None,
+) -> list[str]:
+    """``python -m workloads.pretrain.harness ...``: one spelling of the harness's command line for
+    ``llmctl eval --tasks`` and for the trainer's ``eval.tasks`` (an include path made absolute: the
+    child may run elsewhere)."""
+    cmd = [python, "-m", "workloads.pretrain.harness", "--hf", hf_dir, "--out", out, "--samples-dir", samples_dir]
+    cmd += ["--tasks", ",".join(tasks), "--batch-size", str(batch_size)]
+    if include_path:
+        cmd += ["--include-path", str(Path(include_path).expanduser().resolve())]
+    if num_fewshot is not None:
+        cmd += ["--num-fewshot", str(num_fewshot)]
+    if limit is not None:
+        cmd += ["--limit", str(limit)]
+    if device:
+        cmd += ["--device", device]
+    return cmd + (["--parallelize"] if parallelize else [])
+
+
+def version_params(result: dict[str, Any]) -> dict[str, str]:
+    """What computed the scores, as run params: lm-eval's version and each task's."""
+    params = {"lm_eval.version": str(result["lm_eval_version"])}
+    params.update({f"lm_eval.task.{k}.version": str(v) for k, v in result["versions"].items()})
+    return params
