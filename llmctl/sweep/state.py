@@ -106,7 +106,9 @@ class SweepStatus:
 
     def rows(self) -> tuple[list[str], list[list[str]]]:
         keys = table.varying([t.overrides for t in self.trials])
-        header = ["#", "run", "status", *keys, "train/loss", "val/loss", "tok/s", "cost"]
+        # the sweep's own --metric (a benchmark score, say) gets a column when it is not one of these
+        extra = [m for m in [self.spec.get("metric")] if m and m not in KEY_METRICS]
+        header = ["#", "run", "status", *keys, "train/loss", "val/loss", *extra, "tok/s", "cost"]
         rows = []
         for t in self.trials:
             m = t.metrics
@@ -118,6 +120,7 @@ class SweepStatus:
                     *(table.shown(v) for v in table.values(t.overrides, keys)),
                     table.num(m.get("train/loss")),
                     table.num(m.get("val/loss")),
+                    *(table.num(m.get(k)) for k in extra),
                     table.num(m.get("perf/tokens_per_s"), "{:,.0f}"),
                     table.fmt_cost(t.cost, t.unpriced),
                 ]

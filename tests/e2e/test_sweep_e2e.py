@@ -201,14 +201,15 @@ def test_down_cancels_running_and_pending_trials(cli_env: dict[str, str], tmp_pa
 
 def test_a_sweep_picks_and_reports_trials_by_a_benchmark_score(cli_env: dict[str, str], tmp_path: Path) -> None:
     """``eval.tasks`` in a sweep: every trial scores its final checkpoint with lm-eval, the sweep picks
-    its best by that score (``--metric eval/<task>/<metric> --mode max``), and the parent reports it."""
+    its best by that score (``--metric eval/<task>/<metric> --mode min``: bits per byte of a rolling
+    log-likelihood task, a continuous score the two trials do not tie on), and the parent reports it."""
     from helpers import ROOT
 
     tasks = ROOT / "examples" / "eval-tasks"
     env = {k: v for k, v in cli_env.items() if k != "OMP_NUM_THREADS"}
-    scored = ["eval.tasks=[python_facts_mc]", f"eval.include_path={tasks}", "eval.limit=6"]
-    metric = "eval/python_facts_mc/acc_norm"
-    args = ["launch", "-m", "--max-parallel", "2", "--wait", "--metric", metric, "--mode", "max", *TINY, *scored]
+    scored = ["eval.tasks=[python_facts_ppl]", f"eval.include_path={tasks}", "eval.limit=6"]
+    metric = "eval/python_facts_ppl/bits_per_byte"
+    args = ["launch", "-m", "--max-parallel", "2", "--wait", "--metric", metric, "--mode", "min", *TINY, *scored]
     out = run_cli([*args, "train.seed=0,1"], tmp_path, env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     parent, children = _sweep_runs(tmp_path)
@@ -218,8 +219,13 @@ def test_a_sweep_picks_and_reports_trials_by_a_benchmark_score(cli_env: dict[str
         history = mc.get_metric_history(c.info.run_id, metric)
         assert [m.step for m in history] == [STEPS], history  # checkpoint.every=0: the final checkpoint only
         scores[c.info.run_id] = history[0].value
+    assert len(set(scores.values())) == 2, scores  # distinct: the pick below can be wrong
     best = parent.data.tags["llmctl.sweep.best_run_id"]
-    assert scores[best] == max(scores.values())
-    assert mc.get_run(parent.info.run_id).data.metrics[metric] == max(scores.values())  # the parent's own
+    assert scores[best] == min(scores.values())
+    assert mc.get_run(parent.info.run_id).data.metrics[metric] == min(scores.values())  # the parent's own
     final = out.stdout.rsplit(": FINISHED\n", 1)[-1]
-    assert all(f"{v:.4g}" in final for v in scores.values()), final  # each trial's score in the table
+    lines = final.splitlines()
+    assert any(metric in ln.split() for ln in lines), final  # the score's own column
+    for c in children:  # each trial's row shows its score
+        row = next(ln for ln in lines if c.info.run_id[:12] in ln)
+        assert f"{scores[c.info.run_id]:.4f}" in row.split(), (row, scores)
