@@ -483,10 +483,15 @@ def eval_cmd(
     parallelize: bool = typer.Option(
         False, "--parallelize", help="lm-eval: spread a model bigger than one GPU over this node's GPUs."
     ),
+    here: bool = typer.Option(
+        False,
+        "--here",
+        help="--tasks of a cloud or Slurm run: score on this machine, not as a job on the run's infra.",
+    ),
     config_dir: Optional[str] = ConfigDirOpt,
     tracking_uri: Optional[str] = TrackingUriOpt,
 ) -> None:
-    """Score a checkpoint: loss, perplexity, bits/byte; lm-eval tasks."""
+    """Score a checkpoint: loss, perplexity, bits/byte; lm-eval tasks (a cloud or Slurm run's on its infra)."""
     from llmctl.run import eval_and_export as ev
     from llmctl.sweep.state import untrained
 
@@ -499,6 +504,11 @@ def eval_cmd(
 
             request = benchmark_scores.parse_request(tasks, include_path, num_fewshot, limit, batch_size, parallelize)
         t = ev.resolve_target(target, overrides or [], tracking_uri, config_dir, untrained)
+        if request is not None and not hf and not here and benchmark_scores.on_infra(t):
+            code = benchmark_scores.score_on_infra(t, request, typer.echo)
+            if code == 0:
+                typer.echo(f"llmctl: lm-eval scores of {', '.join(request.tasks)} logged to run {t.run_id}")
+            raise typer.Exit(code)
         if request is not None:
             result, step = benchmark_scores.score(t, request, hf, typer.echo)
             where = f"run {t.run_id} at step {step}" if t.run_id else "nothing (no run: a bare checkpoint URL)"

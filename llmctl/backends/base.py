@@ -18,6 +18,12 @@ if TYPE_CHECKING:  # annotations only: a backend module needs neither at import 
 ENDED = ("FINISHED", "FAILED", "KILLED")  # MLflow statuses of a run whose job has ended: nothing of it runs
 
 
+def log_name(job: str) -> str:
+    """The controller's copy of a job's output in the run's folder: the workload's ``output.log`` (a
+    resume appends to it), a ``score`` job's ``score.log`` (its newest)."""
+    return "output.log" if job == "train" else f"{job}.log"
+
+
 @dataclass
 class JobStatus:
     """What a backend knows about a run's job: lines for ``llmctl status``, and whether it ended.

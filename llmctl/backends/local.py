@@ -255,6 +255,8 @@ class LocalBackend:
 
     def launch(self, plan: Plan, handle: RunHandle, echo: Optional[TextIO] = None) -> int:
         """Run the job, tee its output, return its exit code (``Interrupted`` after stopping it)."""
+        if plan.job != "train":  # a local run's checkpoints are scored by `llmctl eval` itself, here
+            raise LaunchError(f"the local backend runs training jobs, not a {plan.job} job")
         rdir = run_dir(handle.run_id)
         rdir.mkdir(parents=True, exist_ok=True)
         config_path = rdir / "config.yaml"

@@ -85,6 +85,10 @@ class Plan:
     refusals: list[str] = field(default_factory=list)
     estimate: Any = None  # llmctl.cost.estimate.Estimate, filled by planner.make_plan
     memory: Any = None  # llmctl.plan.memory_fit.MemoryFit, filled by planner.make_plan
+    # what the job runs: "train" (the workload: the trainer or a user's program), or "score" (lm-eval
+    # on one checkpoint: ``llmctl eval RUN --tasks`` as a job on the run's infra, attached to the run)
+    job: str = "train"
+    parallelize: bool = False  # a "score" job: the model spread over the node's GPUs (lm-eval's parallelize)
 
     @property
     def world_size(self) -> int:

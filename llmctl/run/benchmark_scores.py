@@ -20,13 +20,13 @@ import json
 import shutil
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 from llmctl.errors import ConfigError, LaunchError
-from workloads.pretrain.contract.lm_eval_tasks import check_tasks, harness_command, version_params
+from workloads.pretrain.contract.lm_eval_tasks import check_tasks, harness_command
+from workloads.pretrain.contract.lm_eval_tasks import log_scores as write_scores
 
 
 @dataclass
@@ -114,29 +114,71 @@ def score(t: Any, request: TaskRequest, hf: Optional[str], echo: Callable[[str],
 
 
 def log_scores(uri: str, run_id: str, result: dict[str, Any], step: int, samples: Optional[Path]) -> None:
-    """Scores at ``step``, versions as params, results and per-sample logs as artifacts."""
-    from mlflow.entities import Metric, Param
-    from mlflow.exceptions import MlflowException
-
+    """Scores at ``step``, versions as params, results and per-sample logs as artifacts (the
+    contract's ``log_scores``: the one writer every place that scores uses)."""
     from llmctl.tracking.mlflow_run import client
 
-    mc = client(uri)
-    ts = int(time.time() * 1000)
-    metrics = [Metric(k, float(v), ts, step) for k, v in result["scores"].items()]
-    for i in range(0, len(metrics), 1000):
-        mc.log_batch(run_id, metrics=metrics[i : i + 1000])
-    params = version_params(result)
-    logged = mc.get_run(run_id).data.params
-    new = [Param(k, str(v)) for k, v in params.items() if k not in logged]
-    changed = {k: v for k, v in params.items() if k in logged and logged[k] != str(v)}
-    if new:
-        try:
-            mc.log_batch(run_id, params=new)
-        except MlflowException:
-            pass  # logged by a concurrent eval of the same run meanwhile: same values
-    for k, v in changed.items():  # a param cannot change: a later lm-eval's versions go to tags
-        mc.set_tag(run_id, f"{k}.step-{step}", str(v))
-    mc.log_dict(run_id, result, f"eval/step-{step}/lm_eval/results.json")
-    if samples is not None and samples.is_dir():
-        mc.log_artifacts(run_id, str(samples), f"eval/step-{step}/lm_eval")
-    mc.set_tag(run_id, "llmctl.eval.last_step", str(step))
+    write_scores(client(uri), run_id, result, step, samples)
+
+
+# ----------------------------------------------------------------------------- on the run's infra
+
+
+def on_infra(t: Any) -> bool:
+    """Whether ``--tasks`` scores a run on its own infra (a cloud or Slurm run's latest attempt), not here."""
+    return bool(t.run_id) and str((t.cfg.get("infra") or {}).get("kind") or "local") != "local"
+
+
+def job_config(t: Any, request: TaskRequest, step: Optional[int]) -> dict[str, Any]:
+    """The run's config (with the eval's overrides: ``infra.accelerators=H100:1`` to score on a smaller
+    node) as the score job needs it: the request in ``eval.*``, the checkpoint ``step`` pinned (None: the
+    node takes the newest), one node, a cluster job (a managed run's too, torn down after), the default
+    mesh (the job is one process: the training's mesh need not fit one node)."""
+    cfg, r = dict(t.cfg), request
+    include = str(Path(r.include_path).expanduser().resolve()) if r.include_path else None
+    cfg["eval"] = {
+        **cfg["eval"],
+        "tasks": list(r.tasks),
+        "include_path": include,
+        "num_fewshot": r.num_fewshot,
+        "limit": r.limit,
+        "batch_size": r.batch_size,
+        "step": step if step is not None else cfg["eval"].get("step"),
+        "every": None,
+    }
+    infra = {**cfg["infra"], "nodes": 1, "managed": False}
+    if cfg["infra"].get("managed"):  # its cluster was the jobs controller's: this one goes when the job ends
+        infra["down"] = True
+    cfg["infra"] = infra
+    cfg["parallel"] = {**cfg["parallel"], "dp_replicate": 1, "dp_shard": -1, "tp": 1}
+    return cfg
+
+
+def _step_checked_here(t: Any) -> Optional[int]:
+    """The checkpoint to score, checked here when this machine can read it (a URL; a directory here, as a
+    Slurm cluster's shared filesystem is): a missing step is refused before any job starts. A path only
+    the nodes have (checkpoints kept on a cluster that is still up) is checked by the job itself: None."""
+    from llmctl.run import eval_and_export as ev
+
+    root = str((t.cfg.get("checkpoint") or {}).get("dir") or "")
+    local = "://" not in root or root.startswith("file://")
+    if local and not Path(root.removeprefix("file://")).expanduser().is_dir():
+        return None
+    return ev.check_checkpoint(t)
+
+
+def score_on_infra(t: Any, request: TaskRequest, say: Callable[..., None]) -> int:
+    """``llmctl eval RUN --tasks`` for a run on a cloud or Slurm: lm-eval runs as a job of its own on the
+    run's infra (``workloads.pretrain.score_tasks`` on one node), attached to the run and billed as one
+    more of its attempts (``lifecycle.attach``); the job logs the scores into the run. The exit code."""
+    from llmctl.config.compose import Composed
+    from llmctl.plan.make import make_plan
+    from llmctl.run import lifecycle
+    from llmctl.tracking import runs
+
+    run = runs.get_run(t.run_id, t.uri)
+    lifecycle.check_attachable(run, "eval")  # before the checks below read checkpoints or SkyPilot
+    step = _step_checked_here(t)
+    plan = make_plan(Composed(job_config(t, request, step)))
+    plan.job, plan.parallelize = "score", request.parallelize
+    return lifecycle.attach(plan, t.uri, run, kind="eval", say=say)

@@ -5,6 +5,8 @@ The only place that opens, closes and bills attempts and sets a run's final stat
 - ``launch``: a new MLflow run (``llmctl launch``);
 - ``resume``: the same run, attempt n+1 (``llmctl resume``);
 - ``trial``: a run the sweep supervisor created (``llmctl launch -m``);
+- ``attach``: a job of its own attached to a run that is not running (``llmctl eval RUN --tasks`` on
+  the run's infra), billed as one more attempt of the run; the run's status stays the training's;
 - ``close_run``: a run whose controller is gone (``llmctl down``, a dead trial controller, a job
   SkyPilot reports ended). ``llmctl smoke`` drives the CLI, so it goes through the same code.
 
@@ -239,6 +241,111 @@ def resume(
         banner=f"llmctl: resuming run {rid} (attempt {attempt.n}) {where} on {plan.where},"
         f" {plan.world_size} process(es) on {plan.device}",
     )
+
+
+def attach(plan: Plan, uri: str, run: Any, *, kind: str, say: Say) -> int:
+    """Run ``plan`` (``plan.job``: "score", lm-eval on a checkpoint) as a job of its own on the run's
+    infra, attached to ``run``: billed as the run's next attempt, tagged ``kind`` (``llmctl.attempt.<n>.kind``:
+    ``llmctl cost`` counts it, nothing takes it for a training attempt), closed with its outcome whatever
+    happens (a stop request cancels the job), its output uploaded as ``attempts/<n>/output.log`` and its
+    config as ``attempts/<n>/config.yaml``. The run's status, params and ``config.yaml`` stay the
+    training's: a resume reads them. A run still RUNNING is refused (ConfigError, nothing created): its
+    open attempt would take this one's end as its own. The exit code: 0, 1 (failed), 130/143 (stopped)."""
+    from llmctl.backends.base import log_name
+
+    rid = run.info.run_id
+    check_attachable(run, kind)
+    backend = backend_for(plan.backend)
+    backend.preflight(plan)
+    mc = tracking.client(uri)
+    est, hw = plan.estimate, plan.hardware
+    price = (est.price.usd_per_hour if est.priced else None) if est else None  # None: unpriced, not $0
+    n = ledger.open_attempt(
+        mc,
+        rid,
+        usd_per_hour=price,
+        nodes=hw.nodes,
+        devices=hw.devices,
+        extra={"kind": kind, "infra": plan.cfg["infra"]["name"], "world_size": plan.world_size},
+    )
+    handle = RunHandle(uri=uri, run_id=rid, experiment_id=run.info.experiment_id, attempt_env={ENV_ATTEMPT: str(n)})
+    clear_stop_requests()
+    previous = _install(raise_interrupted)
+    started = time.monotonic()
+    code: Optional[int] = None
+    error: Optional[BaseException] = None
+    try:
+        mc.log_text(rid, tracking.redact(to_yaml(plan.cfg)), f"attempts/{n}/config.yaml")
+        say(f"llmctl: {kind} job of run {rid} (attempt {n}) on {plan.where}")
+        code = backend.launch(plan, handle)
+    except Interrupted as exc:
+        error = exc
+    except KeyboardInterrupt:
+        error = Interrupted(signal.SIGINT)
+    except Exception as exc:
+        error = exc
+    finally:
+        _install(_note_late_stop, previous)
+    try:
+        if isinstance(error, Interrupted):
+            exit_code = 130 if error.signum == signal.SIGINT else 143
+            status = f"{kind}: stopped by {signal.Signals(error.signum or signal.SIGTERM).name}"
+        elif error is not None:
+            exit_code = 1
+            what = str(error) if isinstance(error, LaunchError) else f"{type(error).__name__}: {error}"
+            status = f"{kind}: failed: {tracking.redact(what)}"
+        else:
+            exit_code = 0 if code == 0 else 1
+            status = f"{kind}: finished" if code == 0 else f"{kind}: failed: the job exited with code {code}"
+        cost_line = _close_attached(mc, rid, n, status[:500], log_name(plan.job))
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if exit_code == 0:
+        say(f"llmctl: {kind} job of run {rid} finished in {time.monotonic() - started:.0f} s")
+        if cost_line:
+            say(cost_line)
+    else:
+        say(
+            f"error: {kind} job of run {rid} (attempt {n}): {status} (log: {run_dir(rid) / log_name(plan.job)})",
+            err=True,
+        )
+    if error is not None and not isinstance(error, (Interrupted, LaunchError)):
+        raise error
+    return exit_code
+
+
+def check_attachable(run: Any, kind: str) -> None:
+    """A job can be attached to a run that is not running (ConfigError otherwise, before anything exists)."""
+    rid = run.info.run_id
+    if run.info.status == "RUNNING":
+        raise ConfigError(
+            f"run {rid} is still running: a {kind} job of its own would overlap its open attempt. Fix: score"
+            f" its checkpoints as it trains (eval.tasks=[...]), wait for it to end (llmctl status {rid}),"
+            " or score here: --here"
+        )
+
+
+def _close_attached(mc: Any, rid: str, n: int, status: str, log: str) -> str:
+    """An attached job's attempt: its end and outcome, the run's ledger, its output; best-effort past the
+    end (a store gone mid-close loses the rest, not the end). The cost line, or ""."""
+    from mlflow.entities import RunTag
+
+    mc.log_batch(
+        rid,
+        tags=[RunTag(f"{ledger.PREFIX}{n}.end", ledger.stamp(time.time())), _tag(f"{ledger.PREFIX}{n}.status", status)],
+    )
+    cost_line = ""
+    try:
+        led = ledger.update(mc, rid)
+        cost_line = "llmctl: run " + led.describe().split(":", 1)[1].strip()
+    except Exception as exc:
+        _warn_close("recording the run's cost", exc)
+    try:
+        _upload_log(mc, rid, n, log)
+    except Exception as exc:
+        _warn_close(f"uploading {log}", exc)
+    return cost_line
 
 
 def close_run(uri: str, run_id: str, outcome: Outcome, reason: str, end: Optional[float] = None) -> None:
@@ -504,9 +611,9 @@ def _warn_close(what: str, exc: BaseException) -> None:
 MAX_LOG_BYTES = 5_000_000
 
 
-def _upload_log(mc: Any, run_id: str, n: int) -> None:
-    """The attempt's ``output.log`` (a local job's; its last 5 MB) as ``attempts/<n>/output.log``."""
-    path = run_dir(run_id) / "output.log"
+def _upload_log(mc: Any, run_id: str, n: int, name: str = "output.log") -> None:
+    """The attempt's output (``name`` in the run's folder; its last 5 MB) as ``attempts/<n>/output.log``."""
+    path = run_dir(run_id) / name
     if not path.is_file():
         return
     with path.open("rb") as f:

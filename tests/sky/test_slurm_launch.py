@@ -1,5 +1,6 @@
 """Real launches through SkyPilot's Slurm backend on a localhost Slurm cluster, tracked on a real
-MLflow server: a cluster launch followed by ``status``, ``logs`` and ``down``; a managed job whose
+MLflow server: a cluster launch followed by ``status``, ``logs``, lm-eval scores by a job of their
+own on the cluster (``llmctl eval RUN --tasks``) and ``down``; a managed job whose
 Slurm job is cancelled mid-run, recovered by SkyPilot and finished as one MLflow run (the bundled
 trainer, and a user's transformers script under ``workload=command``); and (opt-in,
 ``LLMCTL_SLURM_SWEEP=1``: it adds ~9 min, and CI is over its time target) a sweep whose two trials
@@ -85,6 +86,9 @@ def test_launch_status_logs_down_on_real_slurm(
     cluster.write_client_config(home, cluster.root / "ssh" / "user_key")
     env = {**cli_env, **SMALL_API_SERVER, "MLFLOW_TRACKING_URI": tracking_server, "AWS_EC2_METADATA_DISABLED": "true"}
     sky_bin = str(Path(sys.executable).with_name("sky"))
+    shared = cluster.root / "shared-launch"  # the cluster's shared filesystem: the controller reads it too
+    shared.mkdir(exist_ok=True)
+    shutil.chown(shared, USER, USER)
     _wait_healthy(tracking_server)
     try:
         out = run_cli(
@@ -99,6 +103,7 @@ def test_launch_status_logs_down_on_real_slurm(
                 "infra.memory=2",
                 "infra.down=false",
                 "checkpoint.every=0",
+                f"checkpoint.dir={shared / 'ckpt'}",
             ],
             tmp_path,
             env,
@@ -127,6 +132,8 @@ def test_launch_status_logs_down_on_real_slurm(
         assert logs.returncode == 0, logs.stderr
         assert "val" in logs.stdout and "step" in logs.stdout, logs.stdout[-2000:]
 
+        _scores_by_a_job_on_the_cluster(mc, rid, tmp_path, env)
+
         # clusters stay visible to plain `sky status`
         assert (
             tags["llmctl.sky.cluster"]
@@ -142,6 +149,55 @@ def test_launch_status_logs_down_on_real_slurm(
         assert "step" in run_cli(["logs", rid], tmp_path, env, timeout=120).stdout
     finally:
         subprocess.run([sky_bin, "api", "stop"], env=env, capture_output=True, timeout=120)
+
+
+EVAL_FLAGS = [
+    "--tasks",
+    "python_facts_mc,python_facts_gen",
+    "--include-path",
+    str(Path(__file__).resolve().parents[2] / "examples" / "eval-tasks"),  # docs/eval.md's local tasks
+    "--num-fewshot",
+    "1",
+    "--limit",
+    "4",
+]
+
+
+def _scores_by_a_job_on_the_cluster(mc: "object", rid: str, tmp_path: Path, env: dict[str, str]) -> None:
+    """``llmctl eval RUN --tasks`` of a Slurm run: a job of its own on the run's cluster (kept up by
+    infra.down=false), attached to the run as attempt 2 and billed, logs lm-eval's scores into the run at
+    the final checkpoint's step; the run stays FINISHED with its training config. The same command with
+    ``--here`` scores on this machine and logs the same values at the same step."""
+    before = mc.get_run(rid)  # type: ignore[attr-defined]
+    out = run_cli(["eval", rid, *EVAL_FLAGS], tmp_path, env, timeout=420)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    assert "lm-eval | step 40" in out.stdout and f"logged to run {rid}" in out.stdout, out.stdout[-3000:]
+    run = mc.get_run(rid)  # type: ignore[attr-defined]
+    tags = run.data.tags
+    assert run.info.status == "FINISHED" and run.info.end_time == before.info.end_time, "the run's end stays training's"
+    assert tags["llmctl.status"] == before.data.tags["llmctl.status"]
+    assert tags["llmctl.attempt"] == "2" and tags["llmctl.attempt.2.kind"] == "eval", tags
+    assert tags["llmctl.attempt.2.status"] == "eval: finished" and tags["llmctl.attempt.2.usd_per_hour"] == "unpriced"
+    assert datetime.fromisoformat(tags["llmctl.attempt.2.start"]) < datetime.fromisoformat(tags["llmctl.attempt.2.end"])
+    assert float(tags["cost/attempts"]) == 2
+    assert float(tags["cost/billed_hours"]) > float(before.data.tags["cost/billed_hours"]), "the job's time is billed"
+    assert tags["llmctl.sky.eval_job_id"] != tags["llmctl.sky.job_id"], "the training job's id stays on the run"
+    names = [k for k in run.data.metrics if k.startswith("eval/python_facts_")]
+    assert {"eval/python_facts_mc/acc", "eval/python_facts_mc/acc_stderr", "eval/python_facts_gen/exact_match"} <= set(
+        names
+    ), names
+    job = {k: [(m.step, m.value) for m in mc.get_metric_history(rid, k)] for k in names}  # type: ignore[attr-defined]
+    assert all(len(v) == 1 and v[0][0] == 40 for v in job.values()), job
+    log = mc.download_artifacts(rid, "attempts/2/output.log", str(tmp_path / "dl"))  # type: ignore[attr-defined]
+    assert "lm-eval | step 40" in Path(log).read_text()
+    assert mc.download_artifacts(rid, "eval/step-40/lm_eval/samples_python_facts_mc.jsonl", str(tmp_path / "dl"))  # type: ignore[attr-defined]
+    assert mc.download_artifacts(rid, "attempts/2/config.yaml", str(tmp_path / "dl"))  # type: ignore[attr-defined]
+
+    here = run_cli(["eval", rid, *EVAL_FLAGS, "--here"], tmp_path, env, timeout=420)
+    assert here.returncode == 0, here.stdout[-4000:] + here.stderr[-4000:]
+    both = {k: [(m.step, m.value) for m in mc.get_metric_history(rid, k)] for k in names}  # type: ignore[attr-defined]
+    assert all(sorted(both[k]) == sorted(job[k] * 2) for k in names), (job, both)
+    assert mc.get_run(rid).data.tags["llmctl.attempt"] == "2", "scoring here is no job on the infra"  # type: ignore[attr-defined]
 
 
 OFFLINE_NETWORK = Path(__file__).resolve().parent / "offline_network"

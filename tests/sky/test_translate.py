@@ -226,3 +226,63 @@ def test_cpu_nodes_take_process_count_from_config(tmp_path: Path) -> None:
     env["LLMCTL_PYTHON"] = str(_fake_python(tmp_path))
     out = subprocess.run(["bash", "-c", config["run"]], env=env, capture_output=True, text=True, check=True)
     assert "--nproc_per_node=2" in out.stdout.splitlines()
+
+
+TASK_YAMLS = Path(__file__).resolve().parents[2] / "examples" / "eval-tasks"
+
+
+def test_eval_include_path_is_copied_to_the_nodes_and_their_config_names_the_copy(sky_home: Path) -> None:
+    """``eval.include_path`` is a directory on the controller: the task mounts it on every node, and the
+    config the nodes read names the copy; the run's own config keeps the controller's path (a resume
+    checks the tasks here again)."""
+    overrides = ["infra=lambda", "eval.tasks=[python_facts_mc]", f"eval.include_path={TASK_YAMLS}"]
+    cfg = compose([*overrides, f"tracking.uri={REMOTE_URI}"]).cfg
+    config, _ = _task(overrides)
+    assert config["file_mounts"]["~/.llmctl/runs/abc123/eval-tasks"] == str(TASK_YAMLS)
+    node = sky_task.node_config(cfg, "abc123")
+    assert node["eval"]["include_path"] == "~/.llmctl/runs/abc123/eval-tasks"
+    assert cfg["eval"]["include_path"] == str(TASK_YAMLS)
+    assert node["model"] == cfg["model"]
+    no_tasks = compose(["infra=lambda", f"tracking.uri={REMOTE_URI}"]).cfg
+    assert sky_task.node_config(no_tasks, "abc123") == no_tasks
+    assert not any("eval-tasks" in k for k in _task(["infra=lambda"])[0]["file_mounts"])
+
+
+def test_a_score_job_runs_the_scorer_in_one_process(sky_home: Path, tmp_path: Path) -> None:
+    """``llmctl eval RUN --tasks`` on the run's infra: the task installs the eval extra and its run script
+    starts ``workloads.pretrain.score_tasks`` (not torchrun) on the config, with ``--parallelize`` when asked."""
+    import sky
+
+    cfg = compose(["infra=lambda", "eval.tasks=[python_facts_mc]", f"tracking.uri={REMOTE_URI}"]).cfg
+    for parallelize, flag in ((False, []), (True, ["--parallelize"])):
+        config = sky_task.task_config(
+            cfg,
+            run_id="abc123",
+            tracking_uri=REMOTE_URI,
+            experiment_id="7",
+            local_config="/tmp/cfg.yaml",
+            workdir=str(sky_task.project_root()),
+            environ={},
+            job="score",
+            parallelize=parallelize,
+        )
+        task = sky.Task.from_yaml_config(copy.deepcopy(config))
+        assert task.envs["LLMCTL_WORKLOAD"] == "score" and task.envs["LLMCTL_EXTRAS"] == "[eval]"
+        env = {
+            "PATH": os.environ["PATH"],
+            "HOME": str(tmp_path),
+            "SKYPILOT_NUM_NODES": "1",
+            "SKYPILOT_NODE_RANK": "0",
+            "SKYPILOT_NUM_GPUS_PER_NODE": "8",
+            "SKYPILOT_NODE_IPS": "10.0.0.1",
+            "LLMCTL_PYTHON": str(_fake_python(tmp_path)),
+            **{k: v for k, v in task.envs.items() if k.startswith("LLMCTL_") and k != "LLMCTL_PYTHON"},
+        }
+        out = subprocess.run(["bash", "-c", task.run], env=env, capture_output=True, text=True, check=True)
+        assert out.stdout.splitlines() == [
+            "-m",
+            "workloads.pretrain.score_tasks",
+            "--config",
+            f"{tmp_path}/.llmctl/runs/abc123/config.yaml",
+            *flag,
+        ]

@@ -22,7 +22,7 @@ import sys
 from dataclasses import dataclass, replace
 from typing import Any, Optional
 
-from llmctl.backends.base import ENDED, JobStatus
+from llmctl.backends.base import ENDED, JobStatus, log_name
 from llmctl.backends.sky import rules as sky_rules
 from llmctl.backends.sky import task as sky_task
 from llmctl.backends.sky.facts import remembered
@@ -39,6 +39,7 @@ from llmctl.tracking.mlflow_run import RunHandle, client, redact, resolve_uri
 TAG_CLUSTER = "llmctl.sky.cluster"
 TAG_JOB = "llmctl.sky.job_id"
 TAG_MANAGED = "llmctl.sky.managed_job_id"
+TAG_SCORE_JOB = "llmctl.sky.eval_job_id"  # the newest ``llmctl eval --tasks`` job on the run's cluster
 STOP_WAIT_S = 120.0  # how long ``down`` waits for a live controller to cancel, tear down and close
 # A run's managed job is top-level: SkyPilot 0.14 attaches a job launched from inside a job group
 # (a sweep supervisor running as a managed job, say) to that group by default, which would cancel
@@ -136,7 +137,7 @@ def _settings(plan: Plan) -> SkySettings:
     return settings if isinstance(settings, SkySettings) else SkySettings.from_cfg(plan.cfg)
 
 
-def _launch_cluster(task: Any, infra: SkySettings, handle: RunHandle, mc: Any, out: Any) -> int:
+def _launch_cluster(task: Any, infra: SkySettings, handle: RunHandle, mc: Any, out: Any, job_tag: str = TAG_JOB) -> int:
     import sky
 
     cluster = cluster_name(handle.run_id)
@@ -157,7 +158,7 @@ def _launch_cluster(task: Any, infra: SkySettings, handle: RunHandle, mc: Any, o
         except Exception as exc:
             _down_quietly(cluster)
             raise LaunchError(f"SkyPilot could not launch {cluster}: {' '.join(str(exc).split())[:2000]}") from None
-        mc.set_tag(handle.run_id, TAG_JOB, str(job_id))
+        mc.set_tag(handle.run_id, job_tag, str(job_id))
         sky.tail_logs(cluster, job_id, follow=True, output_stream=out)
         statuses = sky.get(sky.job_status(cluster, [job_id]))
         status = _field({"s": statuses.get(job_id) or statuses.get(str(job_id))}, "s")
@@ -356,27 +357,36 @@ class SkyBackend:
         return cfg
 
     def launch(self, plan: Plan, handle: RunHandle, echo: Optional[Any] = None) -> int:
-        """Submit the task; follow its logs; return 0 if the job succeeded. Nothing is left idling."""
+        """Submit the task; follow its logs; return 0 if the job succeeded. Nothing is left idling.
+
+        A ``score`` job (``llmctl eval RUN --tasks`` on the run's infra) runs on the run's cluster
+        (reused while it is up) as a cluster job, whatever ``infra.managed`` says: its output goes to
+        ``score.log``, its job id to ``TAG_SCORE_JOB``, the training job's tags stay as they are."""
         import sky
 
         cfg, infra = plan.cfg, _settings(plan)
         rdir = run_dir(handle.run_id)
         rdir.mkdir(parents=True, exist_ok=True)
-        (rdir / "config.yaml").write_text(to_yaml(cfg))
+        name = "config.yaml" if plan.job == "train" else f"{plan.job}-config.yaml"
+        (rdir / name).write_text(to_yaml(sky_task.node_config(cfg, handle.run_id)))
         config = sky_task.task_config(
             cfg,
             run_id=handle.run_id,
             tracking_uri=handle.uri,
             experiment_id=handle.experiment_id,
-            local_config=str(rdir / "config.yaml"),
+            local_config=str(rdir / name),
             workdir=str(sky_task.project_root()),
             attempt_env=handle.attempt_env,
             settings=infra,
+            job=plan.job,
+            parallelize=plan.parallelize,
         )
         task = sky.Task.from_yaml_config(config)
         mc = client(handle.uri)
-        with open(rdir / "output.log", "a") as log:
+        with open(rdir / log_name(plan.job), "a" if plan.job == "train" else "w") as log:
             out = _Tee(echo or sys.stdout, log)
+            if plan.job == "score":
+                return _launch_cluster(task, infra, handle, mc, out, TAG_SCORE_JOB)
             if infra.managed:
                 return _launch_managed(task, handle, mc, out)
             return _launch_cluster(task, infra, handle, mc, out)

@@ -11,6 +11,10 @@ if [ "$SKYPILOT_NUM_NODES" -gt 1 ]; then
   export TORCH_NCCL_TRACE_BUFFER_SIZE="${TORCH_NCCL_TRACE_BUFFER_SIZE:-2000}"
   export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
 fi
+if [ "${LLMCTL_WORKLOAD:-pretrain}" = score ]; then
+  # llmctl eval RUN --tasks on the run's infra: lm-eval on one checkpoint, one process, scores into the run
+  exec "$PY" -m workloads.pretrain.score_tasks --config "$LLMCTL_CONFIG" ${LLMCTL_EVAL_PARALLELIZE:+--parallelize}
+fi
 if [ "${LLMCTL_WORKLOAD:-pretrain}" = command ]; then
   # a user's program (workload=command), from its launch directory, under its guard on every node
   cd "$HOME/.llmctl/runs/$LLMCTL_RUN_ID/program"

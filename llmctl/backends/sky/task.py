@@ -24,6 +24,9 @@ BUCKET_MOUNT = "/llmctl-ckpt"
 REMOTE_CONFIG = "~/.llmctl/runs/{run_id}/config.yaml"
 # workload=command: the launch directory (the user's program) on every node; node_run.sh runs it there
 REMOTE_PROGRAM = "~/.llmctl/runs/{run_id}/program"
+# eval.include_path (the user's own lm-eval task YAMLs and their data) on every node; the nodes'
+# config names this path instead of the controller's (``node_config``)
+REMOTE_TASKS = "~/.llmctl/runs/{run_id}/eval-tasks"
 # credentials copied from the launching environment into SkyPilot secrets (never envs, never MLflow)
 SECRET_ENVS = (
     "MLFLOW_TRACKING_USERNAME",
@@ -150,6 +153,14 @@ def secrets_from(environ: Mapping[str, str], tracking_uri: str) -> dict[str, str
     return secrets
 
 
+def node_config(cfg: Mapping[str, Any], run_id: str) -> dict[str, Any]:
+    """The config the nodes read: ``eval.include_path`` is the copy ``task_config`` mounts there."""
+    ev = cfg.get("eval") or {}
+    if not (ev.get("tasks") and ev.get("include_path")):
+        return dict(cfg)
+    return {**cfg, "eval": {**ev, "include_path": REMOTE_TASKS.format(run_id=run_id)}}
+
+
 def task_config(
     cfg: Mapping[str, Any],
     *,
@@ -162,12 +173,15 @@ def task_config(
     attempt_env: Optional[Mapping[str, str]] = None,
     settings: Optional[SkySettings] = None,
     program_dir: Optional[str] = None,
+    job: str = "train",
+    parallelize: bool = False,
 ) -> dict[str, Any]:
     """The SkyPilot task as a YAML-style dict (``sky.Task.from_yaml_config`` loads it).
 
     ``attempt_env``: the attempt number and the budget guard's inputs (``RunHandle.attempt_env``).
     ``settings``: the plan's (default: built from ``cfg["infra"]``). ``program_dir``: for
-    ``workload=command``, the directory shipped to the nodes (default: the current one)."""
+    ``workload=command``, the directory shipped to the nodes (default: the current one). ``job``:
+    the plan's (``score``: lm-eval on one checkpoint, one node, ``parallelize`` over its GPUs)."""
     infra = settings or SkySettings.from_cfg(cfg)
     secrets = secrets_from(os.environ if environ is None else environ, tracking_uri)
     envs = {
@@ -177,8 +191,13 @@ def task_config(
         "PYTHONUNBUFFERED": "1",
         "LLMCTL_PIP_ARGS": str(infra.pip_args or ""),
     }
-    if (cfg.get("eval") or {}).get("tasks"):  # eval.tasks: the nodes score checkpoints with lm-eval
+    ev = cfg.get("eval") or {}
+    if ev.get("tasks"):  # eval.tasks, or a score job: the nodes score checkpoints with lm-eval
         envs["LLMCTL_EXTRAS"] = "[eval]"
+    if job == "score":
+        envs["LLMCTL_WORKLOAD"] = "score"
+        if parallelize:
+            envs["LLMCTL_EVAL_PARALLELIZE"] = "1"
     envs.update(attempt_env or {})
     if "MLFLOW_TRACKING_URI" not in secrets:
         envs["MLFLOW_TRACKING_URI"] = tracking_uri
@@ -187,7 +206,9 @@ def task_config(
     if infra.node_python:
         envs["LLMCTL_PYTHON"] = str(infra.node_python)
     file_mounts: dict[str, Any] = {REMOTE_CONFIG.format(run_id=run_id): local_config}
-    if is_command(cfg):  # the user's program and its files: the directory llmctl was launched from
+    if ev.get("tasks") and ev.get("include_path"):  # the user's task YAMLs, where the nodes' config says
+        file_mounts[REMOTE_TASKS.format(run_id=run_id)] = str(Path(str(ev["include_path"])).expanduser().resolve())
+    if is_command(cfg) and job == "train":  # the user's program and its files: the directory llmctl was launched from
         envs["LLMCTL_WORKLOAD"] = "command"
         file_mounts[REMOTE_PROGRAM.format(run_id=run_id)] = program_dir or os.getcwd()
     if infra.bucket and infra.mount_bucket and str(cfg["checkpoint"]["dir"]).startswith(BUCKET_MOUNT):

@@ -32,7 +32,7 @@ from typing import Any, Optional
 import torch.distributed as dist
 
 from workloads.pretrain.contract.checkpoint_layout import step_dir
-from workloads.pretrain.contract.lm_eval_tasks import harness_command, version_params
+from workloads.pretrain.contract.lm_eval_tasks import harness_command, log_scores
 
 SCORING_TIMEOUT = timedelta(hours=6)  # how long the other ranks wait for rank 0's scoring
 
@@ -69,50 +69,55 @@ class TaskScorer:
             dist.barrier(group=self._pg)
 
     def _score_on_this_rank(self, step: int) -> None:
-        from workloads.pretrain.evaluate import export_checkpoint
+        score_step(self.cfg, self.corpus, step, self.env.device, self.sink)
 
-        ev, t0 = self.cfg.eval, time.perf_counter()
-        scratch = Path(tempfile.mkdtemp(prefix=f"llmctl-tasks-step{step}-"))
-        try:
-            hf_dir = scratch / "export-hf"
-            dtype = "bf16" if self.env.device.type == "cuda" else "fp32"
-            export_checkpoint(self.cfg, step_dir(str(self.cfg.checkpoint.dir), step), self.corpus, str(hf_dir), dtype)
-            out, samples = scratch / "result.json", scratch / "lm_eval"
-            cmd = harness_command(
-                sys.executable,
-                str(hf_dir),
-                str(out),
-                str(samples),
-                self.tasks,
-                ev.include_path,
-                ev.num_fewshot,
-                ev.limit,
-                str(ev.batch_size),
-                device=str(self.env.device),
-            )
-            env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
-            done = subprocess.run(cmd, env=env, capture_output=True, text=True)
-            if done.returncode != 0 or not out.is_file():
-                tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
-                raise RuntimeError(f"the harness exited {done.returncode}: {tail[0]}")
-            result = json.loads(out.read_text())
-            self.sink.log(result["scores"], step)
-            self.sink.flush()
-            self._log_files(result, samples, step)
-            shown = " | ".join(f"{k.removeprefix('eval/')} {v:.4f}" for k, v in sorted(result["scores"].items()))
-            print(f"lm-eval | step {step} in {time.perf_counter() - t0:.1f}s | {shown}", flush=True)
-        finally:
-            shutil.rmtree(scratch, ignore_errors=True)
 
-    def _log_files(self, result: dict[str, Any], samples: Path, step: int) -> None:
-        """Versions as params (first value kept), results and per-sample logs as artifacts."""
-        self.sink.log_params(version_params(result))
-        client = self.sink.client()
-        if client is None:
-            return
-        client.log_dict(self.sink.run_id, result, f"eval/step-{step}/lm_eval/results.json")
-        if samples.is_dir():
-            client.log_artifacts(self.sink.run_id, str(samples), f"eval/step-{step}/lm_eval")
+def score_step(
+    cfg: Any, corpus: Any, step: int, device: Any, sink: Any, parallelize: bool = False, stream: bool = False
+) -> dict[str, Any]:
+    """Export checkpoint ``step`` of ``cfg.checkpoint.dir`` to a scratch directory, score ``cfg.eval``'s
+    tasks on it with the harness in a child process on ``device`` (``parallelize``: over the node's GPUs;
+    ``stream``: its output goes to this process's, else it is kept out of training's log), log the
+    result into the sink's run; the result. Raises when the export or the harness fails. Also
+    what ``llmctl eval RUN --tasks`` runs as a job on the run's infra (``workloads.pretrain.score_tasks``)."""
+    from workloads.pretrain.evaluate import export_checkpoint
+
+    ev, t0 = cfg.eval, time.perf_counter()
+    scratch = Path(tempfile.mkdtemp(prefix=f"llmctl-tasks-step{step}-"))
+    try:
+        hf_dir = scratch / "export-hf"
+        dtype = "bf16" if device.type == "cuda" else "fp32"
+        export_checkpoint(cfg, step_dir(str(cfg.checkpoint.dir), step), corpus, str(hf_dir), dtype)
+        out, samples = scratch / "result.json", scratch / "lm_eval"
+        cmd = harness_command(
+            sys.executable,
+            str(hf_dir),
+            str(out),
+            str(samples),
+            list(ev.tasks),
+            ev.include_path,
+            ev.num_fewshot,
+            ev.limit,
+            str(ev.batch_size),
+            parallelize=parallelize,
+            device=None if parallelize else str(device),
+        )
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
+        done = subprocess.run(cmd, env=env, capture_output=not stream, text=True)
+        if done.returncode != 0 or not out.is_file():
+            tail = (done.stderr or done.stdout or "").strip().splitlines()[-1:] or ["its output is above"]
+            raise RuntimeError(f"the harness exited {done.returncode}: {tail[0]}")
+        result = json.loads(out.read_text())
+        sink.log(result["scores"], step)
+        sink.flush()
+        client = sink.client()
+        if client is not None:
+            log_scores(client, sink.run_id, result, step, samples, metrics=False)
+        shown = " | ".join(f"{k.removeprefix('eval/')} {v:.4f}" for k, v in sorted(result["scores"].items()))
+        print(f"lm-eval | step {step} in {time.perf_counter() - t0:.1f}s | {shown}", flush=True)
+        return result
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def scorer(cfg: Any, env: Any, sink: Any, corpus: Any) -> Optional[TaskScorer]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from pathlib import Path
 from typing import Any, Optional
 from urllib.parse import urlparse
@@ -172,3 +173,41 @@ def version_params(result: dict[str, Any]) -> dict[str, str]:
     params = {"lm_eval.version": str(result["lm_eval_version"])}
     params.update({f"lm_eval.task.{k}.version": str(v) for k, v in result["versions"].items()})
     return params
+
+
+TAG_LAST_STEP = "llmctl.eval.last_step"  # the step the newest scores were logged at
+
+
+def log_scores(
+    client: Any, run_id: str, result: dict[str, Any], step: int, samples: Optional[Path], metrics: bool = True
+) -> None:
+    """The harness's result into the run (an MLflow client's calls; mlflow is the caller's): the scores
+    at ``step`` (``metrics=False``: the caller's metric sink logs them), the versions as params, the
+    results and per-sample logs as artifacts ``eval/step-N/lm_eval/``. One writer of these for every
+    place that scores: ``llmctl eval --tasks`` here, its job on the run's infra, ``eval.tasks`` in training.
+
+    A param cannot change: when a later lm-eval (or task) version scores the run, its version goes to
+    a ``<param>.step-N`` tag instead; a param logged meanwhile by a concurrent scoring of the same
+    value is not an error."""
+    from mlflow.entities import Metric, Param
+
+    if metrics:
+        ts = int(time.time() * 1000)
+        points = [Metric(k, float(v), ts, step) for k, v in result["scores"].items()]
+        for i in range(0, len(points), 1000):
+            client.log_batch(run_id, metrics=points[i : i + 1000])
+    params = version_params(result)
+    logged = client.get_run(run_id).data.params
+    new = [Param(k, str(v)) for k, v in params.items() if k not in logged]
+    if new:
+        try:
+            client.log_batch(run_id, params=new)
+        except Exception:  # logged by a concurrent scoring of the same run meanwhile
+            logged = client.get_run(run_id).data.params
+    for k, v in params.items():
+        if k in logged and logged[k] != str(v):
+            client.set_tag(run_id, f"{k}.step-{step}", str(v))
+    client.log_dict(run_id, result, f"eval/step-{step}/lm_eval/results.json")
+    if samples is not None and samples.is_dir():
+        client.log_artifacts(run_id, str(samples), f"eval/step-{step}/lm_eval")
+    client.set_tag(run_id, TAG_LAST_STEP, str(step))

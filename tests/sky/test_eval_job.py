@@ -1,0 +1,56 @@
+"""``llmctl eval RUN --tasks`` of a cloud or Slurm run: what the job attached to the run is given, and
+what is refused before anything exists. The job itself runs on a real Slurm cluster in
+tests/sky/test_slurm_launch.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from mlflow.tracking import MlflowClient
+from sky_helpers import REMOTE_URI, run_cli
+
+from llmctl.config.compose import compose, to_yaml
+from llmctl.run import benchmark_scores
+from llmctl.run.eval_and_export import Target
+
+TASK_YAMLS = Path(__file__).resolve().parents[2] / "examples" / "eval-tasks"
+
+
+def _target(overrides: list[str], tmp_path: Path) -> Target:
+    cfg = compose([*overrides, f"tracking.uri={REMOTE_URI}", "checkpoint.dir=/shared/ckpt"]).cfg
+    return Target(cfg, "r1", REMOTE_URI, None, tmp_path)
+
+
+def test_the_job_scores_the_request_on_one_node_as_a_cluster_job(tmp_path: Path) -> None:
+    """The run's config with the request in ``eval.*`` and the checked step pinned; one node whatever the
+    run trained on, the default mesh (one process scores), and a managed run's job torn down after."""
+    t = _target(["infra=aws", "infra.nodes=4", "infra.managed=true", "parallel.dp_replicate=4"], tmp_path)
+    request = benchmark_scores.TaskRequest(["python_facts_mc"], str(TASK_YAMLS), 1, 4, "auto", True)
+    cfg = benchmark_scores.job_config(t, request, 40)
+    assert cfg["eval"]["tasks"] == ["python_facts_mc"] and cfg["eval"]["include_path"] == str(TASK_YAMLS)
+    assert (cfg["eval"]["num_fewshot"], cfg["eval"]["limit"], cfg["eval"]["batch_size"]) == (1, 4, "auto")
+    assert cfg["eval"]["step"] == 40 and cfg["eval"]["every"] is None
+    assert (cfg["infra"]["nodes"], cfg["infra"]["managed"], cfg["infra"]["down"]) == (1, False, True)
+    assert (cfg["parallel"]["dp_replicate"], cfg["parallel"]["dp_shard"], cfg["parallel"]["tp"]) == (1, -1, 1)
+    assert cfg["model"] == t.cfg["model"] and cfg["checkpoint"] == t.cfg["checkpoint"] and cfg["data"] == t.cfg["data"]
+    assert t.cfg["infra"]["nodes"] == 4, "the run's own config is left as it was"
+    kept = benchmark_scores.job_config(_target(["infra=aws", "infra.down=false"], tmp_path), request, None)
+    assert kept["infra"]["down"] is False and kept["eval"]["step"] is None  # None: the node takes the newest
+    assert benchmark_scores.on_infra(t) and not benchmark_scores.on_infra(_target([], tmp_path))
+
+
+def test_a_running_run_is_refused_before_anything_is_created(tmp_path: Path, sky_env: dict[str, str]) -> None:
+    """A Slurm run still RUNNING: one line and exit 3; no attempt is opened, nothing is launched."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    mc = MlflowClient(tracking_uri=uri)
+    run = mc.create_run(mc.create_experiment("llmctl"))  # RUNNING, as a run whose job is on its nodes
+    rid = run.info.run_id
+    cfg = compose(["infra=slurm", "infra.region=c", "experiment=smoke", f"tracking.uri={uri}"]).cfg
+    mc.log_text(rid, to_yaml(cfg), "config.yaml")
+    flags = ["--tasks", "python_facts_mc", "--include-path", str(TASK_YAMLS), "--tracking-uri", uri]
+    out = run_cli(["eval", rid, *flags], tmp_path, sky_env, timeout=300)
+    assert out.returncode == 3, out.stdout + out.stderr
+    (line,) = out.stderr.strip().splitlines()
+    assert f"run {rid} is still running" in line and "--here" in line, line
+    tags = mc.get_run(rid).data.tags
+    assert not [k for k in tags if k.startswith("llmctl.attempt")], tags
