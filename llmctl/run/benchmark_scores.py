@@ -167,6 +167,22 @@ def _step_checked_here(t: Any) -> Optional[int]:
     return ev.check_checkpoint(t)
 
 
+def _check_nodes_kept_them(t: Any, run: Any) -> None:
+    """Checkpoints written to the nodes' own disks (``checkpoint.dir`` unset, no ``infra.bucket``) can be
+    scored only on the cluster that wrote them, while it is up: refused when it is gone, before a cluster
+    is paid for to find nothing."""
+    from llmctl.backends.sky.backend import cluster_kept
+
+    root = str((t.cfg.get("checkpoint") or {}).get("dir") or "")
+    if "://" in root or Path(root).expanduser().is_absolute() or cluster_kept(run):
+        return
+    raise ConfigError(
+        f"run {t.run_id} kept its checkpoints on its nodes' disks ({root}: no checkpoint.dir, no infra.bucket)"
+        " and its cluster is gone: there is nothing to score. Next time: checkpoint.dir=<a bucket URL or a"
+        " shared path>, infra.bucket=..., or infra.down=false to keep the cluster"
+    )
+
+
 def score_on_infra(t: Any, request: TaskRequest, say: Callable[..., None]) -> int:
     """``llmctl eval RUN --tasks`` for a run on a cloud or Slurm: lm-eval runs as a job of its own on the
     run's infra (``workloads.pretrain.score_tasks`` on one node), attached to the run and billed as one
@@ -178,6 +194,7 @@ def score_on_infra(t: Any, request: TaskRequest, say: Callable[..., None]) -> in
 
     run = runs.get_run(t.run_id, t.uri)
     lifecycle.check_attachable(run, "eval")  # before the checks below read checkpoints or SkyPilot
+    _check_nodes_kept_them(t, run)
     step = _step_checked_here(t)
     plan = make_plan(Composed(job_config(t, request, step)))
     plan.job, plan.parallelize = "score", request.parallelize

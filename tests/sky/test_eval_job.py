@@ -39,18 +39,35 @@ def test_the_job_scores_the_request_on_one_node_as_a_cluster_job(tmp_path: Path)
     assert benchmark_scores.on_infra(t) and not benchmark_scores.on_infra(_target([], tmp_path))
 
 
-def test_a_running_run_is_refused_before_anything_is_created(tmp_path: Path, sky_env: dict[str, str]) -> None:
-    """A Slurm run still RUNNING: one line and exit 3; no attempt is opened, nothing is launched."""
+def _refused(tmp_path: Path, env: dict[str, str], status: str, ckpt: str) -> tuple[str, str]:
+    """A Slurm run (its config as launch logs it) in ``status`` scored with --tasks: must exit 3 with one
+    line, open no attempt and launch nothing. (the run id, the line)."""
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     mc = MlflowClient(tracking_uri=uri)
-    run = mc.create_run(mc.create_experiment("llmctl"))  # RUNNING, as a run whose job is on its nodes
-    rid = run.info.run_id
+    exp = mc.get_experiment_by_name("llmctl")
+    rid = mc.create_run(exp.experiment_id if exp else mc.create_experiment("llmctl")).info.run_id
     cfg = compose(["infra=slurm", "infra.region=c", "experiment=smoke", f"tracking.uri={uri}"]).cfg
+    cfg["checkpoint"]["dir"] = ckpt
     mc.log_text(rid, to_yaml(cfg), "config.yaml")
+    if status != "RUNNING":
+        mc.set_terminated(rid, status)
     flags = ["--tasks", "python_facts_mc", "--include-path", str(TASK_YAMLS), "--tracking-uri", uri]
-    out = run_cli(["eval", rid, *flags], tmp_path, sky_env, timeout=300)
+    out = run_cli(["eval", rid, *flags], tmp_path, env, timeout=300)
     assert out.returncode == 3, out.stdout + out.stderr
     (line,) = out.stderr.strip().splitlines()
-    assert f"run {rid} is still running" in line and "--here" in line, line
     tags = mc.get_run(rid).data.tags
     assert not [k for k in tags if k.startswith("llmctl.attempt")], tags
+    return rid, line
+
+
+def test_a_running_run_is_refused_before_anything_is_created(tmp_path: Path, sky_env: dict[str, str]) -> None:
+    """A run still RUNNING (its job on its nodes): its open attempt would take the job's end as its own."""
+    rid, line = _refused(tmp_path, sky_env, "RUNNING", str(tmp_path / "ckpt"))
+    assert f"run {rid} is still running" in line and "--here" in line, line
+
+
+def test_checkpoints_left_on_nodes_that_are_gone_are_refused(tmp_path: Path, sky_env: dict[str, str]) -> None:
+    """Checkpoints on the nodes' own disks (no checkpoint.dir, no bucket) and no cluster kept up: nothing
+    to score, said before a cluster is paid for to find nothing."""
+    rid, line = _refused(tmp_path, sky_env, "FINISHED", "llmctl-runs/r/checkpoints")
+    assert f"run {rid} kept its checkpoints on its nodes' disks" in line and "checkpoint.dir=" in line, line

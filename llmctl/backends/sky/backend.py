@@ -271,6 +271,13 @@ def _job_end_at(cluster: str, job_id: str) -> Optional[float]:
     return None
 
 
+def cluster_kept(run: Any) -> bool:
+    """Whether the run's cluster is still up (``infra.down=false``): what its nodes wrote to their own
+    disks is still there. A managed job's cluster is its controller's and gone with the job."""
+    cluster = run.data.tags.get(TAG_CLUSTER)
+    return bool(cluster) and _cluster_status(cluster) is not None
+
+
 class SkyBackend:
     """SkyPilot clusters and managed jobs; ``llmctl.sky.*`` tags on the run say where it lives."""
 
