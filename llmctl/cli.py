@@ -333,6 +333,12 @@ def status(
             lines.append("mlflow:      its controller is closing the run")
         else:
             lines.append(f"mlflow:      run closed as {lifecycle.RULES[closed].mlflow_status}")
+    elif run.info.status != "RUNNING":  # an eval job's attempt whose controller was killed
+        from llmctl.run import lifecycle
+
+        closed_line = lifecycle.close_orphaned(uri, run)
+        if closed_line:
+            lines.append(closed_line)
     from llmctl.cost import hooks as cost
 
     lines += cost.status_lines(uri, runs.get_run(run_id, uri))  # estimate vs ledger; refreshes cost/*

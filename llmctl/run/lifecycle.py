@@ -269,6 +269,7 @@ def attach(plan: Plan, uri: str, run: Any, *, kind: str, say: Say) -> int:
         extra={"kind": kind, "infra": plan.cfg["infra"]["name"], "world_size": plan.world_size},
     )
     handle = RunHandle(uri=uri, run_id=rid, experiment_id=run.info.experiment_id, attempt_env={ENV_ATTEMPT: str(n)})
+    record_controller(rid)  # gone without closing (SIGKILL): `llmctl status` closes the attempt (close_orphaned)
     clear_stop_requests()
     previous = _install(raise_interrupted)
     started = time.monotonic()
@@ -324,6 +325,37 @@ def check_attachable(run: Any, kind: str) -> None:
             f" its checkpoints as it trains (eval.tasks=[...]), wait for it to end (llmctl status {rid}),"
             " or score here: --here"
         )
+
+
+def close_orphaned(uri: str, run: Any) -> Optional[str]:
+    """An attached job's attempt (``attach``) left open by a controller that is gone (SIGKILL, the
+    machine lost): closed at its last sign of life (its output's last write, else its start), with that
+    said on its ``.status``. ``llmctl status RUN`` calls this for a run that is not running; the line it
+    shows, or None when there was nothing to close."""
+    from llmctl.backends.base import log_name
+
+    tags, rid = run.data.tags, run.info.run_id
+    orphans = [
+        a
+        for a in ledger.attempts(tags)
+        if a.end is None and tags.get(f"{ledger.PREFIX}{a.n}.kind") and not tags.get(f"{ledger.PREFIX}{a.n}.status")
+    ]
+    if not orphans or run.info.status == "RUNNING" or live_controller(rid) is not None:
+        return None
+    mc = tracking.client(uri)
+    for a in orphans:
+        kind = tags[f"{ledger.PREFIX}{a.n}.kind"]
+        try:
+            end = max(a.start, (run_dir(rid) / log_name("score")).stat().st_mtime)
+        except OSError:
+            end = a.start
+        status = f"{kind}: its controller ended without closing it (killed); billed to its last output"
+        mc.log_batch(
+            rid,
+            tags=[_tag(f"{ledger.PREFIX}{a.n}.end", ledger.stamp(end)), _tag(f"{ledger.PREFIX}{a.n}.status", status)],
+        )
+    ledger.update(mc, rid)
+    return f"ledger:      closed attempt(s) {', '.join(str(a.n) for a in orphans)}: their controller was gone"
 
 
 def _close_attached(mc: Any, rid: str, n: int, status: str, log: str) -> str:

@@ -71,3 +71,45 @@ def test_checkpoints_left_on_nodes_that_are_gone_are_refused(tmp_path: Path, sky
     to score, said before a cluster is paid for to find nothing."""
     rid, line = _refused(tmp_path, sky_env, "FINISHED", "llmctl-runs/r/checkpoints")
     assert f"run {rid} kept its checkpoints on its nodes' disks" in line and "checkpoint.dir=" in line, line
+
+
+def test_status_closes_an_eval_attempt_whose_controller_was_killed(tmp_path: Path, sky_env: dict[str, str]) -> None:
+    """An eval job's controller SIGKILLed (nothing of it ran its close): ``llmctl status`` finds the attempt
+    open and its controller gone, and closes it at its last output, saying so; the run stays FINISHED."""
+    import json
+    import os
+    import subprocess
+    import time
+
+    from llmctl.cost import ledger
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    mc = MlflowClient(tracking_uri=uri)
+    rid = mc.create_run(mc.create_experiment("llmctl")).info.run_id
+    cfg = compose(["infra=slurm", "infra.region=c", "experiment=smoke", f"tracking.uri={uri}"]).cfg
+    mc.log_text(rid, to_yaml(cfg), "config.yaml")
+    mc.set_tag(rid, "llmctl.backend", "sky")
+    start = time.time() - 600
+    ledger.open_attempt(mc, rid, usd_per_hour=None, nodes=1, devices=1, start=start - 3600)
+    ledger.close_attempt(mc, rid, 1, start - 60)
+    mc.set_terminated(rid, "FINISHED")
+    ledger.open_attempt(mc, rid, usd_per_hour=None, nodes=1, devices=1, start=start, extra={"kind": "eval"})
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    rdir = tmp_path / "llmctl-runs" / rid
+    rdir.mkdir(parents=True)
+    (rdir / "controller.json").write_text(json.dumps({"pid": dead.pid, "start": 1.0}))
+    (rdir / "score.log").write_text("lm-eval | scoring step 40\n")
+    os.utime(rdir / "score.log", (start + 120, start + 120))
+
+    out = run_cli(["status", rid, "--tracking-uri", uri], tmp_path, sky_env, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "closed attempt(s) 2: their controller was gone" in out.stdout, out.stdout
+    run = mc.get_run(rid)
+    tags = run.data.tags
+    assert run.info.status == "FINISHED"
+    assert tags["llmctl.attempt.2.status"].startswith("eval: its controller ended without closing it"), tags
+    assert abs(ledger.seconds(tags["llmctl.attempt.2.end"]) - (start + 120)) < 1, "billed to its last output"
+    assert not ledger.compute(tags).open and float(tags["cost/attempts"]) == 2
+    again = run_cli(["status", rid, "--tracking-uri", uri], tmp_path, sky_env, timeout=300)
+    assert "closed attempt" not in again.stdout, again.stdout
