@@ -497,7 +497,10 @@ def eval_cmd(
     config_dir: Optional[str] = ConfigDirOpt,
     tracking_uri: Optional[str] = TrackingUriOpt,
 ) -> None:
-    """Score a checkpoint: loss, perplexity, bits/byte; lm-eval tasks (a cloud or Slurm run's on its infra)."""
+    """Score a checkpoint: loss, perplexity, bits/byte; lm-eval tasks.
+
+    --tasks of a cloud or Slurm run runs as a job on the run's infra, billed to the run (--here: on this machine).
+    """
     from llmctl.run import eval_and_export as ev
     from llmctl.sweep.state import untrained
 

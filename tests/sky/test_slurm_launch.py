@@ -248,6 +248,20 @@ def _assert_no_slurm_job_left(cluster: Cluster) -> None:
     assert cluster.squeue().strip() == "", "no Slurm job left behind"
 
 
+def _slurm_job_of(cluster: Cluster, tracking_uri: str, run_name: str) -> str:
+    """The Slurm job of the run named ``run_name``: SkyPilot names a cluster's job after the cluster,
+    ``llmctl-<run id[:10]>...`` (another test's job, still being torn down, may be listed first)."""
+    from mlflow.tracking import MlflowClient
+
+    mc = MlflowClient(tracking_uri=tracking_uri)
+    exp = mc.get_experiment_by_name("llmctl")
+    (run,) = mc.search_runs([exp.experiment_id], filter_string=f"tags.mlflow.runName = '{run_name}'")
+    prefix = f"llmctl-{run.info.run_id[:10]}"
+    mine = [ln.split()[0] for ln in cluster.squeue().splitlines() if ln.strip() and ln.split()[1].startswith(prefix)]
+    assert mine, f"no Slurm job named {prefix}...: {cluster.squeue()}"
+    return mine[0]
+
+
 def _complete_steps(ckpt: Path) -> list[int]:
     return sorted(int(p.parent.name.split("-")[1]) for p in ckpt.glob("step-*/.complete"))
 
@@ -312,8 +326,7 @@ def _launch_and_recover(
             "a complete checkpoint on the shared filesystem", lambda: bool(_complete_steps(shared / "ckpt")), 420, proc
         )
         first_ckpt = _complete_steps(shared / "ckpt")[0]
-        (job,) = cluster.squeue().split("\n")[:1]
-        slurm_job = job.split()[0]
+        slurm_job = _slurm_job_of(cluster, env["MLFLOW_TRACKING_URI"], "managed-recovery")
         subprocess.run(["scancel", slurm_job], env=cluster.env, check=True, timeout=30)
         assert proc.wait(timeout=840) == 0, _tail(log)
 
@@ -418,8 +431,8 @@ def test_a_transformers_script_as_a_managed_job_recovers_from_scancel_as_one_run
                 420,
                 proc,
             )
-            (job,) = cluster.squeue().split("\n")[:1]
-            subprocess.run(["scancel", job.split()[0]], env=cluster.env, check=True, timeout=30)
+            job = _slurm_job_of(cluster, env["MLFLOW_TRACKING_URI"], "program-recovery")
+            subprocess.run(["scancel", job], env=cluster.env, check=True, timeout=30)
             assert proc.wait(timeout=840) == 0, _tail(log)
 
             runs = mc.search_runs(
@@ -539,7 +552,7 @@ def test_a_recovered_then_crashed_managed_job_ends_failed(
     with _managed_jobs(cluster, cli_env, tracking_server) as (env, sky_bin):
         log = open(tmp_path / "launch.log", "w+")  # noqa: SIM115 - the launch's output, read after it ends
         proc = subprocess.Popen(
-            _managed_launch(120, ckpt, "managed-crash"),
+            _managed_launch(1200, ckpt, "managed-crash"),  # the scancel comes long before: the rerun crashes
             cwd=tmp_path,
             env=env,
             stdout=log,
@@ -549,7 +562,7 @@ def test_a_recovered_then_crashed_managed_job_ends_failed(
         )
         try:
             _wait_for("a complete checkpoint on the shared filesystem", lambda: bool(_complete_steps(ckpt)), 420, proc)
-            slurm_job = cluster.squeue().split()[0]
+            slurm_job = _slurm_job_of(cluster, env["MLFLOW_TRACKING_URI"], "managed-crash")
             subprocess.run(["scancel", slurm_job], env=cluster.env, check=True, timeout=30)
 
             def first_gone() -> bool:

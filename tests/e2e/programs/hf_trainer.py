@@ -1,7 +1,9 @@
 """A user's own transformers ``Trainer`` script, written against llmctl's run contract
 (docs/workloads.md) and nothing else of llmctl: it reads ``LLMCTL_CHECKPOINT_DIR`` and
 ``LLMCTL_RESUME``, reports to MLflow with transformers' own callback (which logs into the run named
-by ``MLFLOW_RUN_ID``), saves and exits 75 on SIGTERM, and continues from its newest checkpoint.
+by ``MLFLOW_RUN_ID``), saves and exits 75 on SIGTERM, and continues from its newest complete checkpoint
+(one whose ``trainer_state.json``, the Trainer's last file of a save, is there: a SIGKILL after the
+SIGTERM, as Slurm sends once its grace is over, can cut a save short).
 
     python hf_trainer.py --model DIR [--learning_rate 1e-3] [--max_steps 12] [--save_steps 4]
 
@@ -15,10 +17,10 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 import torch
 import transformers
-from transformers.trainer_utils import get_last_checkpoint
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--model", required=True)
@@ -72,7 +74,14 @@ model = transformers.AutoModelForCausalLM.from_pretrained(args.model)
 trainer = transformers.Trainer(
     model=model, args=targs, train_dataset=Tokens(model.config.vocab_size), callbacks=[SaveAndStopOnSigterm()]
 )
-resume = os.environ.get("LLMCTL_RESUME") == "1" and os.path.isdir(out) and get_last_checkpoint(out) is not None
-trainer.train(resume_from_checkpoint=True if resume else None)
+
+
+def newest_complete_checkpoint(root: str) -> str | None:
+    done = [d for d in Path(root).glob("checkpoint-*") if (d / "trainer_state.json").is_file()]
+    return str(max(done, key=lambda d: int(d.name.split("-")[1]))) if done else None
+
+
+resume = newest_complete_checkpoint(out) if os.environ.get("LLMCTL_RESUME") == "1" else None
+trainer.train(resume_from_checkpoint=resume)
 print(f"program | stopped at step {trainer.state.global_step}" if stop["asked"] else "program | done", flush=True)
 sys.exit(75 if stop["asked"] else 0)
