@@ -17,7 +17,8 @@ from llmctl.config.compose import compose
 from workloads.pretrain.contract.protocol import ATTEMPT_ENVS
 
 
-def _task(overrides: list[str], environ: dict[str, str] | None = None) -> tuple[dict[str, Any], Any]:
+def _task(overrides: list[str], environ: dict[str, str] | None = None, **kwargs: Any) -> tuple[dict[str, Any], Any]:
+    """The task of ``overrides`` (``kwargs``: task_config's own, e.g. ``job="score"``), and SkyPilot's reading of it."""
     import sky
 
     cfg = compose(overrides + [f"tracking.uri={REMOTE_URI}"]).cfg
@@ -29,6 +30,7 @@ def _task(overrides: list[str], environ: dict[str, str] | None = None) -> tuple[
         local_config="/tmp/cfg.yaml",
         workdir=str(sky_task.project_root()),
         environ=environ or {},
+        **kwargs,
     )
     task = sky.Task.from_yaml_config(copy.deepcopy(config))  # the loader consumes its input
     return config, task
@@ -171,21 +173,28 @@ def _fake_python(tmp_path: Path) -> Path:
     return fake
 
 
-@pytest.mark.parametrize("rank", [0, 1])
-def test_run_script_gives_torchrun_two_node_arguments(tmp_path: Path, rank: int) -> None:
-    """Execute the task's run script under a fake 2-node SkyPilot environment; read the argv."""
+def _node_argv(tmp_path: Path, ips: list[str], rank: int, envs: dict[str, str]) -> list[str]:
+    """The run script executed under a fake SkyPilot environment (``ips``: the nodes, 8 GPUs each; the
+    task's ``LLMCTL_*`` ``envs``): the argv it gives the (fake) Python."""
     env = {
         "PATH": os.environ["PATH"],
         "HOME": str(tmp_path),
-        "SKYPILOT_NUM_NODES": "2",
+        "SKYPILOT_NUM_NODES": str(len(ips)),
         "SKYPILOT_NODE_RANK": str(rank),
         "SKYPILOT_NUM_GPUS_PER_NODE": "8",
-        "SKYPILOT_NODE_IPS": "10.0.0.1\n10.0.0.2",
-        "LLMCTL_RUN_ID": "abc123",
+        "SKYPILOT_NODE_IPS": "\n".join(ips),
+        **{k: v for k, v in envs.items() if k.startswith("LLMCTL_")},
         "LLMCTL_PYTHON": str(_fake_python(tmp_path)),
     }
-    out = subprocess.run(["bash", "-c", sky_task.RUN], env=env, capture_output=True, text=True, check=True)
-    assert out.stdout.splitlines() == [
+    return subprocess.run(
+        ["bash", "-c", sky_task.RUN], env=env, capture_output=True, text=True, check=True
+    ).stdout.splitlines()
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_run_script_gives_torchrun_two_node_arguments(tmp_path: Path, rank: int) -> None:
+    """Execute the task's run script under a fake 2-node SkyPilot environment; read the argv."""
+    assert _node_argv(tmp_path, ["10.0.0.1", "10.0.0.2"], rank, {"LLMCTL_RUN_ID": "abc123"}) == [
         "-m",
         "torch.distributed.run",
         "--nnodes=2",
@@ -251,35 +260,11 @@ def test_eval_include_path_is_copied_to_the_nodes_and_their_config_names_the_cop
 def test_a_score_job_runs_the_scorer_in_one_process(sky_home: Path, tmp_path: Path) -> None:
     """``llmctl eval RUN --tasks`` on the run's infra: the task installs the eval extra and its run script
     starts ``workloads.pretrain.score_tasks`` (not torchrun) on the config, with ``--parallelize`` when asked."""
-    import sky
-
-    cfg = compose(["infra=lambda", "eval.tasks=[python_facts_mc]", f"tracking.uri={REMOTE_URI}"]).cfg
     for parallelize, flag in ((False, []), (True, ["--parallelize"])):
-        config = sky_task.task_config(
-            cfg,
-            run_id="abc123",
-            tracking_uri=REMOTE_URI,
-            experiment_id="7",
-            local_config="/tmp/cfg.yaml",
-            workdir=str(sky_task.project_root()),
-            environ={},
-            job="score",
-            parallelize=parallelize,
-        )
-        task = sky.Task.from_yaml_config(copy.deepcopy(config))
+        _, task = _task(["infra=lambda", "eval.tasks=[python_facts_mc]"], job="score", parallelize=parallelize)
         assert task.envs["LLMCTL_WORKLOAD"] == "score" and task.envs["LLMCTL_EXTRAS"] == "[eval]"
-        env = {
-            "PATH": os.environ["PATH"],
-            "HOME": str(tmp_path),
-            "SKYPILOT_NUM_NODES": "1",
-            "SKYPILOT_NODE_RANK": "0",
-            "SKYPILOT_NUM_GPUS_PER_NODE": "8",
-            "SKYPILOT_NODE_IPS": "10.0.0.1",
-            "LLMCTL_PYTHON": str(_fake_python(tmp_path)),
-            **{k: v for k, v in task.envs.items() if k.startswith("LLMCTL_") and k != "LLMCTL_PYTHON"},
-        }
-        out = subprocess.run(["bash", "-c", task.run], env=env, capture_output=True, text=True, check=True)
-        assert out.stdout.splitlines() == [
+        assert task.run == sky_task.RUN
+        assert _node_argv(tmp_path, ["10.0.0.1"], 0, task.envs) == [
             "-m",
             "workloads.pretrain.score_tasks",
             "--config",
