@@ -10,6 +10,13 @@ import os
 from pathlib import Path
 
 import pytest
+from ci_policy import (  # noqa: F401  (hooks: registered by being in this module)
+    pytest_make_collect_report,
+    pytest_runtest_call,
+    pytest_runtest_makereport,
+    pytest_xdist_make_scheduler,
+    work_unit,
+)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -22,19 +29,26 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
-# Test files that take a minute or more, longest first (CI's durations, per file). With addopts'
-# `--dist loadfile --no-loadscope-reorder` the xdist workers take files in this collection order,
-# so these start first and the many short files fill in around them at the end, where they even out
-# when the workers finish; xdist's own reorder (most tests first) left the Slurm file, with 3 tests
-# and 15 minutes, for last. Keep it current when a file's share changes (`--durations` of a CI run).
+# Work units (a test file, or one documentation session: ci_policy.work_unit) that take a minute or
+# more, longest first (CI's durations). With addopts' `--dist loadfile --no-loadscope-reorder` the
+# xdist workers take units in this collection order, so these start first and the many short files
+# fill in around them at the end, where they even out when the workers finish; xdist's own reorder
+# (most tests first) left the Slurm file, with few tests and many minutes, for last. Keep it current
+# when a unit's share changes (`.ci/run` prints the slowest tests).
 LONGEST_FIRST = (
-    "tests/e2e/test_docs.py",
-    "tests/e2e/test_lora_e2e.py",
     "tests/sky/test_slurm_launch.py",
-    "tests/e2e/test_sweep_e2e.py",
+    "tests/e2e/test_docs.py::test_doc_commands_run[docs/eval.md]",
+    "tests/e2e/test_docs.py::test_doc_commands_run[README.md]",
+    "tests/e2e/test_lora_e2e.py",
+    "tests/e2e/test_docs.py::test_doc_commands_run[docs/finetune.md]",
     "tests/e2e/test_lifecycle.py",
     "tests/e2e/test_resume.py",
     "tests/e2e/test_sweep_search_e2e.py",
+    "tests/e2e/test_command_workload.py",
+    "tests/e2e/test_sweep_e2e.py",
+    "tests/e2e/test_docs.py::test_doc_commands_run[docs/resume.md]",
+    "tests/e2e/test_docs.py::test_doc_commands_run[docs/quickstart.md]",
+    "tests/e2e/test_docs.py::test_doc_commands_run[docs/workloads.md]",
     "tests/e2e/test_fault_close.py",
     "tests/e2e/test_eval_e2e.py",
     "tests/e2e/test_runs_local.py",
@@ -63,8 +77,9 @@ LONGEST_FIRST = (
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))  # stable: files keep their order
+    rank = {unit: i for i, unit in enumerate(LONGEST_FIRST)}
+    # stable: units keep their order; a documentation session not listed goes with its file's place
+    items.sort(key=lambda item: rank.get(work_unit(item.nodeid), rank.get(item.nodeid.split("::", 1)[0], len(rank))))
 
 
 def _split_cores_between_workers() -> None:

@@ -2,13 +2,12 @@
 MLflow server: a cluster launch followed by ``status``, ``logs``, lm-eval scores by a job of their
 own on the cluster (``llmctl eval RUN --tasks``) and ``down``; a managed job whose
 Slurm job is cancelled mid-run, recovered by SkyPilot and finished as one MLflow run (the bundled
-trainer, and a user's transformers script under ``workload=command``); and (opt-in,
-``LLMCTL_SLURM_SWEEP=1``: it adds ~9 min, and CI is over its time target) a sweep whose two trials
+trainer, and a user's transformers script under ``workload=command``); and a sweep whose two trials
 are managed jobs.
 
 Runs by default (CI runs it as root after .ci/run installs slurm-wlm, munge, openssh-server);
 ``--no-slurm`` or ``LLMCTL_SKIP_SLURM=1`` skips it locally. Missing prerequisites skip it with the
-reason, except under CI=true, where they fail it.
+reason, except under CI=true, where tests/ci_policy.py fails them.
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
-from helpers import mlflow_server, save_tiny_llama, skip_or_fail_in_ci
+from helpers import mlflow_server, save_tiny_llama
 from sky_helpers import run_cli
 from slurm_harness import CLUSTER, PARTITION, USER, Cluster, missing_prerequisites, slurm_cluster
 
@@ -51,7 +50,7 @@ def prerequisites(request: pytest.FixtureRequest) -> None:
             f"localhost Slurm harness needs: {', '.join(missing)} "
             "(apt-get install slurm-wlm munge openssh-server rsync; run as root)"
         )
-        skip_or_fail_in_ci(message)
+        pytest.skip(message)
 
 
 @pytest.fixture(scope="module")
@@ -461,10 +460,6 @@ def _tail(log: "object") -> str:
     return log.read()[-6000:]  # type: ignore[attr-defined]
 
 
-@pytest.mark.skipif(
-    os.environ.get("LLMCTL_SLURM_SWEEP") != "1",
-    reason="~9 min (two managed-job launches, one after the other); LLMCTL_SLURM_SWEEP=1 runs it",
-)
 def test_sweep_trials_run_as_managed_jobs_on_slurm(
     tracking_server: str, cluster: Cluster, tmp_path: Path, cli_env: dict[str, str]
 ) -> None:
