@@ -265,8 +265,8 @@ def _checkpoint(rdir: Path, min_step: int) -> tuple[Optional[int], list[str]]:
     import torch
 
     from workloads.pretrain.contract import config
-    from workloads.pretrain.contract.checkpoint_layout import latest_complete, step_dir
     from workloads.pretrain.evaluate import load_model
+    from workloads.protocol.checkpoint_layout import latest_complete, step_dir
 
     cfg = config.load(str(rdir / "config.yaml"))
     step = latest_complete(str(cfg.checkpoint.dir))

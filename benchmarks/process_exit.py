@@ -3,7 +3,7 @@
     python benchmarks/process_exit.py
 
 Every ``llmctl`` command and every trainer process ends through
-``workloads/pretrain/contract/process_exit.exit_process``: ``gc.freeze()``, then ``sys.exit``. This
+``workloads/protocol/process_exit.exit_process``: ``gc.freeze()``, then ``sys.exit``. This
 measures what that saves. Each contender is a fresh interpreter that imports what a launch's
 controller and worker hold (torch, MLflow with its SQLAlchemy store, pandas), opens a sqlite MLflow
 store, prints a marker and exits; the time from the marker to the process's end is its exit time:
@@ -39,7 +39,7 @@ print({mark!r}, flush=True)
 """
 EXITS = {
     "plain": "sys.exit(0)",
-    "frozen": "from workloads.pretrain.contract.process_exit import exit_process\nexit_process(0)",
+    "frozen": "from workloads.protocol.process_exit import exit_process\nexit_process(0)",
 }
 
 

@@ -642,7 +642,7 @@ def config_groups(config_dir: Optional[str] = ConfigDirOpt) -> None:
 
 
 def main() -> None:
-    from workloads.pretrain.contract.process_exit import exit_process
+    from workloads.protocol.process_exit import exit_process
 
     try:
         app(prog_name="llmctl")  # Typer ends with SystemExit

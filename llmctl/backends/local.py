@@ -132,7 +132,7 @@ def _attempt_header(handle: RunHandle) -> str:
     """The line ``output.log`` gets before each attempt's output: ``== attempt 2 (UTC start time) ==``."""
     from datetime import datetime, timezone
 
-    from workloads.pretrain.contract.protocol import ENV_ATTEMPT
+    from workloads.protocol.run_contract import ENV_ATTEMPT
 
     started = datetime.now(timezone.utc).isoformat(timespec="seconds")
     return f"== attempt {handle.attempt_env.get(ENV_ATTEMPT, '1')} ({started}) ==\n"

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Mapping, Optional
 
-from workloads.pretrain.contract.protocol import TAG_START_PREFIX
+from workloads.protocol.run_contract import TAG_START_PREFIX
 
 PREFIX = "llmctl.attempt."
 UNPRICED = "unpriced"  # an attempt's usd_per_hour when nobody priced its infra: not counted as $0

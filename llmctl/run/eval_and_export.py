@@ -34,7 +34,7 @@ from llmctl.errors import ConfigError, LaunchError
 from llmctl.tracking.logged_models import URI_PREFIX
 from llmctl.tracking.logged_models import resolve as resolve_model
 from workloads.pretrain.contract.hardware import cpu_threads
-from workloads.pretrain.contract.protocol import EXPORT_DTYPES, EXPORT_INFO
+from workloads.protocol.run_contract import EXPORT_DTYPES, EXPORT_INFO
 
 # ``data.*`` overrides of an existing run would change how its tokenizer was built; for eval they
 # name the data set to score instead, tokenized with the run's own tokenizer.
@@ -176,7 +176,7 @@ def check_checkpoint(t: Target) -> int:
     """The step to load is there and complete, before any worker starts: else exit 3 naming the
     steps that are (a step ``checkpoint.keep`` deleted, or one never saved, used to fail in the worker)."""
     from llmctl.tracking.mlflow_run import redact
-    from workloads.pretrain.contract.checkpoint_layout import list_checkpoints, split_step_dir
+    from workloads.protocol.checkpoint_layout import list_checkpoints, split_step_dir
 
     url = str(t.checkpoint or (t.cfg.get("checkpoint") or {}).get("dir") or "")
     if not url:

@@ -47,7 +47,7 @@ from llmctl.plan import data_check, task_check
 from llmctl.plan.job_plan import Plan
 from llmctl.tracking import mlflow_run as tracking
 from llmctl.tracking.mlflow_run import RunHandle
-from workloads.pretrain.contract.protocol import (
+from workloads.protocol.run_contract import (
     ENV_ATTEMPT,
     ENV_BILLING_START,
     ENV_MAX_COST,

@@ -14,8 +14,8 @@ from typing import Any, Callable, Optional
 
 from llmctl.errors import ConfigError
 from workloads.pretrain.contract import schedule
-from workloads.pretrain.contract.checkpoint_layout import latest_complete
 from workloads.pretrain.contract.config import typed
+from workloads.protocol.checkpoint_layout import latest_complete
 
 # groups whose sections are re-derived when changed; experiment/model cannot change under a checkpoint
 RESECTION = {"infra": ("infra", "parallel"), "parallel": ("parallel",), "data": ("data",), "train": ("train",)}

@@ -27,7 +27,7 @@ DEFAULT_EXPERIMENT_ID = 0
 def template_path() -> Path:
     import mlflow
 
-    from workloads.pretrain.contract.protocol import cache_home
+    from workloads.protocol.run_contract import cache_home
 
     return cache_home() / "mlflow-stores" / f"empty-mlflow-{mlflow.__version__}.db"
 

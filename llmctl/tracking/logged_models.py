@@ -46,7 +46,7 @@ def log_checkpoints(mc: Any, experiment_id: str, run_id: str, checkpoint_dir: Op
     from mlflow.utils.mlflow_tags import MLFLOW_MODEL_IS_EXTERNAL
 
     from llmctl.tracking.mlflow_run import redact
-    from workloads.pretrain.contract.checkpoint_layout import list_checkpoints, step_dir
+    from workloads.protocol.checkpoint_layout import list_checkpoints, step_dir
 
     if not checkpoint_dir:
         return []

@@ -28,7 +28,7 @@ T = TypeVar("T")
 @dataclass
 class RunHandle:
     """Everything a worker needs: the run the controller created, and this attempt's environment
-    (``workloads.pretrain.contract.protocol``: attempt number, budget guard inputs), set by the lifecycle."""
+    (``workloads.protocol.run_contract``: attempt number, budget guard inputs), set by the lifecycle."""
 
     uri: str
     run_id: str

@@ -303,7 +303,7 @@ def test_budget_stop_then_resume_with_a_larger_budget(cli_env: dict[str, str], t
 @pytest.mark.slow
 def test_resume_outcomes_in_one_run(cli_env: dict[str, str], tmp_path: Path) -> None:
     """One run, seven attempts: launch preempted, then a resume ending in each outcome in turn."""
-    from workloads.pretrain.contract.checkpoint_layout import latest_complete
+    from workloads.protocol.checkpoint_layout import latest_complete
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     loss_file = tmp_path / "losses.jsonl"

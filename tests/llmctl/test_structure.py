@@ -191,6 +191,8 @@ def test_every_backend_implements_the_whole_interface() -> None:
 CONTRACT = "workloads.pretrain.contract"
 # a user program's workload (``workload=command``): what llmctl and its node-side guard share
 COMMAND_CONTRACT = "workloads.command.contract"
+# what every workload speaks with its launcher, owned by none of them
+PROTOCOL = "workloads.protocol"
 
 
 def test_llmctl_imports_only_the_trainers_contract() -> None:
@@ -206,10 +208,39 @@ def test_llmctl_imports_only_the_trainers_contract() -> None:
     }
     assert any(m.startswith(CONTRACT + ".") for _, m in reached), "the scan sees llmctl's contract imports"
     assert any(m == COMMAND_CONTRACT for _, m in reached), "the scan sees the command contract's imports"
+    assert any(m.startswith(PROTOCOL + ".") for _, m in reached), "the scan sees the protocol's imports"
+    allowed = (CONTRACT + ".", PROTOCOL + ".")
     outside = sorted(
-        (name, m) for name, m in reached if m not in (CONTRACT, COMMAND_CONTRACT) and not m.startswith(CONTRACT + ".")
+        (name, m)
+        for name, m in reached
+        if m not in (CONTRACT, COMMAND_CONTRACT, PROTOCOL) and not m.startswith(allowed)
     )
-    assert outside == [], f"llmctl imports workload modules outside {CONTRACT} and {COMMAND_CONTRACT}: {outside}"
+    assert outside == [], (
+        f"llmctl imports workload modules outside {CONTRACT}, {PROTOCOL} and {COMMAND_CONTRACT}: {outside}"
+    )
+
+
+def test_the_command_workload_imports_nothing_of_the_trainer() -> None:
+    """A user's program runs under the protocol, not under the bundled trainer's package."""
+    mods = _modules("workloads/command")
+    reached = {(name, m) for name, path in mods.items() for m in _imports(path, name, set(_modules("workloads")))}
+    assert any(m.startswith(PROTOCOL + ".") for _, m in reached), "the scan sees the guard's protocol imports"
+    assert sorted((n, m) for n, m in reached if m.startswith("workloads.pretrain")) == []
+
+
+def test_the_protocol_is_stdlib_and_its_own() -> None:
+    """Every workload and llmctl import the protocol: nothing heavy, no workload's code."""
+    mods = _modules("workloads/protocol")
+    found = {m for name, path in mods.items() for m in _imports(path, name, set(_modules("workloads")))}
+    assert found, "the scan sees the protocol's imports"
+    foreign = sorted(
+        m
+        for m in found
+        if m.split(".")[0] not in sys.stdlib_module_names
+        and m not in ("__future__", "fsspec")
+        and not m.startswith(PROTOCOL)
+    )
+    assert foreign == [], f"the protocol imports {foreign}"
 
 
 def test_the_command_contract_is_stdlib() -> None:
@@ -249,7 +280,10 @@ def test_the_contract_check_can_fail(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "module", sorted(_modules("workloads/pretrain/contract")) + ["llmctl.cli", "llmctl.config.root_schema"]
+    "module",
+    sorted(_modules("workloads/pretrain/contract"))
+    + sorted(_modules("workloads/protocol"))
+    + ["llmctl.cli", "llmctl.config.root_schema"],
 )
 def test_contract_modules_import_no_heavy_dependency(module: str) -> None:
     """What the CLI reads at start-up and what a launcher reads of the trainer's contract costs

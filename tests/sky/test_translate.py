@@ -14,7 +14,7 @@ from sky_helpers import REMOTE_URI
 
 from llmctl.backends.sky import task as sky_task
 from llmctl.config.compose import compose
-from workloads.pretrain.contract.protocol import ATTEMPT_ENVS
+from workloads.protocol.run_contract import ATTEMPT_ENVS
 
 
 def _task(overrides: list[str], environ: dict[str, str] | None = None, **kwargs: Any) -> tuple[dict[str, Any], Any]:

@@ -17,9 +17,9 @@ import torch
 
 from workloads.pretrain.checkpoint.dcp import Checkpointer
 from workloads.pretrain.components.optim import build_optimizer
-from workloads.pretrain.contract.checkpoint_layout import MARKER, latest_complete, list_checkpoints
 from workloads.pretrain.data import Sampler
 from workloads.pretrain.model.transformer import build_model
+from workloads.protocol.checkpoint_layout import MARKER, latest_complete, list_checkpoints
 
 SHORT = {"train.steps": 6, "train.log_every": 1, "train.val_every": 3}
 ONE_PROCESS = SimpleNamespace(rank=0, world_size=1)

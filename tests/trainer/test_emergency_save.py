@@ -22,9 +22,9 @@ from workloads.pretrain.checkpoint.dcp import Checkpointer
 from workloads.pretrain.components import preempt
 from workloads.pretrain.components.optim import build_optimizer
 from workloads.pretrain.components.test_hooks import CKPT_PAUSE_ENV
-from workloads.pretrain.contract.checkpoint_layout import MARKER
 from workloads.pretrain.data import Sampler
 from workloads.pretrain.model.transformer import build_model
+from workloads.protocol.checkpoint_layout import MARKER
 
 ONE_PROCESS = SimpleNamespace(rank=0, world_size=1)
 PAUSE_S = 0.5

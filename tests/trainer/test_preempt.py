@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from workloads.pretrain.contract.checkpoint_layout import list_checkpoints
+from workloads.protocol.checkpoint_layout import list_checkpoints
 
 REPO = Path(__file__).resolve().parents[2]
 SHORT = {"train.steps": 400, "train.log_every": 1, "train.val_every": 0, "checkpoint.every": 3}

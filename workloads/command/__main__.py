@@ -3,7 +3,7 @@
 import sys
 
 from workloads.command.guard import main
-from workloads.pretrain.contract.process_exit import exit_process
+from workloads.protocol.process_exit import exit_process
 
 if __name__ == "__main__":
     exit_process(main(sys.argv[1:]))

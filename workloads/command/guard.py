@@ -38,7 +38,7 @@ from workloads.command.contract import (
     program,
     python_target,
 )
-from workloads.pretrain.contract.protocol import (
+from workloads.protocol.run_contract import (
     ENV_ATTEMPT,
     ENV_BILLING_START,
     ENV_MAX_COST,

@@ -1,7 +1,7 @@
 """``python -m workloads.pretrain`` / ``torchrun ... -m workloads.pretrain``."""
 
-from workloads.pretrain.contract.process_exit import exit_process
 from workloads.pretrain.train import main
+from workloads.protocol.process_exit import exit_process
 
 if __name__ == "__main__":
     exit_process(main())

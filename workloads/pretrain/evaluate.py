@@ -49,7 +49,13 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 
-from workloads.pretrain.contract.checkpoint_layout import (
+from workloads.pretrain.contract.config import parse_args
+from workloads.pretrain.contract.hardware import cpu_threads
+from workloads.pretrain.contract.schema import ModelCfg, TrainerCfg
+from workloads.pretrain.data import EOT, Corpus, Windows, load_texts, prepare_corpus, val_batches
+from workloads.pretrain.model.losses import IGNORE_INDEX
+from workloads.pretrain.model.transformer import Transformer, build_model
+from workloads.protocol.checkpoint_layout import (
     MARKER,
     fs_and_path,
     join,
@@ -57,13 +63,7 @@ from workloads.pretrain.contract.checkpoint_layout import (
     split_step_dir,
     step_dir,
 )
-from workloads.pretrain.contract.config import parse_args
-from workloads.pretrain.contract.hardware import cpu_threads
-from workloads.pretrain.contract.protocol import EXPORT_DTYPES, EXPORT_INFO
-from workloads.pretrain.contract.schema import ModelCfg, TrainerCfg
-from workloads.pretrain.data import EOT, Corpus, Windows, load_texts, prepare_corpus, val_batches
-from workloads.pretrain.model.losses import IGNORE_INDEX
-from workloads.pretrain.model.transformer import Transformer, build_model
+from workloads.protocol.run_contract import EXPORT_DTYPES, EXPORT_INFO
 
 # ----------------------------------------------------------------------------- checkpoint
 
@@ -436,6 +436,6 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    from workloads.pretrain.contract.process_exit import exit_process
+    from workloads.protocol.process_exit import exit_process
 
     exit_process(main())

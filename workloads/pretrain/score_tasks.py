@@ -52,6 +52,6 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    from workloads.pretrain.contract.process_exit import exit_process
+    from workloads.protocol.process_exit import exit_process
 
     exit_process(main())

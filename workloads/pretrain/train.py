@@ -45,7 +45,6 @@ from workloads.pretrain.components.test_hooks import LossFile
 from workloads.pretrain.contract import shape
 from workloads.pretrain.contract.config import parse_args
 from workloads.pretrain.contract.hardware import cpu_threads
-from workloads.pretrain.contract.protocol import EXIT_CONFIG, EXIT_PREEMPTED
 from workloads.pretrain.contract.schema import TrainerCfg
 from workloads.pretrain.contract.validate import ConfigError
 from workloads.pretrain.data import Sampler, prepare_corpus, val_batches
@@ -61,6 +60,7 @@ from workloads.pretrain.parallel.parallelize import (
     parallelize,
     set_gradient_sync,
 )
+from workloads.protocol.run_contract import EXIT_CONFIG, EXIT_PREEMPTED
 
 # ----------------------------------------------------------------------------- config
 

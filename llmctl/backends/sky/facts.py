@@ -25,7 +25,7 @@ FILE_NAME = "sky-facts.json"
 
 
 def cache_file() -> Path:
-    from workloads.pretrain.contract.protocol import cache_home
+    from workloads.protocol.run_contract import cache_home
 
     return cache_home() / FILE_NAME
 

@@ -47,7 +47,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from workloads.pretrain.components import test_hooks
-from workloads.pretrain.contract.checkpoint_layout import (
+from workloads.pretrain.contract.schema import TrainerCfg
+from workloads.protocol.checkpoint_layout import (
     MARKER,
     fs_and_path,
     join,
@@ -55,7 +56,6 @@ from workloads.pretrain.contract.checkpoint_layout import (
     list_checkpoints,
     step_dir,
 )
-from workloads.pretrain.contract.schema import TrainerCfg
 
 # a one-process run saves without a process group on purpose (no_dist=True); DCP warns on every save
 warnings.filterwarnings(

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from workloads.pretrain.components.preempt import AGREE_EVERY, scope
-from workloads.pretrain.contract.protocol import ENV_BILLING_START, ENV_MAX_COST, ENV_PRICE, ENV_SPENT, TAG_BUDGET_STOP
+from workloads.protocol.run_contract import ENV_BILLING_START, ENV_MAX_COST, ENV_PRICE, ENV_SPENT, TAG_BUDGET_STOP
 
 RESERVE_S = 5.0  # at least this long is kept for the last validation pass and the checkpoint save
 

@@ -34,7 +34,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from workloads.pretrain.contract.protocol import (
+from workloads.protocol.run_contract import (
     ENV_ATTEMPT,
     TAG_COMPLETED,
     TAG_PREEMPTED,
@@ -126,7 +126,7 @@ class Preemption:
 PREEMPTION = Preemption()
 
 # which start of the workload this process is (``on_start`` adds its k): every fact it records names
-# it, so a launcher never reads an earlier start's preemption as this one's (contract/protocol.py)
+# it, so a launcher never reads an earlier start's preemption as this one's (workloads/protocol/run_contract.py)
 THIS_START: dict[str, Any] = {}
 
 

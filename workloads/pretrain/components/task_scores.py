@@ -31,8 +31,8 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
-from workloads.pretrain.contract.checkpoint_layout import step_dir
 from workloads.pretrain.contract.lm_eval_tasks import harness_command, log_scores
+from workloads.protocol.checkpoint_layout import step_dir
 
 SCORING_TIMEOUT = timedelta(hours=6)  # how long the other ranks wait for rank 0's scoring
 

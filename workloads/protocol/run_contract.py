@@ -1,6 +1,7 @@
-"""The trainer's run contract with whoever launches it, besides the config: the environment it reads,
-the MLflow tags it writes (facts, never bills) and its exit codes. Stdlib only, so a launcher
-(llmctl) imports these names instead of spelling them a second time.
+"""A workload's run contract with whoever launches it, besides the config: the environment it reads,
+the MLflow tags it writes (facts, never bills) and its exit codes. The bundled trainer and the
+command workload's guard both write these; stdlib only, so a launcher (llmctl) imports these names
+instead of spelling them a second time.
 
 Environment (all optional; the trainer runs without any of them):
 

@@ -1,0 +1,7 @@
+"""The protocol every workload speaks with its launcher, owned by no one workload: the environment it
+reads, the MLflow tags it writes, its exit codes, where its checkpoints live and how its processes end.
+
+The bundled trainer (``workloads.pretrain``) and a user's program under the command workload
+(``workloads.command``) both speak it, and llmctl reads it; so it imports the standard library only
+(and fsspec, for the checkpoint layout), never torch and never one workload's code.
+"""
