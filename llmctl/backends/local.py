@@ -27,13 +27,21 @@ from llmctl.config.launcher_checks import resolve_layout
 from llmctl.config.root_schema import InfraCfg
 from llmctl.config.workload import is_command
 from llmctl.controller import progress, test_hooks
-from llmctl.controller.procs import Interrupted, note_stop_request, same_process, signal_tree, start_time
+from llmctl.controller.procs import (
+    Interrupted,
+    note_stop_request,
+    same_process,
+    signal_ranks,
+    signal_tree,
+    start_time,
+)
 from llmctl.controller.workdir import JOB_END_FILE, read_json, run_dir, update_json
 from llmctl.errors import ConfigError, LaunchError
 from llmctl.plan.devices import local_gpu_count, this_machine
 from llmctl.plan.job_plan import Plan
 from llmctl.tracking.mlflow_run import RunHandle
 from workloads.pretrain.contract.hardware import cpu_threads
+from workloads.protocol.run_contract import ENV_ELASTIC_SHUTDOWN, elastic_shutdown_timeout
 
 CONFIG_PLACEHOLDER = "<run-dir>/config.yaml"
 STOP_GRACE_S = 15.0
@@ -145,6 +153,8 @@ def _worker_env(plan: Plan, handle: RunHandle, rdir: Path) -> dict[str, str]:
     env["LLMCTL_RUN_DIR"] = str(rdir)
     if plan.nproc_per_node > 1 and not local_gpu_count():  # torchrun would set 1 thread each
         env.setdefault("OMP_NUM_THREADS", str(cpu_threads(plan.nproc_per_node)))
+    grace_s = float((plan.cfg.get("checkpoint") or {}).get("preempt_grace_s") or 0)
+    env[ENV_ELASTIC_SHUTDOWN] = elastic_shutdown_timeout(grace_s)  # a stop torchrun gets itself (torch >= 2.12)
     # the workload imports `workloads` from the same tree as this llmctl, installed or not
     root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
@@ -163,12 +173,13 @@ def _stop(proc: subprocess.Popen[Any]) -> None:
             continue
 
 
-def _forward_sigterm(proc: subprocess.Popen[Any], grace_s: float) -> Any:
-    """SIGTERM to the controller (``llmctl down``) = preemption: pass it to torchrun and the workers,
-    which checkpoint and exit 75 (docs/resume.md); keep teeing their output. SIGHUP (the SSH session
-    or terminal llmctl ran in is gone) is taken the same way: the workers, in sessions of their own,
-    never see it, and get the SIGTERM. Past the grace period (or on a second stop signal) stop them
-    the hard way: the run then ends killed, not preempted."""
+def _forward_sigterm(proc: subprocess.Popen[Any], grace_s: float, torchrun: bool) -> Any:
+    """SIGTERM to the controller (``llmctl down``) = preemption: pass it to the workers, which
+    checkpoint and exit 75 (docs/resume.md); keep teeing their output. Under torchrun it goes to the
+    ranks themselves, not to the agent, which would cut their save at its own shutdown timeout.
+    SIGHUP (the SSH session or terminal llmctl ran in is gone) is taken the same way: the workers, in
+    sessions of their own, never see it, and get the SIGTERM. Past the grace period (or on a second
+    stop signal) stop them the hard way: the run then ends killed, not preempted."""
     import threading
 
     state: dict[str, Any] = {}
@@ -180,10 +191,15 @@ def _forward_sigterm(proc: subprocess.Popen[Any], grace_s: float) -> Any:
         # before anything else: a second SIGTERM can run this handler again inside this call, and
         # must then find the first one recorded (else it only repeats the forward)
         state["forwarded"] = True
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-        except ProcessLookupError:
+        if proc.poll() is not None:
             return
+        if torchrun:
+            signal_ranks(proc.pid, signal.SIGTERM)
+        else:
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                return
         state["timer"] = threading.Timer(grace_s + STOP_GRACE_S, lambda: _stop(proc))
         state["timer"].daemon = True
         state["timer"].start()
@@ -281,7 +297,7 @@ class LocalBackend:
             pids.update({f"{k}_start": t for k, t in ((k, start_time(p)) for k, p in pids.items()) if t is not None})
             (rdir / PIDS_FILE).write_text(json.dumps(pids))
             grace = float(plan.cfg["checkpoint"].get("preempt_grace_s") or 0)
-            forward = _forward_sigterm(proc, grace)
+            forward = _forward_sigterm(proc, grace, torchrun="torch.distributed.run" in cmd)
             stops = [signal.SIGTERM]
             if signal.getsignal(signal.SIGHUP) != signal.SIG_IGN:  # nohup: told to outlive the terminal
                 stops.append(signal.SIGHUP)

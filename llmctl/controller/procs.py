@@ -148,6 +148,23 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def signal_ranks(agent: int, sig: int) -> None:
+    """``sig`` to each rank torchrun's agent ``agent`` started (each leads a session of its own), not
+    to the agent: the agent, stopped itself, SIGKILLs its ranks after its shutdown timeout (30 s on
+    torch 2.11), however long the grace promised. While no rank runs yet, the agent gets it."""
+    import psutil
+
+    try:
+        ranks = [child.pid for child in psutil.Process(agent).children()]
+    except psutil.NoSuchProcess:
+        return
+    for group in ranks or [agent]:
+        try:
+            os.killpg(group, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
 def signal_tree(pid: int, sig: int) -> None:
     """Send ``sig`` to ``pid``'s process group and to every descendant (workers in own sessions)."""
     targets = descendants(pid)

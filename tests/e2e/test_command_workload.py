@@ -23,10 +23,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from helpers import assert_outcome, mlflow_client, mlflow_runs, run_cli, save_tiny_llama
 
+from llmctl.cost import ledger
 from llmctl.run.lifecycle import Outcome
 
 pytestmark = pytest.mark.slow
@@ -253,3 +255,100 @@ def test_bad_input_is_one_line_and_creates_nothing(
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 3 and needle in lines[-1] and "Fix: " in lines[-1], out.stderr[-2000:]
     assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "llmctl-runs").exists()
+
+
+# --------------------------------------------------------------------------- every rank's fate
+
+
+def _fates_launch(tmp_path: Path, cli_env: dict[str, str], fate: str, *extra: str) -> subprocess.Popen[str]:
+    _here(tmp_path, "fates.py")
+    args = [
+        "launch",
+        "workload=command",
+        f"workload.run=python fates.py --fate {fate}",
+        "workload.torchrun=true",
+        "infra.nproc_per_node=2",
+        *extra,
+    ]
+    return subprocess.Popen(
+        [sys.executable, "-m", "llmctl", *args],
+        cwd=tmp_path,
+        env=cli_env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+
+
+def _both_ranks_ready(tmp_path: Path) -> str:
+    runs_dir = tmp_path / "llmctl-runs"
+
+    def ready() -> bool:
+        logs = list(runs_dir.glob("*/output.log")) if runs_dir.is_dir() else []
+        return bool(logs) and all(f"fates | rank {r} ready" in logs[0].read_text() for r in (0, 1))
+
+    _wait_for(ready, 240, "both ranks ready")
+    return next(p.name for p in runs_dir.iterdir() if (p / "output.log").is_file())
+
+
+def _stopped_by_down(tmp_path: Path, cli_env: dict[str, str], launch: subprocess.Popen[str], wait_s: float) -> str:
+    try:
+        rid = _both_ranks_ready(tmp_path)
+        down = run_cli(["down", rid], tmp_path, cli_env)
+        assert down.returncode == 0, down.stdout + down.stderr
+        out, _ = launch.communicate(timeout=wait_s)
+    finally:
+        if launch.poll() is None:
+            launch.kill()
+    return out
+
+
+def _assert_saved_stop(tmp_path: Path, code: int) -> Any:
+    """The run as a command workload's saved stop leaves it: KILLED, exit 75, resumable, attempt closed."""
+    assert code == 75
+    run = _the_run(tmp_path)
+    status = run.data.tags["llmctl.status"]
+    assert run.info.status == "KILLED", status
+    assert status.startswith("stopped by llmctl down after the program saved its state (exit 75)"), status
+    assert json.loads(run.data.tags["llmctl.preempted"])["saved"] is True
+    [attempt] = ledger.attempts(run.data.tags)
+    assert attempt.end is not None and attempt.end >= attempt.start
+    return run
+
+
+def test_a_rank_killed_by_a_signal_fails_the_run_though_the_other_saved(
+    cli_env: dict[str, str], tmp_path: Path
+) -> None:
+    """Rank 1 SIGKILLed, rank 0 then stopped by torchrun saves and exits 75: a crash, not a preemption."""
+    launch = _fates_launch(tmp_path, cli_env, "sigkill")
+    try:
+        out, _ = launch.communicate(timeout=300)
+    finally:
+        if launch.poll() is None:
+            launch.kill()
+    assert launch.returncode == 1, out[-3000:]
+    assert "rank 1 was killed by SIGKILL" in out, out[-3000:]
+    run = _the_run(tmp_path)
+    assert_outcome(f"sqlite:///{tmp_path / 'mlflow.db'}", run.info.run_id, Outcome.FAILED, launch.returncode, 1)
+    assert "llmctl.preempted" not in run.data.tags and "llmctl resume" not in out
+    assert "fates | rank 0 saved" in (tmp_path / "llmctl-runs" / run.info.run_id / "output.log").read_text()
+
+
+def test_os_exit_75_on_every_rank_after_a_stop_is_a_saved_stop(cli_env: dict[str, str], tmp_path: Path) -> None:
+    launch = _fates_launch(tmp_path, cli_env, "os_exit")
+    out = _stopped_by_down(tmp_path, cli_env, launch, 120)
+    assert launch.returncode == 75, out[-3000:]
+    _assert_saved_stop(tmp_path, launch.returncode)
+
+
+def test_a_save_longer_than_torchruns_shutdown_timeout_gets_the_promised_grace(
+    cli_env: dict[str, str], tmp_path: Path
+) -> None:
+    """A 40 s save under ``preempt_grace_s=90``: torchrun's agent would SIGKILL the ranks 30 s after a
+    stop it passed on; the guard stops the ranks itself, so the save completes."""
+    launch = _fates_launch(tmp_path, cli_env, "slow_save --save-s 40", "checkpoint.preempt_grace_s=90")
+    out = _stopped_by_down(tmp_path, cli_env, launch, 300)
+    assert launch.returncode == 75, out[-3000:]
+    run = _assert_saved_stop(tmp_path, launch.returncode)
+    log = (tmp_path / "llmctl-runs" / run.info.run_id / "output.log").read_text()
+    assert "fates | rank 0 saved" in log and "fates | rank 1 saved" in log, log[-3000:]

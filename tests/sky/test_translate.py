@@ -271,3 +271,19 @@ def test_a_score_job_runs_the_scorer_in_one_process(sky_home: Path, tmp_path: Pa
             f"{tmp_path}/.llmctl/runs/abc123/config.yaml",
             *flag,
         ]
+
+
+COMMAND_TORCHRUN = ["workload=command", "workload.run=python train.py", "workload.torchrun=true"]
+
+
+@pytest.mark.parametrize("workload", [[], COMMAND_TORCHRUN], ids=["trainer", "command"])
+def test_torchrun_on_the_nodes_honours_the_promised_grace(
+    workload: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torchrun's agent, stopped on a node (Slurm, SkyPilot), SIGKILLs its ranks after its shutdown
+    timeout, 30 s by default: the nodes get one past ``checkpoint.preempt_grace_s`` (torch >= 2.12
+    reads it)."""
+    (tmp_path / "train.py").write_text("print('hi')\n")
+    monkeypatch.chdir(tmp_path)
+    _, task = _task(["infra=lambda", "checkpoint.preempt_grace_s=120", *workload])
+    assert int(task.envs["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"]) > 120

@@ -9,10 +9,16 @@
   earlier spend); the program gets SIGTERM when the spend, plus its grace period and a reserve,
   would pass the limit, and the run is tagged ``llmctl.budget_stop``: the controller closes it
   FINISHED with exit 4, as for the trainer.
-- **The exit**: 75 ("stopped with state saved"; per rank under torchrun, ``rank``) tags the run
-  ``llmctl.preempted``; the guard exits with the program's code (0 after a budget stop).
+- **The exit**: under torchrun, what every rank on this node really did (``rank`` records each
+  one's exit code or killing signal): a rank killed by a signal, or ending with any code but 0 or
+  75, fails the attempt (exit 1 for a signal), whatever the others said; 75 ("stopped with state
+  saved") only when every rank ended 0 or 75 on its own. 75 tags the run ``llmctl.preempted``; the
+  guard exits with the program's code (0 after a budget stop).
 
-The program runs in a session of its own, so a signal reaches it once, from here.
+The program runs in a session of its own, so a signal reaches it once, from here. Under torchrun
+the stop goes to the ranks themselves, not to torchrun's agent: the agent would pass it on and
+SIGKILL the ranks after its own shutdown timeout (30 s on torch 2.11), shorter than the grace
+promised; the ranks get the whole grace (``checkpoint.preempt_grace_s``) and then the hard kill.
 """
 
 from __future__ import annotations
@@ -29,6 +35,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+import psutil
+
 from workloads.command.contract import (
     ENV_CHECKPOINT_DIR,
     ENV_EXIT_DIR,
@@ -41,18 +49,20 @@ from workloads.command.contract import (
 from workloads.protocol.run_contract import (
     ENV_ATTEMPT,
     ENV_BILLING_START,
+    ENV_ELASTIC_SHUTDOWN,
     ENV_MAX_COST,
     ENV_PRICE,
     ENV_SPENT,
     EXIT_PREEMPTED,
+    KILL_AFTER_GRACE_S,
     TAG_BUDGET_STOP,
     TAG_PREEMPTED,
     TAG_START_PREFIX,
     TAG_TASK_ID,
+    elastic_shutdown_timeout,
 )
 
 RESERVE_S = 5.0  # kept beyond the grace period: the program's last save may run a little long
-KILL_AFTER_GRACE_S = 15.0
 STOPS = (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
 
 
@@ -106,6 +116,9 @@ class Guard:
         env[ENV_RESUME] = "1" if (self.start or self.attempt) > 1 else "0"
         env[ENV_STOP_GRACE] = f"{self.grace:g}"
         env[ENV_EXIT_DIR] = self.exit_dir
+        # torch >= 2.12's agent waits this long for its ranks after a stop it received itself (a
+        # scheduler signalling every process); torch 2.11 ignores it, and gets the stop from here
+        env[ENV_ELASTIC_SHUTDOWN] = elastic_shutdown_timeout(self.grace)
         env.setdefault("PYTHONUNBUFFERED", "1")
         return env
 
@@ -149,16 +162,47 @@ class Guard:
     # ------------------------------------------------------------------ stops
 
     def _signal_program(self, sig: int) -> None:
-        if self.proc is not None and self.proc.poll() is None:
+        """``sig`` to the program: under torchrun to each rank's process group (torchrun starts every
+        rank in a session of its own) and only to the agent while no rank runs yet; else to the
+        program's group."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        groups = [self.proc.pid]
+        if self.workload.get("torchrun"):
             try:
-                os.killpg(self.proc.pid, sig)
+                ranks = [child.pid for child in psutil.Process(self.proc.pid).children()]
+            except psutil.NoSuchProcess:
+                ranks = []
+            groups = ranks or groups
+        for group in groups:
+            try:
+                os.killpg(group, sig)
             except ProcessLookupError:
+                pass
+
+    def _kill_everything(self) -> None:
+        """Past the grace period: SIGKILL to the program, torchrun's agent and every process below."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            below = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            below = []
+        for pgid in {self.proc.pid, *(p.pid for p in below)}:
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        for proc in below:
+            try:
+                proc.kill()
+            except psutil.NoSuchProcess:
                 pass
 
     def _stop_program(self) -> None:
         """SIGTERM now, SIGKILL if it is still running past the grace period."""
         self._signal_program(signal.SIGTERM)
-        timer = threading.Timer(self.grace + KILL_AFTER_GRACE_S, self._signal_program, (signal.SIGKILL,))
+        timer = threading.Timer(self.grace + KILL_AFTER_GRACE_S, self._kill_everything)
         timer.daemon = True
         timer.start()
 
@@ -195,20 +239,46 @@ class Guard:
 
     # ------------------------------------------------------------------ the exit
 
+    def rank_fates(self) -> dict[int, dict[str, Optional[int]]]:
+        """Each rank's record on this node (``rank``): ``{"code": int|None, "signal": int|None}``."""
+        fates = {}
+        for path in Path(self.exit_dir).glob("rank-*"):
+            try:
+                fates[int(path.name.split("-", 1)[1])] = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue  # a record cut short: that rank's fate is unknown, counted as lost below
+        return fates
+
     def program_code(self, code: int) -> int:
-        """The program's exit: under torchrun each rank's own (75 if every rank that ended on its own
-        said so), else the process's (a signal's death as 128 + its number)."""
+        """The program's exit. Without torchrun, the process's (a signal's death as 128 + its
+        number). Under torchrun, every local rank's real ending: a rank killed by a signal fails
+        the attempt (1), a rank with no record (killed together with its worker) too, any other
+        code but 0 or 75 is the attempt's; 75 only when every rank ended 0 or 75 and one said 75.
+        torchrun's own code counts when the ranks ended well but it did not (a rendezvous failed)."""
         if code < 0:
             code = 128 - code
         if not self.workload.get("torchrun"):
             return code
-        ranks = [int(p.read_text() or 1) for p in Path(self.exit_dir).glob("rank-*")]
-        if not ranks:
-            return code
-        failed = [c for c in ranks if c not in (0, EXIT_PREEMPTED)]
-        if failed:
-            return failed[0]
-        return EXIT_PREEMPTED if EXIT_PREEMPTED in ranks else (0 if code == 0 else code)
+        fates = self.rank_fates()
+        if not fates:
+            return code  # no rank started (torchrun itself failed): its code and its log say why
+        problems = [
+            f"rank {rank} was killed by {signal.Signals(fate['signal']).name}"
+            if fate.get("signal")
+            else f"rank {rank} exited {fate.get('code')}"
+            for rank, fate in sorted(fates.items())
+            if fate.get("signal") or fate.get("code") not in (0, EXIT_PREEMPTED)
+        ]
+        lost = self.nproc - len(fates)
+        if lost > 0:
+            problems.append(f"{lost} rank(s) ended without a record (killed together with their torchrun worker)")
+        if problems:
+            print(f"program | failed: {'; '.join(problems)}", file=sys.stderr, flush=True)
+            codes = [f["code"] for _, f in sorted(fates.items()) if f.get("code") not in (None, 0, EXIT_PREEMPTED)]
+            return int(codes[0]) if len(codes) == len(problems) else 1  # a signal or a lost rank: 1
+        if any(fate.get("code") == EXIT_PREEMPTED for fate in fates.values()):
+            return EXIT_PREEMPTED
+        return code
 
     def run(self) -> int:
         self.record_start()

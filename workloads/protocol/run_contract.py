@@ -30,6 +30,7 @@ with state saved, 130 SIGINT. torchrun reports any non-zero worker exit as 1, so
 the tags, not the code, to tell a preemption from a failure.
 """
 
+import math
 import os
 from pathlib import Path
 
@@ -61,3 +62,14 @@ EXPORT_DTYPES = ("bf16", "fp16", "fp32")
 
 EXIT_CONFIG = 2
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped on request with state saved; a resume continues it
+
+# torchrun's agent, stopped itself (a scheduler signalling every process), stops its ranks and SIGKILLs
+# them after its shutdown timeout: 30 s by default, shorter than a longer checkpoint.preempt_grace_s.
+# torch >= 2.12 reads this variable; torch 2.11 does not, so launchers stop the ranks, not the agent.
+ENV_ELASTIC_SHUTDOWN = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
+KILL_AFTER_GRACE_S = 15.0  # past the grace, before a launcher's hard kill: a save's last write and exit
+
+
+def elastic_shutdown_timeout(grace_s: float) -> str:
+    """``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` that honours a grace of ``grace_s`` seconds (whole seconds)."""
+    return str(math.ceil(grace_s + KILL_AFTER_GRACE_S))

@@ -17,6 +17,7 @@ from typing import Any, Mapping, Optional
 from llmctl.backends.sky.settings import SkySettings
 from llmctl.config.workload import is_command
 from llmctl.errors import ConfigError
+from workloads.protocol.run_contract import ENV_ELASTIC_SHUTDOWN, elastic_shutdown_timeout
 
 RUN_ID_PLACEHOLDER = "<run-id>"
 BUCKET_MOUNT = "/llmctl-ckpt"
@@ -184,12 +185,15 @@ def task_config(
     the plan's (``score``: lm-eval on one checkpoint, one node, ``parallelize`` over its GPUs)."""
     infra = settings or SkySettings.from_cfg(cfg)
     secrets = secrets_from(os.environ if environ is None else environ, tracking_uri)
+    grace_s = float((cfg.get("checkpoint") or {}).get("preempt_grace_s") or 0)
     envs = {
         "LLMCTL_RUN_ID": run_id,
         "MLFLOW_RUN_ID": run_id,
         "MLFLOW_EXPERIMENT_ID": experiment_id,
         "PYTHONUNBUFFERED": "1",
         "LLMCTL_PIP_ARGS": str(infra.pip_args or ""),
+        # torchrun on the nodes gets stops itself (SkyPilot, Slurm): torch >= 2.12 then honours the grace
+        ENV_ELASTIC_SHUTDOWN: elastic_shutdown_timeout(grace_s),
     }
     ev = cfg.get("eval") or {}
     if ev.get("tasks"):  # eval.tasks, or a score job: the nodes score checkpoints with lm-eval
