@@ -158,16 +158,16 @@ def launch(plan: Plan, *, max_cost: Optional[float], say: Say, ignore_memory_pla
     backend.preflight(plan)
     data_check.check_plan(plan, say)  # bad records, no files, a validation split too short: refused now
     task_check.check_plan(plan)  # eval.tasks: known lm-eval tasks whose data can be read
-    handle = tracking.create_run(plan.cfg, plan.choices)
-    attempt = _open_attempt(handle, plan, max_cost, spent=0.0, from_step=0, first=True)
     return _run(
         plan,
         backend,
-        handle,
-        attempt,
+        lambda: tracking.create_run(plan.cfg, plan.choices),
+        lambda handle: _open_attempt(handle, plan, max_cost, spent=0.0, from_step=0, first=True),
         new_run=True,
         say=say,
-        banner=f"llmctl: run {handle.run_id} on {plan.where}, {plan.world_size} process(es) on {plan.device}",
+        banner=lambda handle, attempt: (
+            f"llmctl: run {handle.run_id} on {plan.where}, {plan.world_size} process(es) on {plan.device}"
+        ),
     )
 
 
@@ -176,17 +176,22 @@ def trial(
 ) -> int:
     """One sweep trial, in the run its supervisor created (preflight ran when the sweep started)."""
     backend = backend_for(plan.backend)
-    tracking.client(handle.uri).update_run(handle.run_id, status="RUNNING")
-    attempt = _open_attempt(handle, plan, max_cost, spent=0.0, from_step=0, first=True)
+
+    def reopen() -> RunHandle:
+        tracking.client(handle.uri).update_run(handle.run_id, status="RUNNING")
+        return handle
+
     return _run(
         plan,
         backend,
-        handle,
-        attempt,
+        reopen,
+        lambda handle: _open_attempt(handle, plan, max_cost, spent=0.0, from_step=0, first=True),
         new_run=True,
         say=say,
         workload_out=workload_out,
-        banner=f"run {handle.run_id} on {plan.where}, {plan.world_size} process(es) on {plan.device}",
+        banner=lambda handle, attempt: (
+            f"run {handle.run_id} on {plan.where}, {plan.world_size} process(es) on {plan.device}"
+        ),
     )
 
 
@@ -220,26 +225,29 @@ def resume(
     budget = max_cost if max_cost is not None else (float(stored) if stored else None)
     hooks.check_budget(remaining, budget, spent, rid)  # refuse before the run is touched
 
-    # the previous attempt ends where its controller left it; what it was stays on its tags
-    status = (run.data.tags.get("llmctl.status") or run.info.status.lower())[:500]
-    ledger.close_open(mc, rid, previous_end, status)
-    for tag in (TAG_PREEMPTED, TAG_BUDGET_STOP, TAG_COMPLETED, TAG_STOP_REQUEST):  # the previous attempt's facts
-        if tag in run.data.tags:
-            mc.delete_tag(rid, tag)
-    if max_cost is not None:
-        mc.set_tag(rid, hooks.TAG_MAX_COST, f"{max_cost:.2f}")
-    mc.update_run(rid, status="RUNNING")
-    handle = RunHandle(uri=uri, run_id=rid, experiment_id=run.info.experiment_id)
-    attempt = _open_attempt(handle, plan, budget, spent=spent, from_step=from_step or 0, first=False)
+    def reopen() -> RunHandle:
+        # the previous attempt ends where its controller left it; what it was stays on its tags
+        status = (run.data.tags.get("llmctl.status") or run.info.status.lower())[:500]
+        ledger.close_open(mc, rid, previous_end, status)
+        for tag in (TAG_PREEMPTED, TAG_BUDGET_STOP, TAG_COMPLETED, TAG_STOP_REQUEST):  # the previous attempt's facts
+            if tag in run.data.tags:
+                mc.delete_tag(rid, tag)
+        if max_cost is not None:
+            mc.set_tag(rid, hooks.TAG_MAX_COST, f"{max_cost:.2f}")
+        mc.update_run(rid, status="RUNNING")
+        return RunHandle(uri=uri, run_id=rid, experiment_id=run.info.experiment_id)
+
     return _run(
         plan,
         backend,
-        handle,
-        attempt,
+        reopen,
+        lambda handle: _open_attempt(handle, plan, budget, spent=spent, from_step=from_step or 0, first=False),
         new_run=False,
         say=say,
-        banner=f"llmctl: resuming run {rid} (attempt {attempt.n}) {where} on {plan.where},"
-        f" {plan.world_size} process(es) on {plan.device}",
+        banner=lambda handle, attempt: (
+            f"llmctl: resuming run {rid} (attempt {attempt.n}) {where} on {plan.where},"
+            f" {plan.world_size} process(es) on {plan.device}"
+        ),
     )
 
 
@@ -505,20 +513,70 @@ def _tag(key: str, value: str) -> Any:
 def _run(
     plan: Plan,
     backend: Backend,
-    handle: RunHandle,
-    attempt: Attempt,
+    create: Callable[[], RunHandle],
+    open_attempt: Callable[[RunHandle], Attempt],
     *,
     new_run: bool,
     say: Say,
-    banner: str,
+    banner: Callable[[RunHandle, Attempt], str],
     workload_out: Optional[TextIO] = None,
 ) -> int:
-    """Run the attempt and close it, whatever happens: a stop request, an error starting, or any other
-    exception (a cloud API's, MLflow's, a backend bug) ends in a closed attempt and a terminal run; an
-    unexpected exception is re-raised only after that (its traceback still shows; exit code 1)."""
-    mc = tracking.client(handle.uri)
+    """The one structure that opens and closes a run: ``create`` makes (or reopens) the run and
+    ``open_attempt`` opens its attempt with stop signals already turned into ``Interrupted``; from
+    then on a stop request, an error starting, or any other exception (a cloud API's, MLflow's, a
+    backend bug) ends in a closed attempt and a terminal run, never a run left RUNNING. An unexpected
+    exception is re-raised only after that (its traceback still shows; exit code 1)."""
     clear_stop_requests()
     previous = _install(raise_interrupted)
+    handle: Optional[RunHandle] = None
+    try:
+        handle = create()
+        attempt = open_attempt(handle)
+    except BaseException as exc:
+        return _close_unopened(handle, exc, previous, say)
+    say(banner(handle, attempt))  # the run id, as soon as the run and its attempt exist
+    return _attempt(plan, backend, handle, attempt, previous, new_run=new_run, say=say, workload_out=workload_out)
+
+
+def _close_unopened(handle: Optional[RunHandle], error: BaseException, previous: dict[int, Any], say: Say) -> int:
+    """A stop or an error while the run was being created or its attempt opened: close what exists
+    (the attempt, if it was opened, billed to now; the run terminal) and say so. A stop ends with its
+    exit code; anything else is re-raised after the close."""
+    _install(_note_late_stop, previous)
+    try:
+        if isinstance(error, KeyboardInterrupt) and not isinstance(error, Interrupted):
+            error = Interrupted(signal.SIGINT)
+        if handle is None:  # nothing was created: nothing to close
+            if isinstance(error, Interrupted):
+                return RULES[Outcome.INTERRUPTED if error.signum == signal.SIGINT else Outcome.KILLED].exit_code
+            raise error
+        outcome, reason = classify(None, error, {}, handle.run_id, stop_requested())
+        try:
+            close_run(handle.uri, handle.run_id, outcome, reason)
+        except Exception as exc:
+            _warn_close("closing the run", exc)
+        _report(outcome, reason, handle, 0.0, "", say)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if not isinstance(error, Interrupted):
+        raise error
+    return RULES[outcome].exit_code
+
+
+def _attempt(
+    plan: Plan,
+    backend: Backend,
+    handle: RunHandle,
+    attempt: Attempt,
+    previous: dict[int, Any],
+    *,
+    new_run: bool,
+    say: Say,
+    workload_out: Optional[TextIO] = None,
+) -> int:
+    """Run the opened attempt and close it, whatever happens (``_run``)."""
+    mc = tracking.client(handle.uri)
     started = time.monotonic()
     code: Optional[int] = None
     error: Optional[BaseException] = None
@@ -535,7 +593,6 @@ def _run(
         else:  # params stay the first attempt's (MLflow keeps them); config.yaml is what the next resume reads
             mc.log_text(handle.run_id, tracking.redact(to_yaml(cfg)), "config.yaml")
             mc.log_text(handle.run_id, tracking.redact(to_yaml(cfg)), f"attempts/{attempt.n}/config.yaml")
-        say(banner)
         code = backend.launch(plan, handle, echo=workload_out)
     except Interrupted as exc:
         error = exc

@@ -147,3 +147,23 @@ def test_an_unexpected_controller_error_closes_the_run_and_is_raised(cli_env: di
     assert attempt.end is not None and run.data.tags["llmctl.attempt.1.status"] == run.data.tags["llmctl.status"]
     workers = _workers(tmp_path / "llmctl-runs" / rid)
     assert not pid_alive(workers), "the workers outlived the controller's error"
+
+
+INJECT = Path(__file__).with_name("inject")
+
+
+def test_ctrl_c_while_the_run_opens_closes_it(cli_env: dict[str, str], tmp_path: Path) -> None:
+    """Ctrl-C after the run exists and its attempt is open in the ledger, before its first line: the
+    run is closed KILLED (interrupted), its attempt billed and closed, no worker started; not a run
+    left RUNNING that ``llmctl status`` would bill to now forever."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    inject = str(INJECT / "ctrl_c_while_opening")
+    env = {**cli_env, "PYTHONPATH": os.pathsep.join(p for p in (inject, cli_env.get("PYTHONPATH")) if p)}
+    out = run_cli(["launch", *SMALL, "train.steps=2"], tmp_path, env, timeout=300)
+    assert out.returncode == RULES[Outcome.INTERRUPTED].exit_code, out.stdout[-3000:] + out.stderr[-3000:]
+    [run] = mlflow_client(uri).search_runs([mlflow_client(uri).get_experiment_by_name("llmctl").experiment_id])
+    rid = run.info.run_id
+    assert f"error: run {rid} interrupted; marked KILLED" in out.stderr
+    tags = assert_outcome(uri, rid, Outcome.INTERRUPTED, out.returncode, attempt=1)
+    assert tags["llmctl.status"] == "interrupted (Ctrl-C)"
+    assert not (tmp_path / "llmctl-runs" / rid / "output.log").exists(), "no workload was started"
