@@ -10,7 +10,7 @@ every 2 steps) in a fresh directory and tracking store, with one fault:
 - ``sigterm_after_last``: SIGTERM once every step ran and the final checkpoint is committed (2
   processes, the workers held at exit): FINISHED, exit 0.
 - ``controller_error``: the controller raises as the workload prints step 4
-  (``LLMCTL_TEST_RAISE_ON``, llmctl/controller/test_hooks.py): FAILED, exit 1, the error named.
+  (``LLMCTL_TEST_RAISE_ON``, injected by tests/inject/sitecustomize.py): FAILED, exit 1, the error named.
 - ``tracking_lost_on_close``: a real ``mlflow server`` is SIGKILLed just before the controller closes
   a finished attempt (``LLMCTL_TEST_BEFORE_CLOSE``), restarted, then ``llmctl status`` closes the run:
   FINISHED.
@@ -49,7 +49,7 @@ from typing import Callable, Optional
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "tests" / "e2e")]  # the e2e tests' helpers
 
-from helpers import cli_env_at, free_port, mlflow_client, mlflow_runs, run_cli  # noqa: E402
+from helpers import cli_env_at, free_port, mlflow_client, mlflow_runs, run_cli, with_faults  # noqa: E402
 from test_fault_close import _serve, _servers  # noqa: E402
 from test_lifecycle import SMALL, _run_id, _start, _steps  # noqa: E402
 
@@ -150,7 +150,7 @@ def sigterm_after_last(cwd: Path, env: dict[str, str]) -> Trial:
 def controller_error(cwd: Path, env: dict[str, str]) -> Trial:
     """The controller raises as the workload prints step 4. Step 2's checkpoint is saved (synchronously)
     before step 3 runs, so it is complete by then."""
-    proc = _start(["launch", *FOREVER], cwd, {**env, "LLMCTL_TEST_RAISE_ON": " 4/100000 |"})
+    proc = _start(["launch", *FOREVER], cwd, with_faults(env, LLMCTL_TEST_RAISE_ON=" 4/100000 |"))
     seen: dict[int, Optional[int]] = {}
     _watch(proc, cwd, seen, lambda: proc.poll() is not None)  # the fault is the controller's own
     _, said = proc.communicate(timeout=WAIT_S)
@@ -169,8 +169,7 @@ def tracking_lost_on_close(cwd: Path, env: dict[str, str]) -> Trial:
     with _servers() as servers:
         servers.append(_serve(server_root, port))
         env = {
-            **env,
-            "LLMCTL_TEST_BEFORE_CLOSE": f"kill -s KILL -- -{servers[0].pid}",
+            **with_faults(env, LLMCTL_TEST_BEFORE_CLOSE=f"kill -s KILL -- -{servers[0].pid}"),
             "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0",  # fail fast while the server is gone
             "MLFLOW_HTTP_REQUEST_TIMEOUT": "10",
         }

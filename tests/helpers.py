@@ -41,6 +41,16 @@ def cli_env_at(home: Path, cache_dir: Path) -> dict[str, str]:
     return env
 
 
+INJECT = ROOT / "tests" / "inject"
+
+
+def with_faults(env: Mapping[str, str], **faults: str) -> dict[str, str]:
+    """``env`` with ``tests/inject/sitecustomize.py`` loaded at start-up and ``faults`` (its
+    ``LLMCTL_TEST_*`` variables) armed: faults injected into the controller from the tests."""
+    path = os.pathsep.join(p for p in (str(INJECT), env.get("PYTHONPATH")) if p)
+    return {**env, "PYTHONPATH": path, **faults}
+
+
 def run_cli(
     args: list[str], cwd: Path, env: dict[str, str], timeout: float = 600, **kwargs: Any
 ) -> subprocess.CompletedProcess[str]:

@@ -26,7 +26,7 @@ from llmctl.config.compose import Composed, to_yaml
 from llmctl.config.launcher_checks import resolve_layout
 from llmctl.config.root_schema import InfraCfg
 from llmctl.config.workload import is_command
-from llmctl.controller import progress, test_hooks
+from llmctl.controller import progress
 from llmctl.controller.procs import (
     Interrupted,
     note_stop_request,
@@ -317,7 +317,6 @@ class LocalBackend:
                                 out.flush()
                         except OSError:  # the terminal is gone (SIGHUP follows): keep the log, drop the echo
                             echo_on = False
-                    test_hooks.check_line(line)
                 code = proc.wait()
                 update_json(handle.run_id, JOB_END_FILE, time=time.time(), code=code)  # the workers' exit
                 return code

@@ -641,12 +641,9 @@ def _close(
     controller made of the attempt is kept in ``job_end.json`` first, so when the terminal status
     cannot be written, ``llmctl status`` closes the run later with this outcome, billed to this end.
     The last value: whether the stop was one someone asked for (``TAG_STOP_REQUEST``)."""
-    from llmctl.controller import test_hooks
-
     rid = handle.run_id
     ended = job_end(rid).get("time")
     ended = float(ended) if isinstance(ended, (int, float)) else time.time()  # the backend's word, else now
-    test_hooks.before_close()
     tags_read = True
     try:
         tags = mc.get_run(rid).data.tags

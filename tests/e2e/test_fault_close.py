@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
-from helpers import assert_outcome, free_port, mlflow_client, run_cli, start_mlflow_server
+from helpers import assert_outcome, free_port, mlflow_client, run_cli, start_mlflow_server, with_faults
 from test_lifecycle import SMALL, _run_id, _start, _wait_training, _workers
 
 from llmctl.controller.procs import descendants, pid_alive
@@ -76,8 +76,7 @@ def test_a_tracking_server_lost_mid_close_is_closed_later_to_the_jobs_end(
     with _servers() as servers:
         servers.append(_serve(tmp_path / "server", port))
         env = {
-            **cli_env,
-            "LLMCTL_TEST_BEFORE_CLOSE": f"kill -s KILL -- -{servers[0].pid}",
+            **with_faults(cli_env, LLMCTL_TEST_BEFORE_CLOSE=f"kill -s KILL -- -{servers[0].pid}"),
             "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0",  # fail fast while the server is gone
             "MLFLOW_HTTP_REQUEST_TIMEOUT": "10",
         }
@@ -135,7 +134,7 @@ def test_an_unexpected_controller_error_closes_the_run_and_is_raised(cli_env: di
     the field a cloud API's or the tracking server's): the workers are stopped, the attempt and the run
     are closed FAILED with the error named, and only then is it raised (traceback, exit 1)."""
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    env = {**cli_env, "LLMCTL_TEST_RAISE_ON": " 2/100000 |"}
+    env = with_faults(cli_env, LLMCTL_TEST_RAISE_ON=" 2/100000 |")
     out = run_cli(["launch", *SMALL, "train.steps=100000"], tmp_path, env, timeout=600)
     assert out.returncode == 1, out.stderr[-3000:]
     last = out.stderr.strip().splitlines()[-1]
@@ -149,16 +148,12 @@ def test_an_unexpected_controller_error_closes_the_run_and_is_raised(cli_env: di
     assert not pid_alive(workers), "the workers outlived the controller's error"
 
 
-INJECT = Path(__file__).with_name("inject")
-
-
 def test_ctrl_c_while_the_run_opens_closes_it(cli_env: dict[str, str], tmp_path: Path) -> None:
     """Ctrl-C after the run exists and its attempt is open in the ledger, before its first line: the
     run is closed KILLED (interrupted), its attempt billed and closed, no worker started; not a run
     left RUNNING that ``llmctl status`` would bill to now forever."""
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    inject = str(INJECT / "ctrl_c_while_opening")
-    env = {**cli_env, "PYTHONPATH": os.pathsep.join(p for p in (inject, cli_env.get("PYTHONPATH")) if p)}
+    env = with_faults(cli_env, LLMCTL_TEST_CTRL_C_AFTER_OPEN="1")
     out = run_cli(["launch", *SMALL, "train.steps=2"], tmp_path, env, timeout=300)
     assert out.returncode == RULES[Outcome.INTERRUPTED].exit_code, out.stdout[-3000:] + out.stderr[-3000:]
     [run] = mlflow_client(uri).search_runs([mlflow_client(uri).get_experiment_by_name("llmctl").experiment_id])

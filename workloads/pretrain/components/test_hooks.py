@@ -1,5 +1,6 @@
 """Faults and traces that tests and benchmarks ask of the trainer, from the environment, read here
-and nowhere else. Each is off unless its variable is set; a launcher never sets them.
+and nowhere else. Each is off unless its variable is set; a launcher never sets them. (The
+controller's faults are injected from the tests instead: tests/inject/sitecustomize.py.)
 
 - ``LLMCTL_FAIL_AT_STEP=N``: raise at the start of step N (a failing workload must exit non-zero
   and be reported as failed).
