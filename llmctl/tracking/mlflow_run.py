@@ -154,18 +154,57 @@ def retry(fn: Callable[..., T], *args: Any, attempts: int = 8, **kwargs: Any) ->
     raise AssertionError("unreachable")
 
 
-class _RetryingClient:
-    """An ``MlflowClient`` whose calls ride out sqlite's write lock: parallel trials, several
-    launches at once and their workers all write one file."""
+# MlflowClient calls that leave the store the same when made twice: reads, and writes that set a value
+# (a tag, a param, a status, an artifact at a path) rather than add one (a run, a metric point, a version)
+IDEMPOTENT_PREFIXES = ("get_", "search_", "list_", "download_")
+IDEMPOTENT = {
+    "set_tag",
+    "delete_tag",
+    "log_param",
+    "set_terminated",
+    "update_run",
+    "set_experiment_tag",
+    "log_text",
+    "log_dict",
+    "log_artifact",
+    "log_artifacts",
+}
 
-    def __init__(self, inner: Any):
+
+def may_repeat(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether the call ``name(*args, **kwargs)`` may be made again after an error that came after it
+    may have taken effect (a server that wrote, then failed to answer). ``log_batch`` of tags and
+    params only sets values; with metrics it would add their points twice."""
+    if name.startswith(IDEMPOTENT_PREFIXES) or name in IDEMPOTENT:
+        return True
+    if name == "log_batch":
+        metrics = kwargs.get("metrics", args[1] if len(args) > 1 else None)
+        return not metrics
+    return False
+
+
+class _RetryingClient:
+    """An ``MlflowClient`` whose calls ride out a store's write lock: parallel trials, several
+    launches at once and their workers all write one sqlite file. On a sqlite store "database is
+    locked" is SQLite's busy error: the statement did not run, so any call is safe to make again. On
+    any other store a "locked" error may come after the write happened, so only calls that
+    ``may_repeat`` are retried (creating a run twice would leave a second run nobody closes)."""
+
+    def __init__(self, inner: Any, sqlite: bool):
         self._inner = inner
+        self._sqlite = sqlite
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self._inner, name)
         if not callable(attr):
             return attr
-        return lambda *args, **kwargs: retry(attr, *args, **kwargs)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if self._sqlite or may_repeat(name, args, kwargs):
+                return retry(attr, *args, **kwargs)
+            return attr(*args, **kwargs)
+
+        return call
 
 
 @contextmanager
@@ -190,14 +229,14 @@ def client(uri: str) -> Any:
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # resume/eval/export print our lines only
     path = sqlite_path(uri)
     if path is None:
-        return _RetryingClient(MlflowClient(tracking_uri=uri))
+        return _RetryingClient(MlflowClient(tracking_uri=uri), sqlite=False)
     path.parent.mkdir(parents=True, exist_ok=True)
     with _directory_lock(path.parent), _quiet_store_creation():  # the constructor opens the store (creating it if new)
         if not path.exists():
             from llmctl.tracking.fresh_store import create_from_template
 
             create_from_template(path)  # a copy of an empty store MLflow made: no migrations to run here
-        return _RetryingClient(retry(MlflowClient, tracking_uri=uri))
+        return _RetryingClient(retry(MlflowClient, tracking_uri=uri), sqlite=True)
 
 
 @contextmanager
