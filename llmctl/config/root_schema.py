@@ -9,7 +9,7 @@ configs against ``RootCfg`` (registered in a ConfigStore by ``llmctl.config.comp
 from __future__ import annotations
 
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 from workloads.pretrain.contract.schema import (  # noqa: F401 - the enums are looked up by name (config._field_type_name)
     LAUNCHER_SECTIONS,
@@ -100,6 +100,8 @@ class WorkloadCfg:
     args: Dict[str, Any] = field(default_factory=dict)  # command: appended as --<name> <value>
     torchrun: bool = False  # command: start it under torchrun with the plan's processes (and nodes)
     env: Dict[str, str] = field(default_factory=dict)  # command: extra environment
+    # command: names of variables passed from the launching environment (SkyPilot secrets on nodes)
+    secrets: List[str] = field(default_factory=list)
     hours: Optional[float] = None  # command: expected wall hours, for the estimate
 
 

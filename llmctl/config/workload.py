@@ -5,6 +5,7 @@ stay in the resolved YAML (a resume reads it whole) but are not shown as if they
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Any, Optional
@@ -27,6 +28,26 @@ def shown(cfg: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in cfg.items() if k != "workload"}
 
 
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def _check_secrets(names: Any) -> None:
+    """``workload.secrets``: variable names, each set in the environment llmctl runs in."""
+    if isinstance(names, str):
+        names = [names]
+    for name in names:
+        if not ENV_NAME.match(str(name)):
+            raise ConfigError(
+                f"Bad value for 'workload.secrets': {name!r} is not a variable name."
+                " Fix: workload.secrets=[WANDB_API_KEY]"
+            )
+        if not os.environ.get(str(name)):
+            raise ConfigError(
+                f"Bad value for 'workload.secrets': {name} is not set in this environment."
+                f" Fix: export {name}=... in the shell llmctl runs from"
+            )
+
+
 def validate(cfg: dict[str, Any], cwd: Optional[Path] = None) -> None:
     """``workload.*``: a known kind, and for a command a program that can start (one-line errors)."""
     wl = cfg.get("workload") or {}
@@ -41,8 +62,9 @@ def validate(cfg: dict[str, Any], cwd: Optional[Path] = None) -> None:
         if SECRET.search(str(name)):
             raise ConfigError(
                 f"Bad value for 'workload.env.{name}': a secret would be stored in the run's params and config."
-                f" Fix: export {name} in the shell llmctl runs from (the program inherits llmctl's environment)"
+                f" Fix: export {name} in the shell llmctl runs from and pass workload.secrets=[{name}]"
             )
+    _check_secrets(wl.get("secrets") or [])
     hours = wl.get("hours")
     if hours is not None and not float(hours) > 0:
         raise ConfigError(f"Bad value for 'workload.hours': {hours} (wall hours, > 0). Fix: workload.hours=2.5")

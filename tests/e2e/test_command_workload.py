@@ -17,11 +17,13 @@ tracking, cost, sweeps and recovery (``workloads/command``, docs/workloads.md).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -244,8 +246,25 @@ def test_a_sweep_over_the_scripts_learning_rate(
             ["workload=command", "workload.run=python steps.py", "workload.env.HF_TOKEN=abc"],
             "Bad value for 'workload.env.HF_TOKEN': a secret would be stored",
         ),
+        (
+            ["workload=command", "workload.run=python steps.py", "workload.secrets=[LLMCTL_NOT_SET_KEY]"],
+            "Bad value for 'workload.secrets': LLMCTL_NOT_SET_KEY is not set in this environment",
+        ),
+        (
+            ["workload=command", "workload.run=python steps.py", "workload.secrets=[not-a-name]"],
+            "Bad value for 'workload.secrets': 'not-a-name' is not a variable name",
+        ),
     ],
-    ids=["no-program", "no-script", "not-on-path", "twice", "torchrun-not-python", "secret"],
+    ids=[
+        "no-program",
+        "no-script",
+        "not-on-path",
+        "twice",
+        "torchrun-not-python",
+        "secret",
+        "secret-unset",
+        "bad-name",
+    ],
 )
 def test_bad_input_is_one_line_and_creates_nothing(
     cli_env: dict[str, str], tmp_path: Path, overrides: list[str], needle: str
@@ -255,6 +274,31 @@ def test_bad_input_is_one_line_and_creates_nothing(
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 3 and needle in lines[-1] and "Fix: " in lines[-1], out.stderr[-2000:]
     assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "llmctl-runs").exists()
+
+
+def test_a_named_secret_reaches_the_program_and_nowhere_else(cli_env: dict[str, str], tmp_path: Path) -> None:
+    """``workload.secrets=[NAME]``: the program sees the value; the run's params, tags, artifacts and
+    the run's folder (output.log, config.yaml) hold the name at most, never the value."""
+    program = tmp_path / "uses_key.py"
+    program.write_text(
+        "import hashlib, os\n"
+        "key = os.environ['LLMCTL_TEST_API_KEY']\n"
+        "print('program | key sha256', hashlib.sha256(key.encode()).hexdigest()[:16], flush=True)\n"
+    )
+    secret = f"s3cr3t-{uuid.uuid4().hex}"  # made here: no file of the tree (nor its diff) holds it
+    env = {**cli_env, "LLMCTL_TEST_API_KEY": secret}
+    args = ["launch", "workload=command", "workload.run=python uses_key.py", "workload.secrets=[LLMCTL_TEST_API_KEY]"]
+    out = run_cli(args, tmp_path, env)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert f"program | key sha256 {hashlib.sha256(secret.encode()).hexdigest()[:16]}" in out.stdout
+    assert secret not in out.stdout + out.stderr
+    run = _the_run(tmp_path)
+    assert run.data.params["workload.secrets"] == "['LLMCTL_TEST_API_KEY']"
+    assert secret not in json.dumps([run.data.params, run.data.tags])
+    stored = [p for p in tmp_path.rglob("*") if p.is_file() and p.name != "uses_key.py"]
+    assert any(p.name == "output.log" for p in stored) and any(p.name == "config.yaml" for p in stored)
+    leaked = [str(p) for p in stored if secret.encode() in p.read_bytes()]
+    assert leaked == [], leaked  # mlflow.db, artifacts, the run's folder
 
 
 # --------------------------------------------------------------------------- every rank's fate

@@ -9,12 +9,15 @@ import os
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from llmctl.backends.sky import task as sky_task
 
 AIDS = ("TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_NCCL_TRACE_BUFFER_SIZE", "NCCL_DEBUG")
 
 
 def _env_seen(tmp_path: Path, nodes: int, **extra: str) -> dict[str, str]:
+    (tmp_path / ".llmctl" / "runs" / "r1" / "program").mkdir(parents=True, exist_ok=True)
     fake = tmp_path / "python"
     fake.write_text("#!/bin/sh\nenv\n")
     fake.chmod(0o755)
@@ -24,6 +27,7 @@ def _env_seen(tmp_path: Path, nodes: int, **extra: str) -> dict[str, str]:
     env.update(
         LLMCTL_PYTHON=str(fake),
         LLMCTL_RUN_ID="r1",
+        HOME=str(tmp_path),
         SKYPILOT_NUM_GPUS_PER_NODE="8",
         SKYPILOT_NODE_IPS="10.0.0.1\n10.0.0.2",
         SKYPILOT_NUM_NODES=str(nodes),
@@ -49,3 +53,11 @@ def test_the_users_own_setting_wins(tmp_path: Path) -> None:
 def test_one_node_is_left_alone(tmp_path: Path) -> None:
     seen = _env_seen(tmp_path, nodes=1)
     assert not any(k in seen for k in AIDS), {k: seen[k] for k in AIDS if k in seen}
+
+
+@pytest.mark.parametrize("workload", ["pretrain", "command"])
+def test_every_workload_gets_its_run_folder(tmp_path: Path, workload: str) -> None:
+    """``LLMCTL_RUN_DIR`` (docs/workloads.md: set for every program) on a node as on infra=local: the
+    folder holding the run's resolved config.yaml."""
+    seen = _env_seen(tmp_path, nodes=1, LLMCTL_WORKLOAD=workload)
+    assert seen["LLMCTL_RUN_DIR"] == str(tmp_path / ".llmctl" / "runs" / "r1")

@@ -287,3 +287,18 @@ def test_torchrun_on_the_nodes_honours_the_promised_grace(
     monkeypatch.chdir(tmp_path)
     _, task = _task(["infra=lambda", "checkpoint.preempt_grace_s=120", *workload])
     assert int(task.envs["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"]) > 120
+
+
+def test_a_command_workloads_named_secrets_travel_as_skypilot_secrets(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``workload.secrets=[NAME]``: on the nodes as a SkyPilot secret (kept apart from the task's
+    envs, which SkyPilot shows and logs), never among the envs."""
+    (tmp_path / "train.py").write_text("print('hi')\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("WANDB_API_KEY", "k-123")  # validate() reads the launching environment
+    _, task = _task(
+        ["infra=lambda", *COMMAND_TORCHRUN, "workload.secrets=[WANDB_API_KEY]"], environ={"WANDB_API_KEY": "k-123"}
+    )
+    assert task.secrets["WANDB_API_KEY"].get_secret_value() == "k-123"  # SkyPilot keeps it as a SecretStr
+    assert "WANDB_API_KEY" not in task.envs and "k-123" not in str(task.envs)

@@ -3,6 +3,8 @@ PY="${LLMCTL_PYTHON:-$HOME/.llmctl/venv/bin/python}"
 NPROC="${LLMCTL_NPROC_PER_NODE:-$SKYPILOT_NUM_GPUS_PER_NODE}"
 MASTER_ADDR="$(echo "$SKYPILOT_NODE_IPS" | head -n1)"
 LLMCTL_CONFIG="$HOME/.llmctl/runs/$LLMCTL_RUN_ID/config.yaml"
+# the contract's run folder (the resolved config.yaml), as on infra=local: every workload gets it
+export LLMCTL_RUN_DIR="$HOME/.llmctl/runs/$LLMCTL_RUN_ID"
 if [ "$SKYPILOT_NUM_NODES" -gt 1 ]; then
   # Several nodes: a hung collective is then told apart from a slow one only by these. On a
   # timeout every rank dumps its last collectives (torch's flight recorder, this many entries), and

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Sequence
 
 from llmctl.backends.sky.settings import SkySettings
 from llmctl.config.workload import is_command
@@ -146,9 +146,10 @@ def resources(settings: SkySettings) -> dict[str, Any]:
     return res
 
 
-def secrets_from(environ: Mapping[str, str], tracking_uri: str) -> dict[str, str]:
-    """Credentials present in the launching environment; a URI with a password is one too."""
-    secrets = {k: environ[k] for k in SECRET_ENVS if environ.get(k)}
+def secrets_from(environ: Mapping[str, str], tracking_uri: str, named: Sequence[str] = ()) -> dict[str, str]:
+    """Credentials present in the launching environment (``named``: a command workload's
+    ``workload.secrets`` besides llmctl's own list); a URI with a password is one too."""
+    secrets = {k: environ[k] for k in (*SECRET_ENVS, *named) if environ.get(k)}
     if "@" in tracking_uri.split("://", 1)[-1].split("/", 1)[0]:
         secrets["MLFLOW_TRACKING_URI"] = tracking_uri
     return secrets
@@ -184,7 +185,8 @@ def task_config(
     ``workload=command``, the directory shipped to the nodes (default: the current one). ``job``:
     the plan's (``score``: lm-eval on one checkpoint, one node, ``parallelize`` over its GPUs)."""
     infra = settings or SkySettings.from_cfg(cfg)
-    secrets = secrets_from(os.environ if environ is None else environ, tracking_uri)
+    named = [str(n) for n in (cfg.get("workload") or {}).get("secrets") or []] if is_command(cfg) else []
+    secrets = secrets_from(os.environ if environ is None else environ, tracking_uri, named)
     grace_s = float((cfg.get("checkpoint") or {}).get("preempt_grace_s") or 0)
     envs = {
         "LLMCTL_RUN_ID": run_id,
