@@ -1,7 +1,7 @@
 """Process bookkeeping: stop requests as exceptions, is a pid still ours, signal a whole process tree.
 
 torchrun starts each worker in a session of its own, so signalling torchrun's process group
-does not reach the workers; a hard stop must walk the tree (read from /proc, stdlib only).
+does not reach the workers; a hard stop must walk the tree (psutil's, portable).
 """
 
 from __future__ import annotations
@@ -130,22 +130,14 @@ def same_process(pid: Optional[int], started: Optional[int]) -> bool:
 
 
 def descendants(pid: int) -> list[int]:
-    """Every process below ``pid`` (children, grandchildren ...), from /proc's parent links."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(entry.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
+    """Every process below ``pid`` (children, grandchildren ...): psutil's process tree, the same on
+    Linux and macOS."""
+    import psutil
+
+    try:
+        return [child.pid for child in psutil.Process(pid).children(recursive=True)]
+    except psutil.Error:  # gone, or not ours to read
+        return []
 
 
 def signal_ranks(agent: int, sig: int) -> None:
