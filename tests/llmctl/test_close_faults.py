@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import pytest
-from helpers import mlflow_client
+from helpers import mlflow_client, mlflow_runs
 
 from llmctl.controller.procs import Interrupted
 from llmctl.cost import ledger
@@ -96,16 +96,38 @@ class _ReclaimedCluster:
         raise self.exc
 
 
-def _attempt(tmp_path: Path) -> tuple[Any, Any, Any, str]:
+def _plan(tmp_path: Path) -> tuple[Any, str]:
     from llmctl.config.compose import compose
     from llmctl.plan.make import make_plan
-    from llmctl.tracking import mlflow_run as tracking
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    plan = make_plan(compose(["experiment=smoke", f"tracking.uri={uri}"]))
+    return make_plan(compose(["experiment=smoke", f"tracking.uri={uri}"])), uri
+
+
+def _attempt(tmp_path: Path) -> tuple[Any, Any, Any, str]:
+    """A run with its first attempt open, as ``llmctl launch`` leaves it before the workload starts."""
+    from llmctl.tracking import mlflow_run as tracking
+
+    plan, uri = _plan(tmp_path)
     handle = tracking.create_run(plan.cfg, plan.choices)
     attempt = lifecycle._open_attempt(handle, plan, None, spent=0.0, from_step=0, first=True)
     return plan, handle, attempt, uri
+
+
+def _run(plan: Any, backend: Any, said: list[str], open_attempt: Any = None) -> None:
+    """``lifecycle._run`` as ``llmctl launch`` calls it (a new run, its first attempt)."""
+    from llmctl.tracking import mlflow_run as tracking
+
+    lifecycle._run(
+        plan,
+        backend,
+        lambda: tracking.create_run(plan.cfg, plan.choices),
+        open_attempt
+        or (lambda handle: lifecycle._open_attempt(handle, plan, None, spent=0.0, from_step=0, first=True)),
+        new_run=True,
+        say=lambda t, err=False: said.append(t),
+        banner=lambda handle, attempt: "",
+    )
 
 
 @pytest.mark.parametrize("kind", ["ClusterNotUpError", "RuntimeError"])
@@ -114,25 +136,40 @@ def test_any_exception_closes_the_run_then_is_raised(kind: str, tmp_path: Path, 
 
     monkeypatch.chdir(tmp_path)
     exc = RuntimeError("backend bug") if kind == "RuntimeError" else getattr(sky.exceptions, kind)("llmctl-abc is gone")
-    plan, handle, attempt, uri = _attempt(tmp_path)
+    plan, uri = _plan(tmp_path)
     said: list[str] = []
     with pytest.raises(type(exc)):  # re-raised after closing: the traceback still shows, exit code 1
-        lifecycle._run(
-            plan,
-            _ReclaimedCluster(exc),
-            handle,
-            attempt,
-            new_run=True,
-            say=lambda t, err=False: said.append(t),
-            banner="",
-        )
-    run = mlflow_client(uri).get_run(handle.run_id)
+        _run(plan, _ReclaimedCluster(exc), said)
+    [run] = mlflow_runs(uri)
+    handle = run.info
     assert run.info.status == "FAILED" and run.info.end_time
     assert run.data.tags["llmctl.status"].startswith(f"failed: {kind}: "), run.data.tags["llmctl.status"]
     rows = ledger.attempts(run.data.tags)
     assert [a.n for a in rows] == [1] and rows[0].end is not None
     assert run.data.tags["llmctl.attempt.1.status"] == run.data.tags["llmctl.status"]
     assert said[-1].startswith(f"error: run {handle.run_id} FAILED: failed: {kind}"), said
+
+
+def test_an_error_while_the_attempt_opens_closes_the_run_then_is_raised(tmp_path: Path, monkeypatch: Any) -> None:
+    """The tracking store fails after the run exists, while its attempt opens: the run is closed
+    FAILED (its attempt, opened in the ledger, billed and closed), not left RUNNING."""
+    monkeypatch.chdir(tmp_path)
+    plan, uri = _plan(tmp_path)
+    said: list[str] = []
+
+    def open_then_fail(handle: Any) -> Any:
+        lifecycle._open_attempt(handle, plan, None, spent=0.0, from_step=0, first=True)
+        raise ConnectionError("the tracking server went away")
+
+    with pytest.raises(ConnectionError):
+        _run(plan, _ReclaimedCluster(RuntimeError("never launched")), said, open_then_fail)
+    [run] = mlflow_runs(uri)
+    tags = run.data.tags
+    assert run.info.status == "FAILED" and run.info.end_time, tags.get("llmctl.status")
+    assert tags["llmctl.status"].startswith("failed: ConnectionError: the tracking server went away")
+    rows = ledger.attempts(tags)
+    assert [a.n for a in rows] == [1] and rows[0].end is not None
+    assert said[-1].startswith(f"error: run {run.info.run_id} FAILED"), said
 
 
 def test_one_closer_per_run_billed_to_the_jobs_end(tmp_path: Path, monkeypatch: Any) -> None:
