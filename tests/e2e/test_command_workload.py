@@ -62,6 +62,18 @@ def tiny_llama(tmp_path: Path) -> Path:
     return save_tiny_llama(tmp_path / "tiny")
 
 
+def _launch(args: list[str], cwd: Path, env: dict[str, str]) -> subprocess.Popen[str]:
+    """``llmctl ARGS`` running in the background, its stdout and stderr in one pipe, as a terminal shows them."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "llmctl", *args],
+        cwd=cwd,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+
+
 def _wait_for(predicate, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -84,14 +96,7 @@ def test_a_transformers_trainer_script_is_tracked_stopped_and_resumed_in_one_run
         "workload.args.save_steps=50",  # no periodic save: the one that counts is the stop's
         "workload.args.step_sleep=0.5",
     ]
-    launch = subprocess.Popen(
-        [sys.executable, "-m", "llmctl", *args],
-        cwd=tmp_path,
-        env=cli_env,
-        text=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )
+    launch = _launch(args, tmp_path, cli_env)
     try:
         runs_dir = tmp_path / "llmctl-runs"
 
@@ -314,14 +319,7 @@ def _fates_launch(tmp_path: Path, cli_env: dict[str, str], fate: str, *extra: st
         "infra.nproc_per_node=2",
         *extra,
     ]
-    return subprocess.Popen(
-        [sys.executable, "-m", "llmctl", *args],
-        cwd=tmp_path,
-        env=cli_env,
-        text=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )
+    return _launch(args, tmp_path, cli_env)
 
 
 def _both_ranks_ready(tmp_path: Path) -> str:
