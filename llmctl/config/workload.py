@@ -48,6 +48,21 @@ def _check_secrets(names: Any) -> None:
             )
 
 
+# what each key only ``workload=command`` reads is when nobody set it (``WorkloadCfg``'s defaults)
+COMMAND_ONLY: dict[str, Any] = {"run": None, "args": {}, "torchrun": False, "env": {}, "secrets": [], "hours": None}
+
+
+def _refuse_command_keys(wl: dict[str, Any]) -> None:
+    """A key only a command reads, set under the bundled trainer: refused, since the trainer would run
+    and record a run while the user's program never started (a forgotten ``workload=command``)."""
+    for key, unset in COMMAND_ONLY.items():
+        if wl.get(key, unset) not in (unset, None):
+            raise ConfigError(
+                f"Bad value for 'workload.{key}': only workload=command reads it; the bundled trainer would run"
+                f" instead of your program. Fix: add workload=command (or drop workload.{key})"
+            )
+
+
 def validate(cfg: dict[str, Any], cwd: Optional[Path] = None) -> None:
     """``workload.*``: a known kind, and for a command a program that can start (one-line errors)."""
     wl = cfg.get("workload") or {}
@@ -57,6 +72,7 @@ def validate(cfg: dict[str, Any], cwd: Optional[Path] = None) -> None:
             f"Bad value for 'workload.kind': '{kind}'. Fix: workload=pretrain (the bundled trainer) or workload=command"
         )
     if kind != KIND_COMMAND:
+        _refuse_command_keys(wl)
         return
     for name in wl.get("env") or {}:
         if SECRET.search(str(name)):

@@ -149,6 +149,12 @@ def resume(
     composed = compose_resume(stored, choices, overrides, config_dir)
     root = composed.cfg["checkpoint"]["dir"]
     if is_command(composed.cfg):  # a user's program finds its own state: LLMCTL_RESUME=1, LLMCTL_CHECKPOINT_DIR
+        if run.info.status == "FINISHED" and not overrides:
+            # its program exited 0: a rerun would be billed as attempt n+1 and log its steps again
+            raise ConfigError(
+                f"run {run_id} finished (its program exited 0): nothing to resume. To run it further, change"
+                f" what it runs: llmctl resume {run_id} workload.args.<name>=<value>"
+            )
         plan = make_plan(Composed(cfg=composed.cfg, choices=choices, overrides=overrides))
         where = f"(the program continues from its own state in {tracking.redact(str(root or '-'))})"
         return lifecycle.resume(

@@ -135,6 +135,13 @@ def test_a_transformers_trainer_script_is_tracked_stopped_and_resumed_in_one_run
     assert [s["attempt"] for _, s in sorted(starts.items())] == [1, 2]
     assert run.data.params["workload.args.max_steps"] == str(steps) and "model.dim" not in run.data.params
 
+    # the program finished: resuming again reruns nothing, bills no attempt 3, logs no step twice
+    again = run_cli(["resume", rid], tmp_path, cli_env)
+    assert again.returncode == 3, again.stdout[-2000:] + again.stderr[-2000:]
+    assert "nothing to resume" in again.stderr.strip().splitlines()[-1], again.stderr
+    assert_outcome(uri, rid, Outcome.FINISHED, 0, attempt=2)
+    assert _steps(uri, rid, "loss") == list(range(1, steps + 1))
+
 
 def test_a_torchrun_ddp_script_on_two_gloo_processes(cli_env: dict[str, str], tmp_path: Path) -> None:
     _here(tmp_path, "ddp.py")
@@ -259,6 +266,9 @@ def test_a_sweep_over_the_scripts_learning_rate(
             ["workload=command", "workload.run=python steps.py", "workload.secrets=[not-a-name]"],
             "Bad value for 'workload.secrets': 'not-a-name' is not a variable name",
         ),
+        # a forgotten workload=command: the bundled trainer would run and record a run instead
+        (["workload.run=python steps.py"], "Bad value for 'workload.run': only workload=command reads it"),
+        (["workload.args.lr=0.2"], "Bad value for 'workload.args': only workload=command reads it"),
     ],
     ids=[
         "no-program",
@@ -269,6 +279,8 @@ def test_a_sweep_over_the_scripts_learning_rate(
         "secret",
         "secret-unset",
         "bad-name",
+        "run-without-command",
+        "args-without-command",
     ],
 )
 def test_bad_input_is_one_line_and_creates_nothing(
