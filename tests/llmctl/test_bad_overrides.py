@@ -53,3 +53,26 @@ def test_bad_override_is_refused_clearly(
     # nothing was created: no tracking store (so no run left RUNNING), no run directory
     assert not (tmp_path / "mlflow.db").exists()
     assert not (tmp_path / "llmctl-runs").exists()
+
+
+# ``model.init_from`` names a directory with transformers' config.json: what a user gives instead
+INIT_FROM = {
+    "a-file": ("weights.safetensors", None, ["model.init_from", "no config.json at weights.safetensors/config.json"]),
+    "not-json": ("ckpt", "{not json", ["model.init_from", "ckpt/config.json is not JSON", "line 1", "Fix: "]),
+}
+
+
+@pytest.mark.parametrize("case", INIT_FROM, ids=list(INIT_FROM))
+def test_a_bad_init_from_is_refused_clearly(case: str, cli_env: dict[str, str], tmp_path: Path) -> None:
+    name, config_json, needles = INIT_FROM[case]
+    if config_json is None:
+        (tmp_path / name).write_bytes(b"\0" * 16)
+    else:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(config_json)
+    out = run_cli(["launch", f"model.init_from={name}"], tmp_path, cli_env)
+    message = out.stderr.strip()
+    assert out.returncode == 3 and "Traceback" not in message and len(message.splitlines()) == 1, message
+    for needle in needles:
+        assert needle in message, message
+    assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "llmctl-runs").exists()

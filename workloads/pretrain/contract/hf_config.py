@@ -27,10 +27,15 @@ def read(init_from: str) -> dict[str, Any]:
     try:
         with fsspec.open(url, "r") as f:
             return json.load(f)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # a missing path, or a file given for the directory
         raise ConfigError(
             f"Bad value for 'model.init_from': no config.json at {url}. Fix: model.init_from="
             "<a Hugging Face checkpoint directory: config.json + *.safetensors>"
+        ) from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(
+            f"Bad value for 'model.init_from': {url} is not JSON ({exc.msg}, line {exc.lineno}). Fix: point"
+            " model.init_from at a checkpoint saved by transformers' save_pretrained"
         ) from None
 
 
