@@ -44,6 +44,14 @@ def kernel_lines(cfg: dict[str, Any], gpu: bool) -> list[str]:
     return [f"dtype:       {compute}{why}", f"loss kernel: {loss}", f"attention:   {attention}"]
 
 
+def count(n: int) -> str:
+    """A parameter count as people write it (41.9M, 8.07B), exact below a million: a small model's
+    adapter reads ``19,456``, not ``0.0M``."""
+    if n < 1_000_000:
+        return f"{n:,}"
+    return f"{n / 1e6:,.1f}M" if n < 1_000_000_000 else f"{n / 1e9:,.2f}B"
+
+
 def lora_lines(cfg: dict[str, Any], gpu: bool) -> list[str]:
     """What a LoRA run trains and what it freezes, from the config alone (``contract.shape``, the
     counts the trainer's own LoRA line prints once the model exists): a user sizing an adapter sees
@@ -60,7 +68,7 @@ def lora_lines(cfg: dict[str, Any], gpu: bool) -> list[str]:
     base = f"targets' weights in nf4: {nf4 / 2**30:.2f} GiB" if nf4 else "unquantized"
     return [
         f"lora:        rank {m.lora.rank}, alpha {m.lora.alpha:g} on {','.join(m.lora.targets)}:"
-        f" {trainable / 1e6:,.1f}M trainable params ({trainable / total:.2%} of {total / 1e9:,.2f}B, as PEFT"
+        f" {count(trainable)} trainable params ({trainable / total:.2%} of {count(total)}, as PEFT"
         f" counts); base frozen, no gradients or AdamW states ({base})"
     ]
 

@@ -82,3 +82,20 @@ def test_the_same_8b_without_nf4_or_without_lora_is_refused(sky_env: dict[str, s
     assert unquantized.returncode == 3, unquantized.stdout + unquantized.stderr
     assert "would run out of memory" in unquantized.stderr, unquantized.stderr
     _nothing_created(tmp_path, sky_env)
+
+
+def test_a_small_models_adapter_is_counted_exactly(sky_env: dict[str, str], tmp_path: Path) -> None:
+    """Below a million the plan prints the counts themselves (was ``0.0M ... of 0.00B``), the ones
+    the built model has (``contract.shape``'s counts, held against ``lora.apply`` in test_lora_counts.py)."""
+    from llmctl.config.compose import compose
+    from workloads.pretrain.contract import shape
+    from workloads.pretrain.contract.config import typed
+
+    out = run_cli(["plan", "model=tiny", "model.lora.rank=4"], tmp_path, sky_env)
+    assert out.returncode == 0, out.stderr
+    resolved = _lora_line(out.stdout)
+    m = typed(compose(["model=tiny", "model.lora.rank=4"]).cfg).model
+    trainable, total = shape.lora_params(m), shape.lora_total_params(m)
+    assert 0 < trainable < total < 1_000_000
+    counted = f": {trainable:,} trainable params ({trainable / total:.2%} of {total:,}, as PEFT counts"
+    assert counted in resolved, resolved
