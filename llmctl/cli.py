@@ -504,6 +504,7 @@ def eval_cmd(
     from llmctl.run import eval_and_export as ev
     from llmctl.sweep.state import untrained
 
+    t = None
     try:
         if hf or tasks:
             ev.require_transformers()  # before any work: the messages name the install
@@ -531,6 +532,7 @@ def eval_cmd(
             result = ev.run_workload(t, nproc, [], typer.echo)
         ev.log_result(t, result, ev.metric_prefix(t.cfg, bool(hf)))
     except ConfigError as exc:
+        ev.discard(t)
         raise _fail(str(exc), EXIT_CONFIG) from None
     except LaunchError as exc:
         raise _fail(str(exc), EXIT_FAILED) from None
@@ -566,6 +568,7 @@ def export_cmd(
 
     if fmt not in ("hf", "peft"):
         raise _fail(f"--format {fmt}: choose hf or peft", 2)
+    t = None
     try:
         ev.check_export_dtype(dtype)  # before anything is created
         overrides = [f"eval.step={step}"] if step is not None else []
@@ -577,6 +580,7 @@ def export_cmd(
         if upload:
             ev.upload_export(t, out_dir, fmt)
     except ConfigError as exc:
+        ev.discard(t)
         raise _fail(str(exc), EXIT_CONFIG) from None
     except LaunchError as exc:
         raise _fail(str(exc), EXIT_FAILED) from None

@@ -50,6 +50,20 @@ class Target:
     uri: str
     checkpoint: Optional[str]  # an explicit checkpoint URL; None: cfg's checkpoint.dir
     workdir: Path
+    made: Optional[Path] = None  # the outermost directory making ``workdir`` created: a refusal removes it
+
+
+def _make(workdir: Path) -> Optional[Path]:
+    """``mkdir -p workdir``; returns the outermost directory that did not exist before (None: none)."""
+    made = next((p for p in reversed([workdir, *workdir.parents]) if not p.exists()), None)
+    workdir.mkdir(parents=True, exist_ok=True)
+    return made
+
+
+def discard(t: Optional[Target]) -> None:
+    """A refused eval or export leaves no scratch directory behind (nor a run folder it created)."""
+    if t is not None and t.made is not None:
+        shutil.rmtree(t.made, ignore_errors=True)
 
 
 def is_checkpoint_url(target: str) -> bool:
@@ -138,15 +152,16 @@ def resolve_target(
         if why:
             raise ConfigError(why)
         tmp = run_dir(rid) / f"eval-{stamp}"
-        tmp.mkdir(parents=True, exist_ok=True)
+        made = _make(tmp)
         try:
             local = client(uri).download_artifacts(rid, "config.yaml", str(tmp))
         except Exception as exc:
+            discard(Target({}, rid, uri, None, tmp, made))
             raise ConfigError(
                 f"run {rid} has no config.yaml artifact ({type(exc).__name__}); was it started by llmctl launch?"
             ) from None
         cfg = OmegaConf.to_container(OmegaConf.load(local), resolve=True)
-        return Target(_apply_overrides(cfg, overrides), run.info.run_id, uri, None, tmp)
+        return Target(_apply_overrides(cfg, overrides), run.info.run_id, uri, None, tmp, made)
     beside = _beside(target)
     if beside is not None:
         cfg = _apply_overrides(OmegaConf.to_container(OmegaConf.load(beside), resolve=True), overrides)
@@ -155,8 +170,7 @@ def resolve_target(
 
         cfg = compose(overrides, config_dir).cfg
     workdir = Path.cwd() / RUNS_DIR / f"eval-{stamp}"
-    workdir.mkdir(parents=True, exist_ok=True)
-    return Target(cfg, None, uri, target, workdir)
+    return Target(cfg, None, uri, target, workdir, _make(workdir))
 
 
 # ----------------------------------------------------------------------------- running
@@ -317,11 +331,9 @@ def export_hf(
 
 
 def check_peft(t: Target) -> None:
-    """``--format peft`` needs adapters: a run without LoRA is refused before any worker starts
-    (and the scratch directory ``resolve_target`` made is removed)."""
+    """``--format peft`` needs adapters: a run without LoRA is refused before any worker starts."""
     lora = ((t.cfg.get("model") or {}).get("lora") or {}).get("rank") or 0
     if not int(lora):
-        shutil.rmtree(t.workdir, ignore_errors=True)
         raise ConfigError(
             "--format peft exports LoRA adapters, but this run trained every weight (model.lora.rank=0)."
             " Fix: --format hf"

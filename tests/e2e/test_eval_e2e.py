@@ -268,6 +268,7 @@ def test_eval_usage_errors(trained) -> None:
     assert out.returncode == 3 and "fixed by its checkpoint" in out.stderr
     out = run_cli(["eval", "no-such-run"], cwd, env)
     assert out.returncode == 3 and "no run 'no-such-run'" in out.stderr
+    run_folder = sorted((cwd / "llmctl-runs" / run_id).iterdir())
     out = run_cli(["eval", run_id, "eval.step=7"], cwd, env)
     assert out.returncode == 3 and "never saved (checkpoint.every=3" in out.stderr and "Traceback" not in out.stderr
     assert "Complete: 9, 10." in out.stderr, out.stderr
@@ -276,3 +277,10 @@ def test_eval_usage_errors(trained) -> None:
     assert "Traceback" not in pruned.stdout + pruned.stderr
     out = run_cli(["export", run_id, "--step", "6"], cwd, env)
     assert out.returncode == 3 and "deleted: checkpoint.keep=2" in out.stderr, out.stderr
+    # the refusals left no eval-<time>/ scratch folder in the run's folder, and none anywhere else
+    assert sorted((cwd / "llmctl-runs" / run_id).iterdir()) == run_folder
+    elsewhere = cwd / "elsewhere"
+    elsewhere.mkdir()
+    out = run_cli(["eval", run_id, "eval.step=7", "--tracking-uri", uri], elsewhere, env)
+    assert out.returncode == 3 and "never saved" in out.stderr, out.stderr
+    assert list(elsewhere.iterdir()) == []
