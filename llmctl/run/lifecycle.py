@@ -898,5 +898,7 @@ def _say_outcome(
         say(f"error: run {rid} FAILED: {reason} (log: {run_dir(rid) / 'output.log'})", err=True)
     elif outcome is Outcome.INTERRUPTED:
         say(f"error: run {rid} interrupted; marked KILLED", err=True)
+    elif outcome is Outcome.PREEMPTED:  # stopped with its state saved: it resumes, nothing went wrong
+        say(f"llmctl: run {rid} {reason}", err=True)
     else:
         say(f"error: run {rid} {reason}", err=True)

@@ -313,9 +313,13 @@ def test_resume_outcomes_in_one_run(cli_env: dict[str, str], tmp_path: Path) -> 
 
     proc = _start(["launch", *args], tmp_path, env)
     _wait_training(loss_file, proc, after=0)
-    code, _, _ = _stop(proc, "preempt", tmp_path)
+    code, _, said = _stop(proc, "preempt", tmp_path)
     rid = _run_id(tmp_path)
     assert_outcome(uri, rid, Outcome.PREEMPTED, code, attempt=1)
+    # a SIGTERM nobody announced, state saved: information with the way on, not an error
+    last_line = said.strip().splitlines()[-1]
+    assert last_line.startswith(f"llmctl: run {rid} preempted at step") and "llmctl resume" in last_line, said
+    assert "error:" not in said, said
     ckpts = str(tmp_path / "llmctl-runs" / rid / "checkpoints")
 
     def last() -> int:
