@@ -185,12 +185,16 @@ def catalog_prices(offers_by_mode: Mapping[bool, list[Any]]) -> list[Price]:
     """Catalog offers (``Plan.offers``: on-demand under False, spot under True) → prices, cheapest
     first per mode. An offer has ``provider``, ``instance_type``, ``region``, ``per_node_hour``,
     ``nodes`` and ``total_hour`` (``backends.sky_rules.Offer``)."""
+    on_demand = {(o.instance_type, o.region): o.total_hour for o in offers_by_mode.get(False, [])}
     out = []
     for spot, found in offers_by_mode.items():
         for o in found:
+            # a catalog that lists no spot price repeats the on-demand one (RunPod's): said, not hidden
+            same = spot and on_demand.get((o.instance_type, o.region)) == o.total_hour
+            mode = ("spot (= on-demand)" if same else "spot") if spot else "on-demand"
             out.append(
                 Price(
-                    label=f"{o.provider} {o.instance_type} {o.region} {'spot' if spot else 'on-demand'}",
+                    label=f"{o.provider} {o.instance_type} {o.region} {mode}",
                     usd_per_hour=o.total_hour,
                     spot=spot,
                     source=f"SkyPilot catalog: ${o.per_node_hour:.2f}/h per node x {o.nodes} node(s)",

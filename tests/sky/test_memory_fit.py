@@ -110,3 +110,20 @@ def test_auto_grad_sync_reduces_each_micro_batch_only_where_once_per_step_does_n
     assert _verdict(eight.stdout).strip().startswith("fits:"), _verdict(eight.stdout)
     assert "(gradients reduced once, after the last)" in eight.stdout
     assert re.search(r"^  grad_sync: step$", eight.stdout, re.M)
+
+
+def test_runpods_h100_is_held_against_its_80_gib(sky_env: dict[str, str], tmp_path: Path) -> None:
+    """SkyPilot's RunPod catalog writes GiB into ``SizeInMiB`` (an H100 SXM reads 0.08 GiB): the plan
+    still knows the card's 80 GiB, so the preset's own 8B job fits, a 70B one does not (it said "fit
+    unknown" for both), and the spot rows that carry the on-demand price say so."""
+    base = ["infra=runpod", "tracking.uri=http://127.0.0.1:5000"]
+    small = run_cli(["plan", *base, "model=llama3.1-8b"], tmp_path, sky_env)
+    assert small.returncode == 0, small.stderr
+    verdict = _verdict(small.stdout)
+    assert verdict.strip().startswith("fits:") and "of 80 GiB per H100-SXM" in verdict, verdict
+    spot = [ln for ln in small.stdout.splitlines() if "runpod" in ln and " spot" in ln]
+    assert spot and all("spot (= on-demand)" in ln for ln in spot), small.stdout[-3000:]
+    big = run_cli(["plan", *base, "model=llama3.1-70b", "train.seq_len=8192"], tmp_path, sky_env)
+    assert big.returncode == 0, big.stderr
+    verdict = _verdict(big.stdout)
+    assert verdict.strip().startswith("DOES NOT FIT") and "of 80 GiB per H100-SXM" in verdict, verdict

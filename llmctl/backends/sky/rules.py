@@ -272,12 +272,19 @@ def accelerator_memory_gib(provider: Optional[str], gpu: str) -> Optional[float]
     except Exception:
         return None
     sizes = [
-        i.device_memory
+        _gib(i.device_memory)
         for infos in found.values()
         for i in infos
-        if i.device_memory and i.device_memory >= 1 and str(i.accelerator_name).lower() == gpu.lower()
+        if i.device_memory and str(i.accelerator_name).lower() == gpu.lower()
     ]
-    return min(sizes) if sizes else None  # catalogs list MiB as GiB for some clouds: sizes < 1 are skipped
+    return min(sizes) if sizes else None
+
+
+def _gib(listed: float) -> float:
+    """SkyPilot's ``device_memory`` (GiB: the catalog's ``SizeInMiB`` / 1024). RunPod's catalog writes
+    GiB into ``SizeInMiB`` (an H100 SXM: ``80``, read as 0.08 GiB); no GPU has under 1 GiB, so such a
+    figure is the GiB it was written as."""
+    return listed * 1024 if listed < 1 else listed
 
 
 # Whose catalogs size a GPU for a provider that sells none (Slurm): the clouds conf/infra ships.
