@@ -68,8 +68,24 @@ def fetch(
     return [(r, exps.get(r.info.experiment_id, r.info.experiment_id)) for r in found]
 
 
+# a user's program (``workload=command``) logs its loss under its own name: the usual ones, in order
+# (transformers' Trainer: loss / eval_loss; Lightning and plain loops: train_loss / val_loss)
+LOSS_NAMES = ("train/loss", "loss", "train_loss")
+VAL_LOSS_NAMES = ("val/loss", "eval_loss", "val_loss", "eval/loss", "validation_loss")
+
+
+def _named(metrics: Any, names: tuple[str, ...]) -> tuple[Optional[float], Optional[str]]:
+    """(value, its name) of the first of ``names`` the run logged; the name is None for llmctl's own."""
+    found = next((n for n in names if n in metrics), None)
+    if found is None:
+        return None, None
+    return metrics[found], (None if found == names[0] else found)
+
+
 def run_row(run: Any, experiment: str, now: Optional[float] = None) -> dict[str, Any]:
     tags, params, m = run.data.tags, run.data.params, run.data.metrics
+    train_loss, loss_name = _named(m, LOSS_NAMES)
+    val_loss, val_loss_name = _named(m, VAL_LOSS_NAMES)
     fig = ledger.figures(run)
     led = ledger.compute(tags, now, int(fig["cost/tokens"]) if fig.get("cost/tokens") else None)
     steps = fig.get("train/steps_done")
@@ -86,8 +102,10 @@ def run_row(run: Any, experiment: str, now: Optional[float] = None) -> dict[str,
         "start": (run.info.start_time or 0) / 1000.0,
         "steps": int(steps) if steps is not None else None,
         "steps_target": _steps_target(tags, params),
-        "train_loss": m.get("train/loss"),
-        "val_loss": m.get("val/loss"),
+        "train_loss": train_loss,
+        "loss_name": loss_name,  # None: llmctl's train/loss; else the program's own metric name
+        "val_loss": val_loss,
+        "val_loss_name": val_loss_name,
         "tokens_per_s": fig.get("perf/tokens_per_s_steady", m.get("perf/tokens_per_s")),
         "mfu": m.get("perf/mfu"),
         "estimate_usd": fig.get("cost/estimate_usd"),
@@ -120,7 +138,18 @@ def runs_rows(
     uri: str, since: Optional[str] = None, experiment: Optional[str] = None, limit: int = 50
 ) -> list[dict[str, Any]]:
     now = time.time()
-    return [run_row(r, e, now) for r, e in fetch(uri, since_epoch(since, now), experiment, limit)]
+    rows = [run_row(r, e, now) for r, e in fetch(uri, since_epoch(since, now), experiment, limit)]
+    for row in rows:
+        if not row["steps"] and row["loss_name"]:  # a program's loss: the step it was last logged at
+            row["steps"] = _last_step(uri, row["run_id"], row["loss_name"])
+    return rows
+
+
+def _last_step(uri: str, run_id: str, key: str) -> Optional[int]:
+    from llmctl.tracking.mlflow_run import client
+
+    history = client(uri).get_metric_history(run_id, key)
+    return max(p.step for p in history) if history else None
 
 
 def cost_rows(uri: str, since: Optional[str] = None, by: str = "experiment") -> list[dict[str, Any]]:
@@ -176,6 +205,11 @@ def _num(v: Optional[float], fmt: str = "{:.4f}") -> str:
     return "-" if v is None else fmt.format(v)
 
 
+def _loss(v: Optional[float], name: Optional[str]) -> str:
+    """A loss, with the program's own metric name when it is not llmctl's (``4.8572 (eval_loss)``)."""
+    return _num(v) + (f" ({name})" if v is not None and name else "")
+
+
 def render(title: str, header: list[str], rows: list[list[str]], right: set[int]) -> str:
     """A rich table as text (rich imported here only); wide enough not to wrap when piped."""
     import io
@@ -223,8 +257,8 @@ def runs_table(rows: list[dict[str, Any]]) -> str:
                 r["infra"],
                 r["accelerator"],
                 steps,
-                _num(r["train_loss"]),
-                _num(r["val_loss"]),
+                _loss(r["train_loss"], r.get("loss_name")),
+                _loss(r["val_loss"], r.get("val_loss_name")),
                 _num(r["tokens_per_s"], "{:,.0f}"),
                 _num(None if r["mfu"] is None else 100 * r["mfu"], "{:.1f}%"),
                 _money(r["estimate_usd"], r["unpriced"]),

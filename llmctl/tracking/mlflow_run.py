@@ -15,7 +15,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional, TypeVar
+from typing import Any, Callable, ContextManager, Iterator, Optional, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 from llmctl import __version__
@@ -239,22 +239,13 @@ def client(uri: str) -> Any:
         return _RetryingClient(retry(MlflowClient, tracking_uri=uri), sqlite=True)
 
 
-@contextmanager
-def _quiet_store_creation() -> Iterator[None]:
+def _quiet_store_creation() -> ContextManager[None]:
     """MLflow logs "Creating initial MLflow database tables..." and "Updating database tables" (INFO,
     its own handler) when it creates a sqlite store, and alembic its migrations: the first command in a
     directory would print them. Their loggers say only warnings while the store is opened."""
-    import logging
+    from workloads.protocol.quiet_loggers import quiet_loggers
 
-    loggers = [logging.getLogger(name) for name in ("mlflow.store.db.utils", "alembic", "alembic.runtime.migration")]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.WARNING)
-    try:
-        yield
-    finally:
-        for lg, level in zip(loggers, levels):
-            lg.setLevel(level)
+    return quiet_loggers(("mlflow.store.db.utils", "alembic", "alembic.runtime.migration"))
 
 
 # MLflow 3 opens an experiment on its GenAI overview unless told it holds model training

@@ -142,6 +142,13 @@ def test_a_transformers_trainer_script_is_tracked_stopped_and_resumed_in_one_run
     assert_outcome(uri, rid, Outcome.FINISHED, 0, attempt=2)
     assert _steps(uri, rid, "loss") == list(range(1, steps + 1))
 
+    # `llmctl runs` shows the program's own loss, named, at the step it last reached
+    (row,) = json.loads(run_cli(["runs", "--json"], tmp_path, cli_env).stdout)
+    loss = mlflow_client(uri).get_run(rid).data.metrics["loss"]
+    assert (row["train_loss"], row["loss_name"], row["steps"]) == (loss, "loss", steps), row
+    table = run_cli(["runs"], tmp_path, cli_env).stdout
+    assert f"{loss:.4f} (loss)" in table and f" {steps}/" in table, table
+
 
 def test_a_torchrun_ddp_script_on_two_gloo_processes(cli_env: dict[str, str], tmp_path: Path) -> None:
     _here(tmp_path, "ddp.py")

@@ -34,18 +34,24 @@ that computes the same at tp 1, 2 or 8, resumes across layouts and exports one m
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
 from workloads.pretrain.contract.shape import NF4_BLOCK, NF4_SCALER_BLOCK
+from workloads.protocol.quiet_loggers import quiet_loggers
 
 INSTALL = "pip install 'llmctl[qlora]' (torchao)"
 
 
 def _torchao():
-    """torchao's NF4 module (its path moved in 0.14: ``torchao.dtypes.nf4tensor`` before)."""
+    """torchao's NF4 module (its path moved in 0.14: ``torchao.dtypes.nf4tensor`` before). Its import
+    logs a warning for each CUDA extension this machine cannot load (MX-FP8, Hopper CUTLASS: kernels NF4
+    does not use) and torch one per enum torchao registers: said while importing, they are held back."""
     try:
-        from torchao.quantization.quantize_.workflows.nf4 import nf4_tensor
+        with quiet_loggers(("torchao", "torch.utils._pytree"), logging.ERROR):
+            from torchao.quantization.quantize_.workflows.nf4 import nf4_tensor
     except ImportError:
         try:
             from torchao.dtypes import nf4tensor as nf4_tensor  # type: ignore[no-redef]
