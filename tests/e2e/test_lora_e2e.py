@@ -307,3 +307,48 @@ def test_lm_eval_scores_of_a_lora_run_are_lm_evals_through_peft(work, reference)
         mine = [float(r[0][0]) for r in row["resps"]]
         other = [float(r[0][0]) for r in their_samples[row["doc_id"]]["resps"]]
         assert mine == pytest.approx(other, abs=1e-4), row["doc_id"]
+
+
+def test_a_peft_export_of_a_base_without_a_tokenizer_stands_on_its_own(
+    work, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A base saved without a tokenizer (the run trains its own BPE) and named by a relative path: the
+    PEFT export ships the run's tokenizer and generation config, names the base by its absolute path,
+    and says that the base's generation config stops at another EOS (LlamaConfig's default 2). Loaded
+    from another directory with ``AutoPeftModelForCausalLM``, it generates the merged export's tokens."""
+    import peft
+    import transformers
+
+    torch.manual_seed(0)
+    cwd = work["root"] / "bare"
+    (cwd / "bases").mkdir(parents=True)
+    bare = transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON, **SHAPES["lora"]))
+    bare.save_pretrained(str(cwd / "bases" / "bare"))  # no tokenizer; generation_config.json says eos 2
+    args = [a for a in _args(work, "lora") if not a.startswith("model.init_from=")]
+    out = run_cli([*args, "model.init_from=bases/bare"], cwd, work["env"])
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    (run,) = mlflow_runs(f"sqlite:///{cwd / 'mlflow.db'}")
+    rid = run.info.run_id
+    peft_out = run_cli(["export", rid, "--format", "peft", "--out", "peft"], cwd, work["env"])
+    assert peft_out.returncode == 0, peft_out.stdout[-3000:] + peft_out.stderr[-3000:]
+    assert "warning: the base's generation_config.json stops at eos_token_id=2" in peft_out.stdout, peft_out.stdout
+    hf_out = run_cli(["export", rid, "--dtype", "fp32", "--out", "hf"], cwd, work["env"])
+    assert hf_out.returncode == 0, hf_out.stdout[-3000:] + hf_out.stderr[-3000:]
+    conf = json.loads((cwd / "peft" / "adapter_config.json").read_text())
+    assert conf["base_model_name_or_path"] == str((cwd / "bases" / "bare").resolve())
+
+    monkeypatch.chdir(tmp_path)  # elsewhere: a relative base would be looked up on the Hub from here
+    adapter, merged_dir = cwd / "peft", cwd / "hf"
+    tok = transformers.AutoTokenizer.from_pretrained(str(adapter))
+    assert tok.eos_token == transformers.AutoTokenizer.from_pretrained(str(merged_dir)).eos_token
+    adapted = peft.AutoPeftModelForCausalLM.from_pretrained(str(adapter), dtype=torch.float32).eval()
+    merged = transformers.AutoModelForCausalLM.from_pretrained(str(merged_dir), dtype=torch.float32).eval()
+    prompt = tok("def main", return_tensors="pt").input_ids
+    how = dict(max_new_tokens=12, do_sample=False)
+    with torch.no_grad():
+        want = merged.generate(prompt, **how)
+        got = adapted.generate(
+            input_ids=prompt, generation_config=transformers.GenerationConfig.from_pretrained(str(adapter)), **how
+        )
+    assert got.tolist() == want.tolist()
+    assert transformers.GenerationConfig.from_pretrained(str(adapter)).eos_token_id == tok.eos_token_id != 2

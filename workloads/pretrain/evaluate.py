@@ -309,13 +309,27 @@ def run(
     if peft_dir:
         if world > 1:
             raise ValueError("--export-peft runs in one process")
-        from workloads.pretrain.checkpoint.lora_export import export_peft
+        from workloads.pretrain.checkpoint.hf_tokenizer import source_dir, tokenizer_export
+        from workloads.pretrain.checkpoint.lora_export import base_stops_elsewhere, export_peft
         from workloads.pretrain.checkpoint.tensor_source import DcpSource
 
+        # the run's tokenizer and generation config beside the adapters, as PEFT's save_pretrained
+        # leaves them: the base may have neither (a run that trained its own BPE)
+        tok = tokenizer_export(
+            corpus.path / "tokenizer.json", corpus.eos_token, int(cfg.model.max_seq_len), source_dir(cfg.data.tokenizer)
+        )
         info = {"run_id": run_id, "step": step, "checkpoint": step_dir, "format": "peft"}
-        export_peft(DcpSource(step_dir), cfg, peft_dir, extra_files={EXPORT_INFO: json.dumps(info, indent=2)})
+        files = {
+            EXPORT_INFO: json.dumps(info, indent=2),
+            "generation_config.json": json.dumps(tok.generation_config, indent=2),
+            **tok.files,
+        }
+        export_peft(DcpSource(step_dir), cfg, peft_dir, extra_files=files)
         result.update(export=str(peft_dir), format="peft")
         say(f"export | step {step} adapters to {peft_dir} (PEFT LoRA) in {time.perf_counter() - t0:.1f}s")
+        stale = base_stops_elsewhere(cfg.model.init_from, tok.generation_config)
+        if stale:
+            say(f"export | warning: {stale}")
         return result
     if export_dir:
         if world > 1:

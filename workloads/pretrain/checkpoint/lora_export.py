@@ -204,6 +204,41 @@ def adapter_config(cfg: TrainerCfg, base_model: Optional[str]) -> dict[str, Any]
     }
 
 
+def base_model_name(init_from: Optional[str]) -> Optional[str]:
+    """``base_model_name_or_path``: a local base by its absolute path (PEFT resolves a relative one from
+    wherever the adapter is loaded, and then asks the Hub), a URL as it is."""
+    if not init_from:
+        return None
+    return str(init_from) if "://" in str(init_from) else str(Path(str(init_from)).expanduser().resolve())
+
+
+def base_stops_elsewhere(init_from: Optional[str], generation_config: dict[str, Any]) -> Optional[str]:
+    """Why PEFT's generation would not stop where the run's tokenizer ends text, or None. PEFT loads the
+    base's ``generation_config.json``, never the adapter's: a base saved without a tokenizer keeps
+    ``LlamaConfig``'s default EOS (2), some token of the run's vocabulary."""
+    ours = generation_config.get("eos_token_id")
+    if not init_from or ours is None:
+        return None
+    import fsspec
+
+    try:
+        with fsspec.open(f"{str(init_from).rstrip('/')}/generation_config.json", "r") as f:
+            theirs = json.load(f).get("eos_token_id")
+    except (OSError, ValueError):
+        return None
+    if theirs is None or set(_ids(ours)) <= set(_ids(theirs)):
+        return None
+    return (
+        f"the base's generation_config.json stops at eos_token_id={theirs}, this run's tokenizer ends text with"
+        f" {ours}; PEFT generates with the base's. Fix: generate(..., generation_config="
+        "GenerationConfig.from_pretrained(<this export>))"
+    )
+
+
+def _ids(value: Any) -> list[Any]:
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
 def export_peft(
     adapters: TensorSource,
     cfg: TrainerCfg,
@@ -220,7 +255,7 @@ def export_peft(
     state = {k: v.to(dtype) for k, v in peft_state_dict(adapters, cfg).items()}
     if not state:
         raise ValueError("the checkpoint holds no LoRA adapters")
-    base = str(cfg.model.init_from) if cfg.model.init_from else None
+    base = base_model_name(cfg.model.init_from)
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
