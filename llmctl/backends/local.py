@@ -161,12 +161,24 @@ def _worker_env(plan: Plan, handle: RunHandle, rdir: Path) -> dict[str, str]:
     return env
 
 
-def _stop(proc: subprocess.Popen[Any]) -> None:
-    """Ctrl-C: let torchrun pass SIGINT to the workers, then escalate if they hang."""
-    for sig, wait_s in ((signal.SIGINT, STOP_GRACE_S), (signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+def _stop(proc: subprocess.Popen[Any], guard_grace_s: Optional[float] = None) -> None:
+    """Ctrl-C: let torchrun pass SIGINT to the workers, then escalate if they hang. A command workload
+    (``guard_grace_s``: its grace period) gets it through its guard alone, which asks the program to
+    stop the contract's way (SIGTERM: save, exit 75) and waits the grace; a user's program never sees
+    a KeyboardInterrupt it was not written for."""
+    first = (signal.SIGINT, STOP_GRACE_S, True)
+    if guard_grace_s is not None:
+        first = (signal.SIGINT, guard_grace_s + STOP_GRACE_S, False)
+    for sig, wait_s, tree in (first, (signal.SIGTERM, 5.0, True), (signal.SIGKILL, 5.0, True)):
         if proc.poll() is not None:
             return
-        signal_tree(proc.pid, sig)
+        if tree:
+            signal_tree(proc.pid, sig)
+        else:
+            try:
+                os.kill(proc.pid, sig)
+            except ProcessLookupError:
+                return
         try:
             proc.wait(timeout=wait_s)
         except subprocess.TimeoutExpired:
@@ -321,7 +333,7 @@ class LocalBackend:
                 update_json(handle.run_id, JOB_END_FILE, time=time.time(), code=code)  # the workers' exit
                 return code
             except KeyboardInterrupt:
-                _stop(proc)
+                _stop(proc, grace if is_command(plan.cfg) else None)
                 raise
             finally:
                 for sig, handler in previous.items():

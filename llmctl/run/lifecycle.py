@@ -782,7 +782,14 @@ def classify(
         # because of it: torchrun exits 1 when it is signalled) after that is not a failure
         return Outcome.FINISHED, _completed_reason(completed, code)
     if isinstance(error, Interrupted):
-        return killed(error.signum) if error.signum != signal.SIGINT else (Outcome.INTERRUPTED, "interrupted (Ctrl-C)")
+        if error.signum != signal.SIGINT:
+            return killed(error.signum)
+        if _program_saved(current_fact(tags, TAG_PREEMPTED, attempt)):
+            # a command workload's guard passed the Ctrl-C on as a stop, and its program saved
+            return Outcome.INTERRUPTED, (
+                f"interrupted (Ctrl-C) after the program saved its state — resume with: llmctl resume {run_id}"
+            )
+        return Outcome.INTERRUPTED, "interrupted (Ctrl-C)"
     if isinstance(error, LaunchError):
         return Outcome.FAILED, f"failed to start: {error}"
     if error is not None:  # llmctl's own error (a cloud API, the tracking store, a bug): re-raised after closing
@@ -798,6 +805,15 @@ def classify(
     if stop in (signal.SIGTERM, signal.SIGHUP):  # passed on to the workers, which ended without saving
         return killed(stop)
     return Outcome.FAILED, f"workload exited with code {code}"
+
+
+def _program_saved(raw: Optional[str]) -> bool:
+    """Whether a preemption fact is a command workload's program that saved its state (exit 75)."""
+    try:
+        info = json.loads(raw) if raw else None
+    except ValueError:
+        return False
+    return isinstance(info, dict) and bool(info.get("program")) and bool(info.get("saved"))
 
 
 def _completed_reason(raw: str, code: Optional[int]) -> str:
@@ -896,6 +912,8 @@ def _say_outcome(
         say(f"llmctl: open it: {tracking.run_url(handle)}")  # last: the line a user copies
     elif outcome is Outcome.FAILED:
         say(f"error: run {rid} FAILED: {reason} (log: {run_dir(rid) / 'output.log'})", err=True)
+    elif outcome is Outcome.INTERRUPTED and "resume with" in reason:  # stopped, its state saved: the way on
+        say(f"llmctl: run {rid} {reason}; marked KILLED", err=True)
     elif outcome is Outcome.INTERRUPTED:
         say(f"error: run {rid} interrupted; marked KILLED", err=True)
     elif outcome is Outcome.PREEMPTED:  # stopped with its state saved: it resumes, nothing went wrong

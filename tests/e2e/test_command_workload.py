@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -83,9 +84,12 @@ def _wait_for(predicate, timeout: float, what: str) -> None:
     raise AssertionError(f"timed out waiting for {what}")
 
 
+@pytest.mark.parametrize("stop", ["down", "ctrl-c"])
 def test_a_transformers_trainer_script_is_tracked_stopped_and_resumed_in_one_run(
-    cli_env: dict[str, str], tmp_path: Path, tiny_llama: Path
+    cli_env: dict[str, str], tmp_path: Path, tiny_llama: Path, stop: str
 ) -> None:
+    """Stopped by ``llmctl down`` (SIGTERM) or by Ctrl-C to llmctl: either way the program is asked to
+    stop the contract's way (SIGTERM), saves and exits 75; the resume logs every step exactly once."""
     _here(tmp_path, "hf_trainer.py")
     steps = 24  # 0.5 s each: the stop lands well before the last one, even on a loaded machine
     args = [
@@ -106,18 +110,27 @@ def test_a_transformers_trainer_script_is_tracked_stopped_and_resumed_in_one_run
 
         _wait_for(logged_three, 240, "three logged losses")
         rid = next(p.name for p in runs_dir.iterdir() if (p / "output.log").is_file())
-        down = run_cli(["down", rid], tmp_path, cli_env)
+        if stop == "down":
+            down = run_cli(["down", rid], tmp_path, cli_env)
+            assert down.returncode == 0, down.stdout + down.stderr
+        else:
+            launch.send_signal(signal.SIGINT)  # what Ctrl-C in the terminal sends llmctl
         out, _ = launch.communicate(timeout=120)
     finally:
         if launch.poll() is None:
             launch.kill()
-    assert down.returncode == 0, down.stdout + down.stderr
-    assert launch.returncode == 75, out[-3000:]
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     run = _the_run(tmp_path)
     assert run.info.status == "KILLED"
     status = run.data.tags["llmctl.status"]
-    assert status.startswith("stopped by llmctl down after the program saved its state (exit 75)"), status
+    if stop == "down":
+        assert launch.returncode == 75, out[-3000:]
+        assert status.startswith("stopped by llmctl down after the program saved its state (exit 75)"), status
+    else:
+        assert launch.returncode == 130, out[-3000:]
+        assert status.startswith("interrupted (Ctrl-C) after the program saved its state"), status
+        assert f"llmctl: run {rid} interrupted (Ctrl-C) after the program saved its state" in out, out[-3000:]
+        assert f"resume with: llmctl resume {rid}" in out and "KeyboardInterrupt" not in out, out[-3000:]
     first = _steps(uri, rid, "loss")
     assert first and first == list(range(1, len(first) + 1)) and len(first) < steps, first
     saved = sorted((tmp_path / "llmctl-runs" / rid / "checkpoints").glob("checkpoint-*"))

@@ -4,7 +4,8 @@
 - **The start** is recorded in llmctl's MLflow run (``llmctl.workload_start.<k>``, node rank 0), so
   the ledger bills each start and a managed job's recovery counts as a new attempt.
 - **Stops**: SIGTERM, SIGHUP or SIGUSR1 to the guard (a preemption notice, ``llmctl down``,
-  ``scancel``) is passed to the program once; past ``LLMCTL_STOP_GRACE_S`` (+15 s) it is killed.
+  ``scancel``), or SIGINT (Ctrl-C, which the controller passes to the guard alone), reaches the
+  program once, as SIGTERM; past ``LLMCTL_STOP_GRACE_S`` (+15 s) it is killed.
 - **The budget** (``--max-cost``): the same inputs as the trainer's guard (price, billing start,
   earlier spend); the program gets SIGTERM when the spend, plus its grace period and a reserve,
   would pass the limit, and the run is tagged ``llmctl.budget_stop``: the controller closes it
@@ -63,7 +64,8 @@ from workloads.protocol.run_contract import (
 )
 
 RESERVE_S = 5.0  # kept beyond the grace period: the program's last save may run a little long
-STOPS = (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
+# SIGINT: Ctrl-C, which the controller passes to this guard alone; the program gets SIGTERM like any stop
+STOPS = (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGINT)
 
 
 def _num(key: str) -> Optional[float]:
