@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, mlflow_runs, run_cli
+from helpers import ROOT, mlflow_runs, run_cli, with_faults
 
 pytestmark = pytest.mark.slow
 
@@ -75,6 +75,20 @@ def test_bad_eval_tasks_are_refused_before_a_run_exists(
     db = tmp_path / "mlflow.db"
     assert not db.exists() or not mlflow_runs(f"sqlite:///{db}")  # no run was created
     assert not (tmp_path / "llmctl-runs").exists() or not any((tmp_path / "llmctl-runs").iterdir())
+
+
+def test_a_misspelt_task_is_refused_from_the_cached_task_index(cli_env: dict[str, str], tmp_path: Path) -> None:
+    """lm-eval's built-in task index is summarised into llmctl's cache once: a later check refuses the
+    same typo with lm-eval unable to index its built-ins (a fault injected from here); with an empty
+    cache the same fault breaks the check, so the cache is what answered."""
+    args = ["launch", *TRAIN, "eval.tasks=[python_facts_mcq]", f"eval.include_path={TASKS}"]
+    first = run_cli(args, tmp_path, cli_env)
+    assert first.returncode == 3 and "unknown lm-eval task 'python_facts_mcq'" in first.stderr, first.stderr[-2000:]
+    broken = with_faults(cli_env, LLMCTL_TEST_NO_BUILTIN_TASK_INDEX="1")
+    again = run_cli(args, tmp_path, broken)
+    assert (again.returncode, again.stderr) == (3, first.stderr), again.stderr[-2000:]
+    cold = run_cli(args, tmp_path, {**broken, "LLMCTL_CACHE_DIR": str(tmp_path / "empty-cache")})
+    assert cold.returncode != 0 and "injected fault (LLMCTL_TEST_NO_BUILTIN_TASK_INDEX)" in cold.stderr, cold.stderr
 
 
 def test_plan_names_the_scored_steps_and_leaves_their_time_out(cli_env: dict[str, str], tmp_path: Path) -> None:

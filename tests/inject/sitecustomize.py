@@ -9,9 +9,12 @@ has no switch for any of them.
   workload's output containing TEXT: an unexpected controller-side error in the middle of a run.
 - ``LLMCTL_TEST_CTRL_C_AFTER_OPEN=1``: Ctrl-C (SIGINT) to the controller right after it opened the
   run's attempt in the ledger, before anything else of the attempt exists.
+- ``LLMCTL_TEST_NO_BUILTIN_TASK_INDEX=1``: lm-eval cannot index its built-in tasks (its
+  ``TaskManager`` raises unless told ``include_defaults=False``): what llmctl knows of them must come
+  from its own cache.
 
-Each patches a module of llmctl when it is first imported (workload processes, which import no llmctl,
-are untouched).
+Each patches a module of llmctl (or of a library it calls) when it is first imported (workload
+processes, which import no llmctl, are untouched).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from typing import Any, Callable
 BEFORE_CLOSE = os.environ.get("LLMCTL_TEST_BEFORE_CLOSE")
 RAISE_ON = os.environ.get("LLMCTL_TEST_RAISE_ON")
 CTRL_C_AFTER_OPEN = os.environ.get("LLMCTL_TEST_CTRL_C_AFTER_OPEN") == "1"
+NO_BUILTIN_TASK_INDEX = os.environ.get("LLMCTL_TEST_NO_BUILTIN_TASK_INDEX") == "1"
 
 
 def _patch_close(lifecycle: Any) -> None:
@@ -72,6 +76,18 @@ def _patch_open_attempt(ledger: Any) -> None:
     ledger.open_attempt = open_attempt
 
 
+def _patch_task_manager(tasks: Any) -> None:
+    real = tasks.TaskManager
+
+    class WithoutBuiltins(real):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, include_defaults: bool = True, **kwargs: Any) -> None:
+            if include_defaults:
+                raise RuntimeError("injected fault (LLMCTL_TEST_NO_BUILTIN_TASK_INDEX): no built-in task index")
+            super().__init__(*args, include_defaults=include_defaults, **kwargs)
+
+    tasks.TaskManager = WithoutBuiltins
+
+
 PATCHES: dict[str, Callable[[Any], None]] = {}
 if BEFORE_CLOSE:
     PATCHES["llmctl.run.lifecycle"] = _patch_close
@@ -79,6 +95,8 @@ if RAISE_ON:
     PATCHES["llmctl.backends.local"] = _patch_echo
 if CTRL_C_AFTER_OPEN:
     PATCHES["llmctl.cost.ledger"] = _patch_open_attempt
+if NO_BUILTIN_TASK_INDEX:
+    PATCHES["lm_eval.tasks"] = _patch_task_manager
 
 
 class _PatchOnImport(importlib.abc.MetaPathFinder):

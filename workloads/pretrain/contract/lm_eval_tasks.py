@@ -14,9 +14,6 @@ from pathlib import Path
 from typing import Any, Optional
 from urllib.parse import urlparse
 
-# datasets' packaged builders: a task whose ``dataset_path`` is one of these reads local files
-# (``dataset_kwargs.data_files``), not the Hub
-LOCAL_BUILDERS = {"json", "csv", "parquet", "text", "arrow", "pandas"}
 OFFLINE_ENV = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
 LM_EVAL_MISSING = "lm-eval is not installed: pip install 'llmctl[eval]' (lm-evaluation-harness), then run again"
 
@@ -54,40 +51,6 @@ def _number(value: Any) -> bool:
 # ----------------------------------------------------------------------------- checks before any work
 
 
-def _tasks_of(index: dict[str, Any], name: str, depth: int = 0) -> list[Any]:
-    """The leaf task entries a task, group or tag name stands for (lm-eval's task index)."""
-    entry = index.get(name)
-    if entry is None or depth > 8:
-        return []
-    kind = getattr(getattr(entry, "kind", None), "name", "")
-    if kind == "TASK" or (isinstance(entry.cfg, dict) and "dataset_path" in entry.cfg):
-        return [entry]
-    members: list[str] = []
-    if isinstance(entry.cfg, dict):
-        for sub in entry.cfg.get("task") or []:
-            members.append(sub if isinstance(sub, str) else str(sub.get("task") or "") if isinstance(sub, dict) else "")
-    if kind == "TAG" or not members:
-        members += [n for n, e in index.items() if name in (getattr(e, "tags", None) or ())]
-    return [leaf for m in members if m for leaf in _tasks_of(index, m, depth + 1)]
-
-
-def _reads_hub(cfg: dict[str, Any]) -> Optional[str]:
-    """The Hub data set a task reads, or None when its data is local (a packaged builder over local
-    files, a local directory, or a custom loader)."""
-    if cfg.get("custom_dataset"):
-        return None
-    path = str(cfg.get("dataset_path") or "")
-    if not path:
-        return None
-    if path in LOCAL_BUILDERS:
-        files = (cfg.get("dataset_kwargs") or {}).get("data_files") or {}
-        urls = files.values() if isinstance(files, dict) else files if isinstance(files, list) else [files]
-        flat = [u for v in urls for u in (v if isinstance(v, list) else [v])]
-        remote = [u for u in flat if urlparse(str(u)).scheme in ("http", "https", "hf")]
-        return str(remote[0]) if remote else None
-    return None if Path(path).expanduser().exists() else path
-
-
 def hub_unreachable(timeout_s: float = 5.0) -> Optional[str]:
     """Why the Hugging Face Hub cannot be read from here, or None: offline mode set, or no TCP
     connection to ``HF_ENDPOINT`` (default huggingface.co) within ``timeout_s``."""
@@ -113,20 +76,21 @@ def check_tasks(tasks: list[str], include_path: Optional[str], flag: str = "--in
     if include_path and not Path(include_path).expanduser().is_dir():
         return f"{flag}{include_path}: no such directory (lm-eval task YAMLs)"
     try:
-        from lm_eval.tasks import TaskManager
+        import lm_eval  # noqa: F401  (the package alone: its task index is what costs)
     except ImportError:
         return LM_EVAL_MISSING
     import difflib
 
-    manager = TaskManager(include_path=str(Path(include_path).expanduser()) if include_path else None)
-    index = manager.task_index
+    from workloads.pretrain.contract.lm_eval_index import leaves, task_summary
+
+    index = task_summary(include_path)
     unknown = [t for t in tasks if t not in index]
     if unknown:
         close = difflib.get_close_matches(unknown[0], list(index), n=3)
         hint = f" Did you mean: {', '.join(close)}?" if close else ""
         local = "" if include_path else f"; a task of your own: {flag}DIR with its YAML"
         return f"unknown lm-eval task '{unknown[0]}'.{hint} Fix: `lm_eval ls tasks` lists them{local}"
-    hub = [(t, ds) for t in tasks for leaf in _tasks_of(index, t) if (ds := _reads_hub(leaf.cfg or {}))]
+    hub = [(t, leaf["hub"]) for t in tasks for leaf in leaves(index, t) if leaf["hub"]]
     if hub:
         why = hub_unreachable()
         if why:
