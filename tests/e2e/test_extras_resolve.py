@@ -1,6 +1,6 @@
 """The docs' install lines leave a working environment in every order the docs show them: the
 base install, then ``.[hf]`` and ``.[cloud]`` one after the other (either way round) or together,
-and ``.[eval]`` (lm-eval) after both or before ``.[cloud]``.
+and ``.[eval]`` (lm-eval) or ``.[hf,peft]`` after both or before ``.[cloud]``.
 
 Installing them for real takes minutes and gigabytes (torch, SkyPilot's clouds, MLflow), so the
 environment is pip's own view of one: a venv whose site-packages holds only the ``.dist-info``
@@ -35,12 +35,15 @@ HF = ("docs/finetune.md", 'pip install -e ".[hf]"')
 CLOUD = ("docs/quickstart.md", 'pip install -e ".[cloud]"')
 BOTH = ("docs/finetune.md", 'pip install -e ".[cloud,hf]"')
 EVAL = ("docs/eval.md", 'pip install -e ".[eval]"')  # lm-eval: its datasets caps fsspec, its hub and click float
+PEFT = ("docs/finetune.md", 'pip install -e ".[hf,peft]"')  # what loads a --format peft export
 ORDERS = {
     "hf, then cloud": [HF, CLOUD],
     "cloud, then hf": [CLOUD, HF],
     "in one line": [BOTH],
     "cloud and hf, then eval": [BOTH, EVAL],
     "eval, then cloud": [EVAL, CLOUD],
+    "cloud and hf, then peft": [BOTH, PEFT],
+    "peft, then cloud": [PEFT, CLOUD],
 }
 
 
@@ -99,7 +102,7 @@ class PipView:
 
 
 def test_the_lines_are_the_docs() -> None:
-    for doc, line in (BASE, HF, CLOUD, BOTH, EVAL):
+    for doc, line in (BASE, HF, CLOUD, BOTH, EVAL, PEFT):
         assert line in (ROOT / doc).read_text(), f"{doc} no longer shows {line}"
 
 
