@@ -909,6 +909,7 @@ def _say_outcome(
             say(cost_line)
         if outcome is Outcome.BUDGET_STOP:
             say(f"llmctl: run {rid} {reason}", err=True)
+        say(f"llmctl: all runs: {tracking.runs_url(handle)}")  # the experiment's runs, losses and spend side by side
         say(f"llmctl: open it: {tracking.run_url(handle)}")  # last: the line a user copies
     elif outcome is Outcome.FAILED:
         say(f"error: run {rid} FAILED: {reason} (log: {run_dir(rid) / 'output.log'})", err=True)

@@ -19,6 +19,7 @@ from typing import Any, Callable, ContextManager, Iterator, Optional, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 from llmctl import __version__
+from llmctl.tracking import ui_view
 
 SQLITE_DEFAULT = "mlflow.db"
 MAX_PARAM_CHARS = 6000
@@ -249,7 +250,8 @@ def _quiet_store_creation() -> ContextManager[None]:
 
 
 # MLflow 3 opens an experiment on its GenAI overview unless told it holds model training
-# (the UI reads this tag; ``mlflow.entities.ExperimentKind``-style values)
+# (earlier 3.x UIs read this tag, ``mlflow.entities.ExperimentKind``-style values; 3.17's ignores it
+# and goes by the page address: RUN_PAGE_QUERY, ui_view)
 TAG_EXPERIMENT_KIND = "mlflow.experimentKind"
 TRAINING_KIND = "custom_model_development"
 
@@ -270,7 +272,18 @@ def experiment_id(mlflow_client: Any, name: str, uri: str) -> str:
             raise LookupError(f"MLflow experiment {name!r} could neither be found nor created")
     if TAG_EXPERIMENT_KIND not in exp.tags:  # one created before llmctl set it, or by someone else
         mlflow_client.set_experiment_tag(exp.experiment_id, TAG_EXPERIMENT_KIND, TRAINING_KIND)
+    _save_runs_view(mlflow_client, exp)
     return exp.experiment_id
+
+
+def _save_runs_view(mlflow_client: Any, exp: Any) -> None:
+    """The runs-list view ``runs_url`` opens, on the experiment (written once, then found there).
+    A convenience of the UI: a store that refuses it (a read-only user, an old server) costs the
+    link its columns, never the run."""
+    try:
+        ui_view.save_view(mlflow_client, exp.experiment_id, exp.tags)
+    except Exception:
+        pass
 
 
 def create_run(
@@ -379,21 +392,28 @@ def summary(handle: RunHandle, elapsed_s: float) -> str:
 
 
 def _against_estimate(mc: Any, handle: RunHandle, elapsed_s: float) -> str:
-    """`` (estimated 89 s)``, or `` (estimated 89 s: 2.4x slower)``; "" without an estimate."""
+    """`` (estimated 89 s)``, or `` (estimated 89 s: 2.4x slower)``; "" without an estimate. The plan's
+    estimate leaves in-training lm-eval scoring out (``plan`` says so): its time (the trainer's
+    ``TASKS_TIME`` metric) is set apart and named, not counted as slowness."""
+    from workloads.pretrain.contract.lm_eval_tasks import TASKS_TIME
+
     try:
         est_s = float(mc.get_run(handle.run_id).data.tags["time/estimate_h"]) * 3600
     except (KeyError, ValueError):
         return ""
     if est_s <= 0:
         return ""
-    slower = f": {elapsed_s / est_s:.1f}x slower" if elapsed_s > SLOWER_THAN_ESTIMATED * est_s else ""
-    return f" (estimated {est_s:.0f} s{slower})"
+    scoring_s = sum(m.value for m in mc.get_metric_history(handle.run_id, TASKS_TIME))
+    apart = f"; lm-eval scoring {scoring_s:.0f} s apart" if scoring_s > 0 else ""
+    training_s = elapsed_s - scoring_s
+    slower = f": {training_s / est_s:.1f}x slower" if training_s > SLOWER_THAN_ESTIMATED * est_s else ""
+    return f" (estimated {est_s:.0f} s{slower}{apart})"
 
 
 UI_DEFAULT = "http://127.0.0.1:5000"  # where ``mlflow ui`` serves by default
 # MLflow 3.17's UI has a GenAI / machine-learning switch (default GenAI) that outranks the experiment's
 # kind tag; this query parameter of the page address selects machine learning, so the run page shows runs
-RUN_PAGE_QUERY = "?workflowType=machine_learning"
+RUN_PAGE_QUERY = f"?{ui_view.ML_WORKFLOW}"
 
 
 def run_page(base: str, experiment: str, run_id: str) -> str:
@@ -401,11 +421,23 @@ def run_page(base: str, experiment: str, run_id: str) -> str:
     return f"{base.rstrip('/')}/#/experiments/{experiment}/runs/{run_id}{RUN_PAGE_QUERY}"
 
 
+def _serves_ui(uri: str) -> bool:
+    """Whether the store is a tracking server (its UI at the same address), not a local file."""
+    return uri.startswith(("http://", "https://"))
+
+
 def run_url(handle: RunHandle) -> str:
     """How to look at the run: its page on a tracking server; for a local store, the command that
     serves the UI and the page to open once it runs."""
-    if handle.uri.startswith(("http://", "https://")):
+    if _serves_ui(handle.uri):
         return run_page(redact(handle.uri), handle.experiment_id, handle.run_id)
     return (
         f"mlflow ui --backend-store-uri {handle.uri}, then {run_page(UI_DEFAULT, handle.experiment_id, handle.run_id)}"
     )
+
+
+def runs_url(handle: RunHandle) -> str:
+    """The run's experiment as a runs list with its losses and spend (``ui_view``): on the tracking
+    server, or for a local store on the UI that ``run_url``'s command serves."""
+    base = redact(handle.uri) if _serves_ui(handle.uri) else UI_DEFAULT
+    return ui_view.runs_page(base, handle.experiment_id)

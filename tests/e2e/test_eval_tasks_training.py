@@ -37,6 +37,11 @@ def test_eval_tasks_score_every_checkpoint_into_the_run(cli_env: dict[str, str],
     for key in ("eval/python_facts_mc/acc", "eval/python_facts_mc/acc_norm", "eval/python_facts_mc/acc_stderr"):
         assert [m.step for m in client.get_metric_history(rid, key)] == [5, 10], key
     assert [m.step for m in client.get_metric_history(rid, "val/loss")] == [0, 5, 10]  # the same x axis
+    # each scoring's wall time, set apart in the closing line (the plan's estimate leaves it out)
+    scoring = client.get_metric_history(rid, "time/tasks_s")
+    assert [m.step for m in scoring] == [5, 10] and all(m.value > 0 for m in scoring), scoring
+    closing = next(ln for ln in (out.stdout + out.stderr).splitlines() if f"run {rid} FINISHED in" in ln)
+    assert f"; lm-eval scoring {sum(m.value for m in scoring):.0f} s apart)" in closing, closing
     assert run.data.params["lm_eval.task.python_facts_mc.version"] == "1.0"
     for step in (5, 10):
         names = {a.path for a in client.list_artifacts(rid, f"eval/step-{step}/lm_eval")}

@@ -69,7 +69,8 @@ def env(cache_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, 
 
 @pytest.fixture(scope="module")
 def launched(server: str, env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """One 6-step launch into the server (checkpoints at 3 and 6): its run and the line it ended with."""
+    """One 6-step launch into the server (checkpoints at 3 and 6): its run, what it printed and the
+    line it ended with."""
     from mlflow.tracking import MlflowClient
 
     cwd = tmp_path_factory.mktemp("ui-launch")
@@ -78,7 +79,7 @@ def launched(server: str, env: dict[str, str], tmp_path_factory: pytest.TempPath
     last = out.stdout.strip().splitlines()[-1]
     mc = MlflowClient(tracking_uri=server)
     (run,) = mc.search_runs([mc.get_experiment_by_name("llmctl").experiment_id])
-    return {"cwd": cwd, "last": last, "run": run, "mc": mc}
+    return {"cwd": cwd, "stdout": out.stdout, "last": last, "run": run, "mc": mc}
 
 
 @pytest.fixture(scope="module")
@@ -139,6 +140,35 @@ def test_printed_address_opens_the_run_with_its_source_dataset_and_cost_tags(
     assert "cost/actual_usd" in text and "cost/estimate_usd" in text and "time/wall_s" in text
     metrics = set(mc.get_run(rid).data.metrics)
     assert set(FIGURES) & metrics == set(CHARTED), sorted(metrics)
+
+
+def _as_js_prints(value: float) -> str:
+    """A number as MLflow's runs table shows it, JavaScript's ``String(n)``: ``6`` for 6.0, else the
+    shortest digits that read back the same, which is Python's ``repr`` at a loss's magnitudes."""
+    return str(int(value)) if value.is_integer() else repr(value)
+
+
+def test_the_printed_runs_list_shows_the_losses_and_the_spend(
+    needs_chromium: None, launched: dict[str, Any], server: str, tmp_path: Path
+) -> None:
+    """The ``all runs:`` address opens, in a browser nobody set up, the machine-learning runs list
+    with the loss and spend columns (issue #48, item 11): not the GenAI overview, nor the runs table's
+    default columns (Created, Dataset, Duration)."""
+    run = launched["run"]
+    lines = launched["stdout"].strip().splitlines()
+    prefix = "llmctl: all runs: "
+    assert lines[-2].startswith(prefix), lines[-3:]  # just before the run's own page, the last line
+    url = lines[-2][len(prefix) :]
+    assert url == (
+        f"{server}/#/experiments/{run.info.experiment_id}/runs?workflowType=machine_learning&viewStateShareKey=llmctl"
+    ), url
+    text = _page(url, "runs", tmp_path)  # a fresh Chromium profile: nothing in its localStorage
+    assert re.search(r"\b\d+ matching runs?\b", text) and "Detect Issues" not in text, text[:3000]  # not GenAI's
+    assert "You're viewing a shared view" in text, text[:3000]  # llmctl's view was found, not refused
+    for header in ("train/loss", "val/loss", "cost/actual_usd"):
+        assert header in text, (header, text[:3000])
+    loss = _as_js_prints(run.data.metrics["train/loss"])  # the launch's last train loss, in its row
+    assert loss in text, (loss, text[:3000])
 
 
 @pytest.mark.usefixtures("needs_chromium")

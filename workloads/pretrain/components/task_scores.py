@@ -31,7 +31,7 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
-from workloads.pretrain.contract.lm_eval_tasks import harness_command, log_scores
+from workloads.pretrain.contract.lm_eval_tasks import TASKS_TIME, harness_command, log_scores
 from workloads.protocol.checkpoint_layout import step_dir
 
 SCORING_TIMEOUT = timedelta(hours=6)  # how long the other ranks wait for rank 0's scoring
@@ -108,7 +108,8 @@ def score_step(
             tail = (done.stderr or done.stdout or "").strip().splitlines()[-1:] or ["its output is above"]
             raise RuntimeError(f"the harness exited {done.returncode}: {tail[0]}")
         result = json.loads(out.read_text())
-        sink.log(result["scores"], step)
+        # its wall time too: the plan's estimate leaves scoring out, and the closing line says so
+        sink.log({**result["scores"], TASKS_TIME: time.perf_counter() - t0}, step)
         sink.flush()
         client = sink.client()
         if client is not None:

@@ -15,6 +15,8 @@ from typing import Any, Optional
 from urllib.parse import urlparse
 
 OFFLINE_ENV = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+# the metric (seconds, at the scored step) of each in-training scoring: the plan's estimate leaves it out
+TASKS_TIME = "time/tasks_s"
 LM_EVAL_MISSING = "lm-eval is not installed: pip install 'llmctl[eval]' (lm-evaluation-harness), then run again"
 
 
