@@ -80,6 +80,18 @@ def leaves(summary: Summary, name: str, depth: int = 0) -> list[dict[str, Any]]:
     return [leaf for m in members for leaf in leaves(summary, m, depth + 1)]
 
 
+def complete(summary: Summary, name: str, depth: int = 0) -> bool:
+    """Whether ``name`` and every member it stands for (a group's tasks, a tag's) are in ``summary``:
+    an index of an include path alone can then run it without lm-eval's built-in tasks."""
+    entry = summary.get(name)
+    if entry is None or depth > 8:
+        return False
+    if entry["leaf"]:
+        return True
+    members = list(entry["members"]) + [n for n, e in summary.items() if name in e["tags"]]
+    return bool(members) and all(complete(summary, m, depth + 1) for m in members)
+
+
 def _cache_file() -> Path:
     import importlib.metadata
     import importlib.util
