@@ -139,17 +139,15 @@ def runs_rows(
 ) -> list[dict[str, Any]]:
     now = time.time()
     rows = [run_row(r, e, now) for r, e in fetch(uri, since_epoch(since, now), experiment, limit)]
-    for row in rows:
-        if not row["steps"] and row["loss_name"]:  # a program's loss: the step it was last logged at
-            row["steps"] = _last_step(uri, row["run_id"], row["loss_name"])
+    programs = [row for row in rows if not row["steps"] and row["loss_name"]]
+    if programs:  # a program's loss: the step it was last logged at (its history; one client for all)
+        from llmctl.tracking.mlflow_run import client
+
+        mc = client(uri)
+        for row in programs:
+            history = mc.get_metric_history(row["run_id"], row["loss_name"])
+            row["steps"] = max(p.step for p in history) if history else None
     return rows
-
-
-def _last_step(uri: str, run_id: str, key: str) -> Optional[int]:
-    from llmctl.tracking.mlflow_run import client
-
-    history = client(uri).get_metric_history(run_id, key)
-    return max(p.step for p in history) if history else None
 
 
 def cost_rows(uri: str, since: Optional[str] = None, by: str = "experiment") -> list[dict[str, Any]]:
