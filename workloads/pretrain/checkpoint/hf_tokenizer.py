@@ -7,7 +7,7 @@ where that tokenizer came from:
   own): its ``tokenizer_config.json`` (BOS, EOS, chat template, tokenizer class),
   ``special_tokens_map.json`` and ``chat_template.jinja`` are handed on as they are; the ids in its
   ``config.json`` go into the export's, and its ``generation_config.json`` is handed on whole, as
-  long as they name the tokenizer's EOS (else they belong to another vocabulary: ``_stops_at``). A
+  long as they name the tokenizer's EOS (else they belong to another vocabulary: ``stops_at``). A
   Llama 3 export thus starts text with ``<|begin_of_text|>``, ends it with ``<|end_of_text|>`` and,
   for an Instruct model, still stops generating at ``<|eot_id|>``, as the source does.
 * llmctl's own BPE, a bare ``tokenizer.json`` or a tiktoken file: the EOS is the run's end-of-text
@@ -88,19 +88,19 @@ def tokenizer_export(
     vocab = _token_ids(text)
     ids = {"bos_token_id": _id(vocab, bos, tokenizer_file), "eos_token_id": _id(vocab, eos, tokenizer_file)}
     eos_id = ids["eos_token_id"]
-    model_config = _json(f"{source}/config.json") if source else None
-    if model_config and _stops_at(model_config, eos_id):
+    model_config = read_json(f"{source}/config.json") if source else None
+    if model_config and stops_at(model_config, eos_id):
         # the source's own (a list where an Instruct model stops at several tokens)
         ids = {k: model_config.get(k) for k in ("bos_token_id", "eos_token_id")}
         if model_config.get("pad_token_id") is not None:
             ids["pad_token_id"] = model_config["pad_token_id"]
-    generation = _json(f"{source}/generation_config.json") if source else None
-    if not (generation and _stops_at(generation, eos_id)):
+    generation = read_json(f"{source}/generation_config.json") if source else None
+    if not (generation and stops_at(generation, eos_id)):
         generation = {k: v for k, v in ids.items() if v is not None}
     return TokenizerExport(files, bos, eos, ids, generation)
 
 
-def _stops_at(config: dict[str, Any], eos_id: int) -> bool:
+def stops_at(config: dict[str, Any], eos_id: int) -> bool:
     """Whether a source's config.json / generation_config.json names the tokenizer's EOS among its
     own; one that does not (a config saved with LlamaConfig's default ids 1 and 2 beside some other
     tokenizer) describes another vocabulary, and the tokenizer's ids are written instead."""
@@ -152,6 +152,6 @@ def _read(url: str) -> Optional[str]:
         return None
 
 
-def _json(url: str) -> Optional[dict[str, Any]]:
+def read_json(url: str) -> Optional[dict[str, Any]]:
     text = _read(url)
     return json.loads(text) if text is not None else None

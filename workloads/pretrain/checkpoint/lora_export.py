@@ -216,27 +216,24 @@ def base_stops_elsewhere(init_from: Optional[str], generation_config: dict[str, 
     """Why PEFT's generation would not stop where the run's tokenizer ends text, or None. PEFT loads the
     base's ``generation_config.json``, never the adapter's: a base saved without a tokenizer keeps
     ``LlamaConfig``'s default EOS (2), some token of the run's vocabulary."""
+    from workloads.pretrain.checkpoint.hf_tokenizer import read_json, stops_at
+
     ours = generation_config.get("eos_token_id")
     if not init_from or ours is None:
         return None
-    import fsspec
-
     try:
-        with fsspec.open(f"{str(init_from).rstrip('/')}/generation_config.json", "r") as f:
-            theirs = json.load(f).get("eos_token_id")
+        theirs = read_json(f"{str(init_from).rstrip('/')}/generation_config.json")
     except (OSError, ValueError):
         return None
-    if theirs is None or set(_ids(ours)) <= set(_ids(theirs)):
+    if not theirs or theirs.get("eos_token_id") is None:
+        return None
+    if all(stops_at(theirs, eos) for eos in (ours if isinstance(ours, list) else [ours])):
         return None
     return (
-        f"the base's generation_config.json stops at eos_token_id={theirs}, this run's tokenizer ends text with"
-        f" {ours}; PEFT generates with the base's. Fix: generate(..., generation_config="
+        f"the base's generation_config.json stops at eos_token_id={theirs['eos_token_id']}, this run's tokenizer"
+        f" ends text with {ours}; PEFT generates with the base's. Fix: generate(..., generation_config="
         "GenerationConfig.from_pretrained(<this export>))"
     )
-
-
-def _ids(value: Any) -> list[Any]:
-    return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
 def export_peft(
