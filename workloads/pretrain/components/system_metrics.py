@@ -45,5 +45,19 @@ def start() -> Optional[Any]:
 
 
 def stop(monitor: Optional[Any]) -> None:
-    if monitor is not None:
-        monitor.finish()
+    """Stop the monitor and log one closing sample.
+
+    MLflow's loop publishes only after a full sampling interval and drops the sample it holds when
+    it is told to stop, so a run shorter than one interval (or a slow first interval on a loaded
+    machine) would otherwise end with no system metrics at all; the closing sample also covers the
+    run's last partial interval.
+    """
+    if monitor is None:
+        return
+    monitor.finish()  # joins the sampling thread: the monitor is ours alone from here
+    try:
+        monitor.collect_metrics()
+        monitor.publish_metrics(monitor.aggregate_metrics())
+        monitor.mlflow_logger.flush()
+    except Exception as e:
+        print(f"warning: last system metrics sample not logged ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
