@@ -55,7 +55,7 @@ from test_lifecycle import SMALL, _run_id, _start, _steps  # noqa: E402
 
 from llmctl.controller.procs import descendants, same_process, start_time  # noqa: E402
 from llmctl.cost import ledger  # noqa: E402
-from llmctl.run.lifecycle import RULES, Outcome  # noqa: E402
+from llmctl.run.outcomes import RULES, Outcome  # noqa: E402
 
 FOREVER = [*SMALL, "train.steps=100000"]  # stopped by the fault; checkpoint.every=2
 WAIT_S = 600  # for a step or an exit on a loaded 2-core machine: a bound against hangs, not a timing

@@ -2,7 +2,7 @@
 
 Only stdlib and typer at module level: hydra, mlflow and torch load inside the commands that
 need them, so ``llmctl --help`` stays instant. Exit codes: 0 ok, 2 usage, 3 bad config (or over
---max-cost), and for a run its outcome's code (``lifecycle.RULES``: 0 finished, 1 failed, 4 stopped by
+--max-cost), and for a run its outcome's code (``outcomes.RULES``: 0 finished, 1 failed, 4 stopped by
 the budget guard, 75 stopped with state saved: preempted, or stopped by ``llmctl down`` (said as
 information: the run did not finish, and resumes), 130 interrupted, 143 killed).
 """
@@ -325,18 +325,18 @@ def status(
     job = backend.status(run, uri)
     lines = job.lines
     if run.info.status == "RUNNING" and job.ended:  # the job ended while nobody was watching
-        from llmctl.run import lifecycle
+        from llmctl.run import attached, closing, outcomes
 
-        outcome = lifecycle.Outcome.FINISHED if job.ok else lifecycle.Outcome.FAILED
-        closed = lifecycle.close_ended(uri, run, outcome, f"job {job.ended}", job.ended_at)
+        outcome = outcomes.Outcome.FINISHED if job.ok else outcomes.Outcome.FAILED
+        closed = closing.close_ended(uri, run, outcome, f"job {job.ended}", job.ended_at)
         if closed is None:
             lines.append("mlflow:      its controller is closing the run")
         else:
-            lines.append(f"mlflow:      run closed as {lifecycle.RULES[closed].mlflow_status}")
+            lines.append(f"mlflow:      run closed as {outcomes.RULES[closed].mlflow_status}")
     elif run.info.status != "RUNNING":  # an eval job's attempt whose controller was killed
-        from llmctl.run import lifecycle
+        from llmctl.run import attached, closing, outcomes
 
-        closed_line = lifecycle.close_orphaned(uri, run)
+        closed_line = attached.close_orphaned(uri, run)
         if closed_line:
             lines.append(closed_line)
     from llmctl.cost import hooks as cost
@@ -376,12 +376,12 @@ def down(
     uri, run, backend = _run_and_backend(run_id, tracking_uri)
     run_id = run.info.run_id  # the full id, when a prefix was given
     from llmctl.backends.base import ENDED
-    from llmctl.run import lifecycle
+    from llmctl.run import closing, outcomes
     from llmctl.tracking import runs
     from llmctl.tracking.mlflow_run import client
 
     if run.info.status not in ENDED:  # its controller then reports a stop the user asked for, not an error
-        lifecycle.request_stop(client(uri), run_id, "llmctl down")
+        outcomes.request_stop(client(uri), run_id, "llmctl down")
     try:
         what = backend.down(run, uri)  # an ended run: no process is signalled (a kept cluster is released)
     except ConfigError as exc:
@@ -393,7 +393,7 @@ def down(
         )
         return
     # a live controller closes the run itself (one closer per run); if none is left, nobody else will
-    if lifecycle.close_ended(uri, runs.get_run(run_id, uri), lifecycle.Outcome.KILLED, "llmctl down") is None:
+    if closing.close_ended(uri, runs.get_run(run_id, uri), outcomes.Outcome.KILLED, "llmctl down") is None:
         what += "; its controller closes the run"
     typer.echo(f"llmctl: {what}")
 

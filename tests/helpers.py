@@ -18,7 +18,7 @@ from typing import Any, Iterator, Mapping, Optional
 import pytest
 
 from llmctl.cost import ledger
-from llmctl.run.lifecycle import RULES, Outcome
+from llmctl.run.outcomes import RULES, Outcome
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -166,7 +166,7 @@ def mlflow_runs(tracking_uri: str) -> list[Any]:
     return client.search_runs([e.experiment_id for e in exps]) if exps else []
 
 
-# ----------------------------------------------------------------- the outcome table (llmctl/run/lifecycle.py)
+# ----------------------------------------------------------------- the outcome table (llmctl/run/outcomes.py)
 
 STATUS_PREFIX = {
     Outcome.FINISHED: "finished",

@@ -46,6 +46,33 @@ def raise_interrupted(signum: int, frame: Any) -> None:
     raise Interrupted(signum)
 
 
+# the stop requests the controller acts on: Ctrl-C, SIGTERM (llmctl down, a scheduler) and SIGHUP
+# (the SSH session or terminal it ran in is gone); SIGTERM and SIGHUP are passed to the workers
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def install_stop_handlers(handler: Any, only: Optional[dict[int, Any]] = None) -> dict[int, Any]:
+    """``handler`` for each stop signal (or those in ``only``); returns the handlers it replaced. A
+    SIGHUP ignored by whoever started llmctl (``nohup``) stays ignored: they asked it to outlive the
+    terminal."""
+    replaced = {}
+    for sig in STOP_SIGNALS if only is None else only:
+        if sig == signal.SIGHUP and only is None and signal.getsignal(sig) == signal.SIG_IGN:
+            continue
+        replaced[sig] = signal.signal(sig, handler)
+    return replaced
+
+
+def ignore_late_stop(signum: int, frame: Any) -> None:
+    """A stop request while the attempt is being closed: the job has already ended; finish closing."""
+
+
+def restore_handlers(previous: dict[int, Any]) -> None:
+    """Put back the handlers ``install_stop_handlers`` replaced."""
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
+
+
 def _stat_fields(pid: int) -> Optional[tuple[str, list[str]]]:
     """``(comm, fields after comm)`` of /proc/<pid>/stat, or None when there is no such process.
     comm may hold spaces and parentheses, so it is cut at the first "(" and the last ")"."""

@@ -186,16 +186,16 @@ def _check_nodes_kept_them(t: Any, run: Any) -> None:
 def score_on_infra(t: Any, request: TaskRequest, say: Callable[..., None]) -> int:
     """``llmctl eval RUN --tasks`` for a run on a cloud or Slurm: lm-eval runs as a job of its own on the
     run's infra (``workloads.pretrain.score_tasks`` on one node), attached to the run and billed as one
-    more of its attempts (``lifecycle.attach``); the job logs the scores into the run. The exit code."""
+    more of its attempts (``attached.attach``); the job logs the scores into the run. The exit code."""
     from llmctl.config.compose import Composed
     from llmctl.plan.make import make_plan
-    from llmctl.run import lifecycle
+    from llmctl.run import attached
     from llmctl.tracking import runs
 
     run = runs.get_run(t.run_id, t.uri)
-    lifecycle.check_attachable(run, "eval")  # before the checks below read checkpoints or SkyPilot
+    attached.check_attachable(run, "eval")  # before the checks below read checkpoints or SkyPilot
     _check_nodes_kept_them(t, run)
     step = _step_checked_here(t)
     plan = make_plan(Composed(job_config(t, request, step)))
     plan.job, plan.parallelize = "score", request.parallelize
-    return lifecycle.attach(plan, t.uri, run, kind="eval", say=say)
+    return attached.attach(plan, t.uri, run, kind="eval", say=say)

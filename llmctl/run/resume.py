@@ -134,7 +134,7 @@ def resume(
     from llmctl.config.compose import Composed
     from llmctl.config.workload import is_command
     from llmctl.plan.make import estimate_for, make_plan
-    from llmctl.run import lifecycle
+    from llmctl.run import closing, lifecycle, outcomes
     from llmctl.tracking import mlflow_run as tracking
     from llmctl.tracking import runs
 
@@ -183,12 +183,12 @@ def resume(
     total = int(plan.cfg["train"]["steps"])
     if step is not None and step >= total and run.info.status != "FINISHED":
         # the work is done (e.g. killed after its last checkpoint): close the run, nothing to rerun
-        lifecycle.close_run(
+        closing.close_run(
             uri,
             run_id,
-            lifecycle.Outcome.FINISHED,
+            outcomes.Outcome.FINISHED,
             f"finished: complete checkpoint at step {step} of {total}",
-            lifecycle.ended_at_of(run),  # billed to when its job ended, not to now
+            closing.ended_at_of(run),  # billed to when its job ended, not to now
         )
         echo(f"llmctl: run {run_id} already has its final checkpoint (step {step} of {total}); marked FINISHED")
         return 0

@@ -200,7 +200,7 @@ def down(sweep_id: str, uri: Optional[str] = None) -> str:
 def _close_leftovers(spec: dict[str, Any], st: SweepStatus) -> int:
     """Stop and close trials still open after the supervisor exited (or if it died)."""
     from llmctl.backends import backend_of
-    from llmctl.run import lifecycle
+    from llmctl.run import closing, outcomes
     from llmctl.tracking import mlflow_run as tracking
 
     mc = tracking.client(spec["uri"])
@@ -214,9 +214,9 @@ def _close_leftovers(spec: dict[str, Any], st: SweepStatus) -> int:
                 backend_of(run).down(run, spec["uri"])  # its controller, if alive, closes the run
             except Exception as exc:
                 print(f"warning: stopping trial {t.index}: {exc}")
-        lifecycle.close_run(spec["uri"], t.run_id, lifecycle.Outcome.KILLED, "llmctl down (sweep)")
+        closing.close_run(spec["uri"], t.run_id, outcomes.Outcome.KILLED, "llmctl down (sweep)")
         closed += 1
-    lifecycle.close_run(spec["uri"], spec["parent_run_id"], lifecycle.Outcome.KILLED, "llmctl down")
+    closing.close_run(spec["uri"], spec["parent_run_id"], outcomes.Outcome.KILLED, "llmctl down")
     return closed
 
 

@@ -61,7 +61,7 @@ def run_trial(d: Path, index: int, run_id: str) -> int:
     """Run trial ``index`` into its (already created) child run; the lifecycle's exit code."""
     from llmctl.config.compose import Composed
     from llmctl.plan.make import make_plan
-    from llmctl.run import lifecycle
+    from llmctl.run import closing, lifecycle, outcomes
     from llmctl.tracking.mlflow_run import RunHandle
 
     signal.signal(signal.SIGTERM, raise_interrupted)  # the supervisor may cancel before the workers start
@@ -80,13 +80,13 @@ def run_trial(d: Path, index: int, run_id: str) -> int:
         handle = RunHandle(spec["uri"], run_id, spec["experiment_id"])
         return lifecycle.trial(plan, handle, max_cost=trial.get("max_cost"), say=say, workload_out=_Null())
     except Interrupted as exc:  # before the lifecycle took over: nothing ran
-        outcome = lifecycle.Outcome.KILLED if exc.signum == signal.SIGTERM else lifecycle.Outcome.INTERRUPTED
-        lifecycle.close_run(spec["uri"], run_id, outcome, "sweep cancelled before this trial started")
-        return lifecycle.RULES[outcome].exit_code
+        outcome = outcomes.Outcome.KILLED if exc.signum == signal.SIGTERM else outcomes.Outcome.INTERRUPTED
+        closing.close_run(spec["uri"], run_id, outcome, "sweep cancelled before this trial started")
+        return outcomes.RULES[outcome].exit_code
     except (ConfigError, LaunchError, OSError) as exc:
-        lifecycle.close_run(spec["uri"], run_id, lifecycle.Outcome.FAILED, f"could not start: {exc}")
+        closing.close_run(spec["uri"], run_id, outcomes.Outcome.FAILED, f"could not start: {exc}")
         say(f"could not start: {exc}", err=True)
-        return lifecycle.RULES[lifecycle.Outcome.FAILED].exit_code
+        return outcomes.RULES[outcomes.Outcome.FAILED].exit_code
 
 
 # ----------------------------------------------------------------------------- supervisor
@@ -108,7 +108,7 @@ class _Followed:
     def poll(self) -> Optional[int]:
         """None while the job runs; -1 once its run is closed or its job ended (a managed job that
         ended is closed here, as ``llmctl status RUN`` would): a placeholder, not an exit code."""
-        from llmctl.run import lifecycle
+        from llmctl.run import closing, outcomes
         from llmctl.tracking.mlflow_run import client
 
         if time.monotonic() - self.checked < self.CHECK_S:
@@ -119,8 +119,8 @@ class _Followed:
             return -1
         job = self.backend.status(self.run, self.uri)
         if job.ended:
-            outcome = lifecycle.Outcome.FINISHED if job.ok else lifecycle.Outcome.FAILED
-            if lifecycle.close_ended(self.uri, self.run, outcome, f"job {job.ended}", job.ended_at) is None:
+            outcome = outcomes.Outcome.FINISHED if job.ok else outcomes.Outcome.FAILED
+            if closing.close_ended(self.uri, self.run, outcome, f"job {job.ended}", job.ended_at) is None:
                 return None  # its controller is alive and closes it
             return -1
         return None if self.backend.alive(self.run, self.uri) else -1  # its exit code went to init
@@ -244,7 +244,7 @@ class Supervisor:
         """Report each running trial's new metric points to its Optuna trial; stop those it prunes."""
         import optuna
 
-        from llmctl.run import lifecycle
+        from llmctl.run import outcomes
 
         if not self.search or self.search["prune"] == "none":
             return
@@ -262,7 +262,7 @@ class Supervisor:
             if new[-1][0] < self.last_step(index) and trial.should_prune():  # a last-step report: nothing left to save
                 self.pruned[index] = new[-1]
                 self.mc.set_tag(self.run_ids[index], state.TAG_PRUNE_DECIDED, f"{new[-1][0]} {new[-1][1]!r}")
-                lifecycle.request_stop(  # its controller then says pruned, not preempted
+                outcomes.request_stop(  # its controller then says pruned, not preempted
                     self.mc, self.run_ids[index], f"the sweep's {self.search['prune']} pruner", "pruned", resume=False
                 )
                 proc.send_signal(signal.SIGTERM)  # as a preemption: the workers save, then stop
@@ -296,13 +296,13 @@ class Supervisor:
             self.study.tell(index, state=TrialState.FAIL)
 
     def mark_pruned(self, index: int) -> None:
-        from llmctl.run import lifecycle
+        from llmctl.run import closing, outcomes
 
         run = self.mc.get_run(self.run_ids[index])
         if run.info.status == "FINISHED":  # it ended before the stop reached it: a complete trial
             return
         step, value = self.pruned[index]
-        lifecycle.close_run(self.spec["uri"], self.run_ids[index], lifecycle.Outcome.PREEMPTED, "pruned")
+        closing.close_run(self.spec["uri"], self.run_ids[index], outcomes.Outcome.PREEMPTED, "pruned")
         self.mc.set_tag(self.run_ids[index], state.TAG_PRUNED, str(step))
         self.mc.set_tag(
             self.run_ids[index],
@@ -417,7 +417,7 @@ class Supervisor:
         )
 
     def reap(self) -> None:
-        from llmctl.run import lifecycle
+        from llmctl.run import closing, outcomes
 
         for index, (proc, slot) in list(self.running.items()):
             code = proc.poll()
@@ -428,12 +428,12 @@ class Supervisor:
             if index in self.pruned:
                 self.mark_pruned(index)
             # a controller that died before closing its run leaves it open: close it here
-            outcome = lifecycle.Outcome.KILLED if self.cancelled else lifecycle.Outcome.FAILED
+            outcome = outcomes.Outcome.KILLED if self.cancelled else outcomes.Outcome.FAILED
             if isinstance(proc, _Followed):  # an earlier supervisor's child: its exit code went to that one
                 ended, why = "followed after a supervisor restart: exit code not seen", "trial controller ended"
             else:
                 ended, why = f"controller exit {code}", f"trial controller exited with code {code}"
-            lifecycle.close_run(self.spec["uri"], self.run_ids[index], outcome, why)
+            closing.close_run(self.spec["uri"], self.run_ids[index], outcome, why)
             status = self.mc.get_run(self.run_ids[index]).info.status
             self.outcome[index] = status
             self.tell(index)
@@ -460,14 +460,14 @@ class Supervisor:
             proc.kill()
 
     def kill_pending(self) -> None:
-        from llmctl.run import lifecycle
+        from llmctl.run import closing, outcomes
 
         while self.pending:
             index = self.pending.popleft()
-            lifecycle.close_run(
+            closing.close_run(
                 self.spec["uri"],
                 self.run_ids[index],
-                lifecycle.Outcome.KILLED,
+                outcomes.Outcome.KILLED,
                 "sweep cancelled before this trial started",
             )
             self.outcome[index] = "KILLED"
@@ -489,7 +489,7 @@ class Supervisor:
             time.sleep(POLL_S)
 
     def finish(self, error: Optional[str] = None) -> None:
-        from llmctl.run import lifecycle
+        from llmctl.run import closing, outcomes
 
         st = state.get_status(self.id)
         counts = ", ".join(f"{n} {s}" for s, n in sorted(st.counts().items()))
@@ -500,7 +500,7 @@ class Supervisor:
             self.log_best_metrics(best.run_id)
         if self.search:
             self.summarize_search()
-        Outcome = lifecycle.Outcome
+        Outcome = outcomes.Outcome
         if error is not None:
             outcome, reason = Outcome.FAILED, f"supervisor error: {error}; trials: {counts}"
         elif self.cancelled:
@@ -508,9 +508,9 @@ class Supervisor:
         else:
             outcome = Outcome.FINISHED if all(t.status in state.GOOD for t in st.trials) else Outcome.FAILED
             reason = f"trials: {counts}; best: {st.best_line()}"
-        lifecycle.close_run(self.spec["uri"], self.spec["parent_run_id"], outcome, reason)
+        closing.close_run(self.spec["uri"], self.spec["parent_run_id"], outcome, reason)
         self.save(done=True)
-        _say(f"sweep {self.id} {lifecycle.RULES[outcome].mlflow_status}: {reason}")
+        _say(f"sweep {self.id} {outcomes.RULES[outcome].mlflow_status}: {reason}")
 
     def log_best_metrics(self, run_id: str) -> None:
         """The best trial's metrics as the parent's own (latest values, step 0): MLflow's runs table

@@ -32,7 +32,7 @@ import pytest
 from helpers import assert_outcome, mlflow_client, mlflow_runs, run_cli, save_tiny_llama
 
 from llmctl.cost import ledger
-from llmctl.run.lifecycle import Outcome
+from llmctl.run.outcomes import Outcome
 
 pytestmark = pytest.mark.slow
 

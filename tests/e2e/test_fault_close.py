@@ -20,7 +20,7 @@ from test_lifecycle import SMALL, _run_id, _start, _wait_training, _workers
 
 from llmctl.controller.procs import descendants, pid_alive
 from llmctl.cost import ledger
-from llmctl.run.lifecycle import RULES, Outcome
+from llmctl.run.outcomes import RULES, Outcome
 
 GRACE_S = 20.0  # checkpoint.preempt_grace_s, the workload's default: the spec's bound on the stop
 

@@ -1,5 +1,5 @@
 """Every outcome of an attempt × every entry point (launch, resume, sweep trial), held against the one
-table ``llmctl.run.lifecycle.RULES``: the MLflow status, the ``llmctl.status`` tag, the exit code and the
+table ``llmctl.run.outcomes.RULES``: the MLflow status, the ``llmctl.status`` tag, the exit code and the
 ledger rows. Real parts: the CLI in subprocesses, torchrun + the workload, a sqlite MLflow store,
 the sweep supervisor. Nothing here depends on this machine's speed: every stop is triggered by
 what the run has logged, and the budget stops come from a price so high that the guard's own
@@ -21,7 +21,7 @@ import pytest
 from helpers import STATUS_PREFIX, assert_outcome, controller_codes, mlflow_client, run_cli
 
 from llmctl.cost import ledger
-from llmctl.run.lifecycle import RULES, Outcome, classify
+from llmctl.run.outcomes import RULES, Outcome, classify
 
 PRICE = 360_000.0  # $/h = $100 per second: the guard's 5 s reserve alone is $500
 SMALL = ["experiment=smoke", "train.log_every=1", "train.val_every=1000", "checkpoint.every=2", "train.val_batches=1"]

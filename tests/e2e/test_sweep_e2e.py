@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from helpers import assert_outcome, controller_codes, run_cli
 
-from llmctl.run.lifecycle import Outcome
+from llmctl.run.outcomes import Outcome
 
 pytestmark = pytest.mark.slow
 

@@ -15,8 +15,8 @@ from helpers import mlflow_client, mlflow_runs
 
 from llmctl.controller.procs import Interrupted
 from llmctl.cost import ledger
-from llmctl.run import lifecycle
-from llmctl.run.lifecycle import Outcome, classify
+from llmctl.run import closing, lifecycle, outcomes
+from llmctl.run.outcomes import Outcome, classify
 
 
 def _start(k: int, attempt: int = 1) -> tuple[str, str]:
@@ -59,15 +59,15 @@ def test_a_stop_someone_asked_for_is_named_as_such() -> None:
     theirs (stopped / pruned), not as a preemption; without the record it stays a preemption."""
     pre = json.dumps({"step": 9, "checkpoint": 9, "start": 1, "attempt": 1})
     tags = {**dict([_start(1)]), "llmctl.preempted": pre}
-    down = {**tags, lifecycle.TAG_STOP_REQUEST: json.dumps({"by": "llmctl down", "what": "stopped", "resume": True})}
+    down = {**tags, outcomes.TAG_STOP_REQUEST: json.dumps({"by": "llmctl down", "what": "stopped", "resume": True})}
     assert classify(75, None, down, "r1") == (
         Outcome.PREEMPTED,
         "stopped by llmctl down at step 9 (checkpoint step-9) — resume with: llmctl resume r1",
     )
     prune = json.dumps({"by": "the sweep's asha pruner", "what": "pruned", "resume": False})
-    got = classify(75, None, {**tags, lifecycle.TAG_STOP_REQUEST: prune}, "r1")
+    got = classify(75, None, {**tags, outcomes.TAG_STOP_REQUEST: prune}, "r1")
     assert got == (Outcome.PREEMPTED, "pruned by the sweep's asha pruner at step 9 (checkpoint step-9)")
-    asked = {lifecycle.TAG_STOP_REQUEST: down[lifecycle.TAG_STOP_REQUEST]}
+    asked = {outcomes.TAG_STOP_REQUEST: down[outcomes.TAG_STOP_REQUEST]}
     got, reason = classify(1, None, asked, "r1", signal.SIGTERM)
     assert got is Outcome.KILLED and reason.startswith("stopped by llmctl down before its workers saved"), reason
     assert classify(75, None, tags, "r1")[1].startswith("preempted at step 9")
@@ -190,12 +190,12 @@ def test_one_closer_per_run_billed_to_the_jobs_end(tmp_path: Path, monkeypatch: 
     controller = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     try:
         update_json(rid, CONTROLLER_FILE, pid=controller.pid, start=start_time(controller.pid))
-        assert lifecycle.close_ended(uri, mc.get_run(rid), Outcome.KILLED, "llmctl down") is None
+        assert closing.close_ended(uri, mc.get_run(rid), Outcome.KILLED, "llmctl down") is None
         assert mc.get_run(rid).info.status == "RUNNING", "a live controller closes its own run"
     finally:
         controller.kill()
         controller.wait()
-    assert lifecycle.close_ended(uri, mc.get_run(rid), Outcome.KILLED, "llmctl down") is Outcome.FAILED
+    assert closing.close_ended(uri, mc.get_run(rid), Outcome.KILLED, "llmctl down") is Outcome.FAILED
     run = mc.get_run(rid)
     assert (run.info.status, run.data.tags["llmctl.status"]) == ("FAILED", "workload exited with code 1")
     [row] = ledger.attempts(run.data.tags)

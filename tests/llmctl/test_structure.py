@@ -117,6 +117,8 @@ def test_data_flows_one_way() -> None:
     upstream = {
         "llmctl.cli",
         "llmctl.run.lifecycle",
+        "llmctl.run.attached",
+        "llmctl.run.closing",
         "llmctl.run.resume",
         "llmctl.plan.make",
         "llmctl.sweep.control",
@@ -322,3 +324,33 @@ def test_module_map_in_the_docs_matches_the_tree() -> None:
     )
     assert sorted(set(tree) - set(listed)) == [], "in the tree but not in docs/concepts.md's module map"
     assert sorted(set(folders) - set(listed)) == [], "a folder without its sentence in docs/concepts.md"
+
+
+MAX_FUNCTION_LINES = 100  # issue #46: a function a reader holds in their head
+
+
+def _long_functions(source: str, limit: int) -> list[tuple[str, int]]:
+    """(name, lines) of every function or method in ``source`` longer than ``limit`` lines."""
+    return [
+        (node.name, node.end_lineno - node.lineno + 1)
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.end_lineno is not None
+        and node.end_lineno - node.lineno + 1 > limit
+    ]
+
+
+def test_no_function_over_100_lines() -> None:
+    long = {
+        f"{path.relative_to(ROOT)}:{name}": lines
+        for package in ("llmctl", "workloads")
+        for path in sorted((ROOT / package).rglob("*.py"))
+        for name, lines in _long_functions(path.read_text(), MAX_FUNCTION_LINES)
+    }
+    assert long == {}, f"split these (lines): {long}"
+
+
+def test_the_length_check_can_fail() -> None:
+    body = "".join(f"    x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES))
+    assert _long_functions(f"def long():\n{body}", MAX_FUNCTION_LINES) == [("long", MAX_FUNCTION_LINES + 1)]
+    assert _long_functions("def short():\n    return 1\n", MAX_FUNCTION_LINES) == []

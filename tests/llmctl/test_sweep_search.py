@@ -294,7 +294,7 @@ def test_a_trial_pruned_just_before_its_supervisor_died_ends_pruned(tmp_path: Pa
     import subprocess
     import sys
 
-    from llmctl.run import lifecycle
+    from llmctl.run import closing, outcomes
     from llmctl.sweep import state
     from llmctl.sweep.supervisor import Supervisor
 
@@ -315,7 +315,7 @@ def test_a_trial_pruned_just_before_its_supervisor_died_ends_pruned(tmp_path: Pa
     finally:
         controller.kill()
     # the first supervisor is gone (never reaped the trial); the controller closed the run as it does on SIGTERM
-    lifecycle.close_run(first.spec["uri"], run_id, lifecycle.Outcome.PREEMPTED, "stopped by SIGTERM")
+    closing.close_run(first.spec["uri"], run_id, outcomes.Outcome.PREEMPTED, "stopped by SIGTERM")
     assert mc.get_run(run_id).info.status == "KILLED"
 
     second = _bare_supervisor(mc, study, eid, tmp_path)

@@ -6,7 +6,7 @@ writes one by hand) with optional ``key=value`` overrides after it, read once in
 that object. The trainer imports nothing from llmctl and does
 not compose presets: it runs under plain torchrun with its own dependencies.
 
-Order of work, top to bottom in ``train``: layout validation -> devices, process group and
+Order of work, top to bottom in ``Trainer``: layout validation -> devices, process group and
 DeviceMesh -> data -> model (built on meta, materialised, initialised from ``train.seed``, the
 same on every rank) -> ``parallelize`` (FP8 -> TP -> AC -> compile -> FSDP2) -> optimizer -> resume from
 the newest complete checkpoint -> loop (val at step 0, every ``val_every`` and at the end; logs
@@ -273,202 +273,259 @@ def load_pretrained(cfg: TrainerCfg, env: DistEnv) -> torch.nn.Module:
     return model
 
 
-def train(cfg: TrainerCfg) -> dict:
-    """Train per ``cfg``. Returns the val losses and final speed."""
-    env = init_distributed(cfg)
-    preempt.begin(env.is_main, env.world_size)  # before anything that can fail: this start is the newest
-    tc, mc = cfg.train, cfg.model
-    say = (lambda *a: print(*a, flush=True)) if env.is_main else (lambda *a: None)
-    dtype = tc.dtype.on(env.device.type)  # auto: bf16 on CUDA, fp32 on CPU
-    if env.device.type == "cuda" and tc.dtype == "auto":
-        # the matmuls autocast leaves in fp32 run on TF32 tensor cores; an explicit
-        # train.dtype=fp32 stays exact fp32 (the precise reference on a GPU, MFU against its peak)
-        torch.backends.cuda.matmul.fp32_precision = "tf32"
-    fp8_recipe = fp8.recipe(cfg)
-    fp8.check_device(fp8_recipe, env.device)  # an FP8 GPU and torchao, before data or model work
-    loss_kernel = (
-        transformer.loss_kernel(mc.loss_kernel, env.device.type) if mc.kernels == "fused" else "reference"
-    )  # model.loss_kernel=liger that cannot run: a config error here, before data or model work
+class Trainer:
+    """One training process, torchtitan's shape: ``__init__`` sets up (devices and mesh, data, model,
+    optimizer, resume, tracking), ``train_step`` runs one optimizer step, ``validate`` measures the
+    held-out loss, ``after_step`` logs, validates, checkpoints, scores and answers a preemption,
+    ``fit`` runs the loop. The order of work is the module docstring's."""
 
-    corpus = prepare_corpus(cfg.data)
-    if corpus.vocab_size > mc.vocab_size:
-        raise ValueError(f"tokenizer has {corpus.vocab_size} tokens but model.vocab_size={mc.vocab_size}")
-    train_seqs, val_seqs = corpus.sequences(float(cfg.data.val_fraction), tc.seq_len, bool(cfg.data.document_mask))
-    sampler = Sampler(train_seqs, tc.seq_len, tc.batch_size, tc.seed, env.dp_rank, env.dp_size)
-    val_set = val_batches(val_seqs, tc.seq_len, tc.batch_size, tc.val_batches, env.dp_rank, env.dp_size, env.device)
+    def __init__(self, cfg: TrainerCfg) -> None:
+        self.cfg, self.tc, self.mc = cfg, cfg.train, cfg.model
+        self.env = env = init_distributed(cfg)
+        preempt.begin(env.is_main, env.world_size)  # before anything that can fail: this start is the newest
+        self.say = (lambda *a: print(*a, flush=True)) if env.is_main else (lambda *a: None)
+        self._resolve_kernels()
+        self._setup_data()
+        self._setup_model()
+        self._setup_tracking()
+        self.fail_at = test_hooks.fail_at_step()
+        self.tokens_per_step = self.tc.batch_size * self.tc.seq_len  # global: the batch is split over dp ranks
+        self.log_every = max(1, int(self.tc.log_every))
+        self.val_every = max(0, int(self.tc.val_every))  # 0: start/end only
+        self.loss_sum = torch.zeros((), device=env.device)
+        self.loss_count = 0
+        self.grad_norm = torch.zeros(())
+        self.first_val: float | None = None
+        self.final_val: float | None = None
 
-    # which SDPA kernel torch picks for this model's q/k/v, asked before the model takes the memory
-    micro_seqs = tc.micro_batch_size or tc.batch_size // env.dp_size
-    masked = hasattr(train_seqs, "bins") or train_seqs.eos_id is not None  # packed, or data.document_mask
-    attn_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
-    attention = transformer.attention_backend(mc, micro_seqs, tc.seq_len, attn_dtype, env.device, masked, env.dims.tp)
+    def _resolve_kernels(self) -> None:
+        """dtype, FP8 recipe and loss kernel: refused here (config errors), before data or model work."""
+        tc, mc, env = self.tc, self.mc, self.env
+        self.dtype = tc.dtype.on(env.device.type)  # auto: bf16 on CUDA, fp32 on CPU
+        if env.device.type == "cuda" and tc.dtype == "auto":
+            # the matmuls autocast leaves in fp32 run on TF32 tensor cores; an explicit
+            # train.dtype=fp32 stays exact fp32 (the precise reference on a GPU, MFU against its peak)
+            torch.backends.cuda.matmul.fp32_precision = "tf32"
+        self.fp8_recipe = fp8.recipe(self.cfg)
+        fp8.check_device(self.fp8_recipe, env.device)  # an FP8 GPU and torchao, before data or model work
+        # model.loss_kernel=liger that cannot run: a config error here, before data or model work
+        self.loss_kernel = (
+            transformer.loss_kernel(mc.loss_kernel, env.device.type) if mc.kernels == "fused" else "reference"
+        )
 
-    flops_per_token = shape.flops_per_token(mc, tc.seq_len)
-    n_params = shape.num_params(mc)
-    if mc.init_from:  # built on meta, sharded, then each rank reads only its slices of the checkpoint
-        model = load_pretrained(cfg, env)
-    else:  # built on meta, sharded, materialised empty, then each rank initialises only its shards
-        torch.manual_seed(tc.seed)
-        model = init_sharded(cfg, env)
-    optimizer = build_optimizer(model, tc)
-    checkpointer = Checkpointer(cfg, env, model, optimizer, sampler)
-    start_step = checkpointer.load()
-    step_context = loss_context(env.dims)
+    def _setup_data(self) -> None:
+        cfg, tc, env = self.cfg, self.tc, self.env
+        self.corpus = corpus = prepare_corpus(cfg.data)
+        if corpus.vocab_size > self.mc.vocab_size:
+            raise ValueError(f"tokenizer has {corpus.vocab_size} tokens but model.vocab_size={self.mc.vocab_size}")
+        self.train_seqs, self.val_seqs = corpus.sequences(
+            float(cfg.data.val_fraction), tc.seq_len, bool(cfg.data.document_mask)
+        )
+        self.sampler = Sampler(self.train_seqs, tc.seq_len, tc.batch_size, tc.seed, env.dp_rank, env.dp_size)
+        self.val_set = val_batches(
+            self.val_seqs, tc.seq_len, tc.batch_size, tc.val_batches, env.dp_rank, env.dp_size, env.device
+        )
 
-    autocast = autocast_context(model, cfg, env.device.type)  # none: FSDP's bf16 parameters are the recipe
-    peak = peak_tflops(env.device, dtype)
-    no_mfu = "cpu" if env.device.type == "cpu" else f"no peak for {torch.cuda.get_device_name(env.device)}"
-    sink = MetricSink(enabled=env.is_main)
-    loss_name = transformer.LOSS_KERNEL_NAMES.get(loss_kernel, "full logits + F.cross_entropy (reference kernels)")
-    if env.dims.tp > 1 and mc.kernels == "fused":
-        loss_name = "vocab-parallel F.cross_entropy (tensor parallel)"
-    # what model.loss_kernel / train.dtype=auto resolved to and which SDPA kernel torch picked:
-    # the run's params, so runs compare like with like
-    sink.log_params({"trainer.loss_kernel": loss_name, "trainer.attention": attention, "trainer.dtype": dtype})
-    sink.skip_upto = preempt.on_start(env.is_main, start_step, env.world_size)  # no step logged twice
-    if env.is_main:
-        log_training_corpus(str(cfg.data.name), corpus.path)  # the run's Datasets: source, digest, tokens
-    loss_file = LossFile(enabled=env.is_main)
-    tasks = task_scores.scorer(cfg, env, sink, corpus)  # eval.tasks: lm-eval at checkpoint steps
-    fail_at = test_hooks.fail_at_step()
-    tokens_per_step = tc.batch_size * tc.seq_len  # global: the batch is split over dp ranks
-    log_every, val_every = max(1, int(tc.log_every)), max(0, int(tc.val_every))  # val_every 0: start/end only
+    def _setup_model(self) -> None:
+        cfg, tc, mc, env = self.cfg, self.tc, self.mc, self.env
+        # which SDPA kernel torch picks for this model's q/k/v, asked before the model takes the memory
+        micro_seqs = tc.micro_batch_size or tc.batch_size // env.dp_size
+        masked = hasattr(self.train_seqs, "bins") or self.train_seqs.eos_id is not None  # packed, or document_mask
+        attn_dtype = torch.bfloat16 if self.dtype == "bf16" else torch.float32
+        self.attention = transformer.attention_backend(
+            mc, micro_seqs, tc.seq_len, attn_dtype, env.device, masked, env.dims.tp
+        )
+        self.flops_per_token = shape.flops_per_token(mc, tc.seq_len)
+        self.n_params = shape.num_params(mc)
+        if mc.init_from:  # built on meta, sharded, then each rank reads only its slices of the checkpoint
+            self.model = load_pretrained(cfg, env)
+        else:  # built on meta, sharded, materialised empty, then each rank initialises only its shards
+            torch.manual_seed(tc.seed)
+            self.model = init_sharded(cfg, env)
+        self.optimizer = build_optimizer(self.model, tc)
+        self.checkpointer = Checkpointer(cfg, env, self.model, self.optimizer, self.sampler)
+        self.start_step = self.checkpointer.load()
+        self.step_context = loss_context(env.dims)
+        self.autocast = autocast_context(self.model, cfg, env.device.type)  # none: FSDP's bf16 params are the recipe
 
-    say(
-        f"pretrain | model {mc.name}: {n_params / 1e6:.2f}M params (non-embedding), {mc.n_layers} layers, "
-        f"dim {mc.dim}, {mc.n_heads}/{mc.n_kv_heads} heads, {mc.kernels.value} kernels, {dtype}"
-        f"{f', fp8 {fp8_recipe}' if fp8_recipe != 'none' else ''}"
-        f"{', compiled' if mc.compile else ''}"
-    )
-    if mc.lora.rank:
-        from workloads.pretrain.model import lora
+    def _setup_tracking(self) -> None:
+        cfg, mc, env = self.cfg, self.mc, self.env
+        self.peak = peak_tflops(env.device, self.dtype)
+        self.no_mfu = "cpu" if env.device.type == "cpu" else f"no peak for {torch.cuda.get_device_name(env.device)}"
+        self.sink = MetricSink(enabled=env.is_main)
+        loss_name = transformer.LOSS_KERNEL_NAMES.get(
+            self.loss_kernel, "full logits + F.cross_entropy (reference kernels)"
+        )
+        if env.dims.tp > 1 and mc.kernels == "fused":
+            loss_name = "vocab-parallel F.cross_entropy (tensor parallel)"
+        self.loss_name = loss_name
+        # what model.loss_kernel / train.dtype=auto resolved to and which SDPA kernel torch picked:
+        # the run's params, so runs compare like with like
+        self.sink.log_params(
+            {"trainer.loss_kernel": loss_name, "trainer.attention": self.attention, "trainer.dtype": self.dtype}
+        )
+        self.sink.skip_upto = preempt.on_start(env.is_main, self.start_step, env.world_size)  # no step logged twice
+        if env.is_main:
+            log_training_corpus(str(cfg.data.name), self.corpus.path)  # the run's Datasets: source, digest, tokens
+        self.loss_file = LossFile(enabled=env.is_main)
+        self.tasks = task_scores.scorer(cfg, env, self.sink, self.corpus)  # eval.tasks: lm-eval at checkpoint steps
 
-        say(lora.describe(model, mc.lora))
-    say(f"pretrain | loss {loss_name} | attention {attention}")
-    say(
-        f"pretrain | data {cfg.data.name}: {_describe(train_seqs, val_seqs)}, "
-        f"vocab {corpus.vocab_size} ({'cached' if corpus.cache_hit else 'built'} {corpus.path}) | "
-        f"{tc.batch_size} x {tc.seq_len} = {tokens_per_step:,} tokens/step{_accumulation(cfg, env)}"
-        f" | world {env.world_size} on "
-        f"{env.device.type}" + (f" ({torch.get_num_threads()} threads/proc)" if env.device.type == "cpu" else "")
-    )
-    cut = truncation_warning(train_seqs, val_seqs, tc.seq_len)
-    if cut:
-        say(cut)
-    d = env.dims
-    say(
-        f"pretrain | mesh dp_replicate {d.dp_replicate} x dp_shard {d.dp_shard} x tp {d.tp} | "
-        f"ac {cfg.parallel.ac.value} | checkpoints {cfg.checkpoint.dir or 'off (checkpoint.dir unset)'}"
-    )
-    if start_step:
-        say(f"pretrain | resumed from step {start_step} ({cfg.checkpoint.dir})")
+    def describe(self) -> None:
+        """The run's header lines: model, kernels, data, batch, mesh, checkpoints, resume."""
+        cfg, tc, mc, env, say = self.cfg, self.tc, self.mc, self.env, self.say
+        say(
+            f"pretrain | model {mc.name}: {self.n_params / 1e6:.2f}M params (non-embedding), {mc.n_layers} layers, "
+            f"dim {mc.dim}, {mc.n_heads}/{mc.n_kv_heads} heads, {mc.kernels.value} kernels, {self.dtype}"
+            f"{f', fp8 {self.fp8_recipe}' if self.fp8_recipe != 'none' else ''}"
+            f"{', compiled' if mc.compile else ''}"
+        )
+        if mc.lora.rank:
+            from workloads.pretrain.model import lora
 
-    first_val = final_val = None
+            say(lora.describe(self.model, mc.lora))
+        say(f"pretrain | loss {self.loss_name} | attention {self.attention}")
+        say(
+            f"pretrain | data {cfg.data.name}: {_describe(self.train_seqs, self.val_seqs)}, "
+            f"vocab {self.corpus.vocab_size} ({'cached' if self.corpus.cache_hit else 'built'} {self.corpus.path}) | "
+            f"{tc.batch_size} x {tc.seq_len} = {self.tokens_per_step:,} tokens/step{_accumulation(cfg, env)}"
+            f" | world {env.world_size} on "
+            f"{env.device.type}" + (f" ({torch.get_num_threads()} threads/proc)" if env.device.type == "cpu" else "")
+        )
+        cut = truncation_warning(self.train_seqs, self.val_seqs, tc.seq_len)
+        if cut:
+            say(cut)
+        d = env.dims
+        say(
+            f"pretrain | mesh dp_replicate {d.dp_replicate} x dp_shard {d.dp_shard} x tp {d.tp} | "
+            f"ac {cfg.parallel.ac.value} | checkpoints {cfg.checkpoint.dir or 'off (checkpoint.dir unset)'}"
+        )
+        if self.start_step:
+            say(f"pretrain | resumed from step {self.start_step} ({cfg.checkpoint.dir})")
 
-    def run_val(step: int) -> float:
+    def validate(self, step: int) -> float:
+        """The held-out loss at ``step``, logged (with its time: cost calibration) and printed."""
         t0 = time.perf_counter()
-        loss = evaluate(model, val_set, autocast, env, tc.micro_batch_size)
-        sink.log({"val/loss": loss, "time/val_s": time.perf_counter() - t0}, step)  # time: cost calibration
-        loss_file.write(step, {"val/loss": loss})
-        sink.flush()
-        say(f"val step {step} | val/loss {loss:.4f}")
+        loss = evaluate(self.model, self.val_set, self.autocast, self.env, self.tc.micro_batch_size)
+        self.sink.log({"val/loss": loss, "time/val_s": time.perf_counter() - t0}, step)
+        self.loss_file.write(step, {"val/loss": loss})
+        self.sink.flush()
+        self.say(f"val step {step} | val/loss {loss:.4f}")
         return loss
 
-    t_start = time.perf_counter()
-    guard = BudgetGuard.from_env()  # --max-cost: stop after a checkpoint before the spend passes it
-    sink.log({"time/startup_s": time.time() - guard.billing_start}, start_step)
-    if start_step == 0:
-        first_val = final_val = run_val(0)
-
-    loss_sum = torch.zeros((), device=env.device)
-    loss_count = 0
-    t_interval, steps_in_interval = time.perf_counter(), 0
-    grad_norm = torch.zeros(())
-    for step in range(start_step + 1, tc.steps + 1):
-        if step == fail_at:
-            raise RuntimeError(f"{test_hooks.FAIL_AT_STEP_ENV}={fail_at}: injected failure at step {step}")
+    def train_step(self, step: int) -> float:
+        """One optimizer step over the step's micro-batches; the loss adds up on the device (read at
+        the next log). Returns the step's learning rate."""
+        tc, env, model, optimizer = self.tc, self.env, self.model, self.optimizer
+        if step == self.fail_at:
+            raise RuntimeError(f"{test_hooks.FAIL_AT_STEP_ENV}={self.fail_at}: injected failure at step {step}")
         lr = float(tc.lr) * lr_factor(step, tc)
         for group in optimizer.param_groups:
             group["lr"] = lr
-
-        micro_batches = sampler.next_batch(env.device).split(tc.micro_batch_size)
+        micro_batches = self.sampler.next_batch(env.device).split(tc.micro_batch_size)
         for i, micro in enumerate(micro_batches):
-            set_gradient_sync(model, gradient_sync_due(i, len(micro_batches), cfg.parallel.grad_sync))
-            with step_context():  # loss_parallel under TP; FSDP reduce-scatters grads inside backward
-                with autocast():
+            set_gradient_sync(model, gradient_sync_due(i, len(micro_batches), self.cfg.parallel.grad_sync))
+            with self.step_context():  # loss_parallel under TP; FSDP reduce-scatters grads inside backward
+                with self.autocast():
                     loss, share = step_loss(model, micro, env.dp_size)
                 loss.backward()
-            loss_sum += share.float()
+            self.loss_sum += share.float()
         max_norm = float(tc.grad_clip) if tc.grad_clip and tc.grad_clip > 0 else math.inf
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        self.grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         optimizer.step()
-        fp8.after_optimizer_step(model, fp8_recipe, fsdp=env.dims.dp_enabled)
+        fp8.after_optimizer_step(model, self.fp8_recipe, fsdp=env.dims.dp_enabled)
         optimizer.zero_grad(set_to_none=True)
-        loss_count += 1
-        steps_in_interval += 1
-        if step == start_step + 1:
-            steady_timeouts(env)  # loading and the first (compiling) step are behind us
-        # the ranks compare flags (budget, preemption) only on agreed steps: no sync every step
-        agree = preempt.agreement_due(step, int(cfg.checkpoint.every), env.world_size)
-        stop = guard.should_stop(env.device, agree)  # every rank gets the same answer
-        last = step == tc.steps or stop
+        self.loss_count += 1
+        return lr
 
-        if step % log_every == 0 or last:
-            train_loss = _sum_over_dp(loss_sum / loss_count, env)  # syncs the device too
-            elapsed = time.perf_counter() - t_interval
-            tok_s = steps_in_interval * tokens_per_step / elapsed
-            tok_s_dev = tok_s / env.world_size
-            tflops = flops_per_token * tok_s_dev / 1e12
-            gn = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-            m = {
-                "train/loss": train_loss,
-                "train/lr": lr,
-                "train/grad_norm": gn.item(),
-                "perf/tokens_per_s": tok_s,
-                "perf/tokens_per_s_per_device": tok_s_dev,
-                "perf/tflops": tflops,
-                "perf/mfu": tflops / peak if peak else None,
-                "perf/peak_mem_gib": peak_memory_gib(env.device),
-            }
-            sink.log(m, step)
-            sink.flush()
-            loss_file.write(step, m)
-            say(format_train_line(step, tc.steps, m, no_mfu))
-            loss_sum.zero_()
-            loss_count = 0
-            t_interval, steps_in_interval = time.perf_counter(), 0
+    def log_interval(self, step: int, lr: float, steps: int, elapsed: float) -> None:
+        """The interval's mean loss (summed over data-parallel ranks), speed and memory: logged, printed."""
+        env = self.env
+        train_loss = _sum_over_dp(self.loss_sum / self.loss_count, env)  # syncs the device too
+        tok_s = steps * self.tokens_per_step / elapsed
+        tok_s_dev = tok_s / env.world_size
+        tflops = self.flops_per_token * tok_s_dev / 1e12
+        gn = self.grad_norm.full_tensor() if hasattr(self.grad_norm, "full_tensor") else self.grad_norm
+        m = {
+            "train/loss": train_loss,
+            "train/lr": lr,
+            "train/grad_norm": gn.item(),
+            "perf/tokens_per_s": tok_s,
+            "perf/tokens_per_s_per_device": tok_s_dev,
+            "perf/tflops": tflops,
+            "perf/mfu": tflops / self.peak if self.peak else None,
+            "perf/peak_mem_gib": peak_memory_gib(env.device),
+        }
+        self.sink.log(m, step)
+        self.sink.flush()
+        self.loss_file.write(step, m)
+        self.say(format_train_line(step, self.tc.steps, m, self.no_mfu))
+        self.loss_sum.zero_()
+        self.loss_count = 0
 
-        if (val_every and step % val_every == 0) or last:
+    def after_step(self, step: int, last: bool, agree: bool) -> float:
+        """Validation, checkpoint, lm-eval scores and a preemption's stop after ``step``. Returns the
+        seconds spent on validation and scoring (kept out of the throughput figures)."""
+        cfg = self.cfg
+        aside = 0.0
+        if (self.val_every and step % self.val_every == 0) or last:
             t_val = time.perf_counter()
-            final_val = run_val(step)
-            t_interval += time.perf_counter() - t_val  # keep eval out of the throughput numbers
-
-        checkpointer.maybe_save(step, last=last)
-        if tasks is not None and tasks.due(step, last):  # eval.tasks: lm-eval on the checkpoint just saved
+            self.final_val = self.validate(step)
+            aside += time.perf_counter() - t_val
+        self.checkpointer.maybe_save(step, last=last)
+        if self.tasks is not None and self.tasks.due(step, last):  # lm-eval on the checkpoint just saved
             t_tasks = time.perf_counter()
-            tasks.score(step, checkpointer)
-            t_interval += time.perf_counter() - t_tasks  # not training's throughput either
+            self.tasks.score(step, self.checkpointer)
+            aside += time.perf_counter() - t_tasks
         if not last:  # SIGTERM/SIGUSR1 on any rank: every rank stops after this same step
             grace = float(cfg.checkpoint.preempt_grace_s)
-            save = preempt.PREEMPTION.check(env.device, grace, checkpointer.emergency_save_s(), agree)
+            save = preempt.PREEMPTION.check(self.env.device, grace, self.checkpointer.emergency_save_s(), agree)
             if save is not None:
-                raise preempt.stop(checkpointer, step, save)
-        if stop:
-            guard.record_stop(step, env.is_main, checkpoint=bool(cfg.checkpoint.dir))
-            break
-    else:  # no budget stop: every step ran; once the final checkpoint is committed, say so (a stop
-        # after this is no failure: torchrun exits 1 when signalled although every worker ends 0)
-        checkpointer.close()
-        sink.flush()
-        preempt.record_completed(tc.steps, checkpointer.last_committed, env.is_main)
+                raise preempt.stop(self.checkpointer, step, save)
+        return aside
 
-    checkpointer.close()
-    sink.flush()
-    wall = time.perf_counter() - t_start
-    first_s = f"{first_val:.4f}" if first_val is not None else "n/a (resumed)"
-    final_s = f"{final_val:.4f}" if final_val is not None else "n/a"
-    say(f"final val/loss {final_s} (first {first_s}) | {tc.steps - start_step} steps in {wall:.1f}s")
-    return {"first_val_loss": first_val, "final_val_loss": final_val, "steps": tc.steps, "wall_s": wall}
+    def fit(self) -> dict:
+        """The loop from the resumed step to ``train.steps`` (or a budget stop). Returns the val losses and speed."""
+        cfg, tc, env = self.cfg, self.tc, self.env
+        self.describe()
+        t_start = time.perf_counter()
+        guard = BudgetGuard.from_env()  # --max-cost: stop after a checkpoint before the spend passes it
+        self.sink.log({"time/startup_s": time.time() - guard.billing_start}, self.start_step)
+        if self.start_step == 0:
+            self.first_val = self.final_val = self.validate(0)
+        t_interval, steps_in_interval = time.perf_counter(), 0
+        for step in range(self.start_step + 1, tc.steps + 1):
+            lr = self.train_step(step)
+            steps_in_interval += 1
+            if step == self.start_step + 1:
+                steady_timeouts(env)  # loading and the first (compiling) step are behind us
+            # the ranks compare flags (budget, preemption) only on agreed steps: no sync every step
+            agree = preempt.agreement_due(step, int(cfg.checkpoint.every), env.world_size)
+            stop = guard.should_stop(env.device, agree)  # every rank gets the same answer
+            last = step == tc.steps or stop
+            if step % self.log_every == 0 or last:
+                self.log_interval(step, lr, steps_in_interval, time.perf_counter() - t_interval)
+                t_interval, steps_in_interval = time.perf_counter(), 0
+            t_interval += self.after_step(step, last, agree)  # eval and scoring: not training's throughput
+            if stop:
+                guard.record_stop(step, env.is_main, checkpoint=bool(cfg.checkpoint.dir))
+                break
+        else:  # no budget stop: every step ran; once the final checkpoint is committed, say so (a stop
+            # after this is no failure: torchrun exits 1 when signalled although every worker ends 0)
+            self.checkpointer.close()
+            self.sink.flush()
+            preempt.record_completed(tc.steps, self.checkpointer.last_committed, env.is_main)
+        self.checkpointer.close()
+        self.sink.flush()
+        wall = time.perf_counter() - t_start
+        first_s = f"{self.first_val:.4f}" if self.first_val is not None else "n/a (resumed)"
+        final_s = f"{self.final_val:.4f}" if self.final_val is not None else "n/a"
+        self.say(f"final val/loss {final_s} (first {first_s}) | {tc.steps - self.start_step} steps in {wall:.1f}s")
+        return {"first_val_loss": self.first_val, "final_val_loss": self.final_val, "steps": tc.steps, "wall_s": wall}
+
+
+def train(cfg: TrainerCfg) -> dict:
+    """Train per ``cfg``. Returns the val losses and final speed."""
+    return Trainer(cfg).fit()
 
 
 # ----------------------------------------------------------------------------- process

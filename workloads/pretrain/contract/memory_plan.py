@@ -598,77 +598,80 @@ def plan_memory(cfg: TrainerCfg, world_size: int, device: str = "cuda") -> Memor
     return MemoryPlan(**{p: round(ledger.best[p]) for p in PARTS}, phase=ledger.phase, layout=layout)
 
 
-def _walk_step(s: Setup) -> _Peak:
-    """One optimizer step, event by event, as ``train.py`` runs it (see the module doc)."""
-    block_p, root_p = param_shapes(s)
-    emb_p, head_p, whole_p = outer_units(s)
-    L, tokens, d, t, pb = s.layers, s.micro * s.seq, s.dim, s.tp, s.param_bytes
-    lora = bool(s.lora_rank)
-    # LoRA: the base is frozen (no gradients, no optimizer state), the adapters train; QLoRA keeps
-    # the targets' weights in NF4, FSDP-gathered as NF4 (``nf4_bytes``) where it shards them
-    adapters, nf4_p = adapter_shapes(s), nf4_shapes(s)
-    # the block's parameters FSDP handles as plain tensors: all but the NF4 weights, and the adapters
-    plain_block = [shp for i, shp in enumerate(block_p) if not (i < len(_BLOCK_LINEARS) and _in_nf4(s, i))] + adapters
-    train_block, train_root = (adapters, []) if lora else (block_p, root_p)
-    shard_block, shard_root = _sharded(plain_block, s), _sharded(root_p, s)
-    train_shard_block, train_shard_root = _sharded(train_block, s), _sharded(train_root, s)
-    grad_block = _gathered(train_block, s)  # a gathered block's gradients (FSDP reduce-scatters these)
-    nf4_gathered = nf4_bytes(nf4_p, s, gathered=True) if s.nf4_sharded else 0
-    unit_block = pb * _gathered(plain_block, s) + nf4_gathered  # a gathered block's parameters, bytes
-    full_emb, full_head, full_whole = _gathered(emb_p, s), _gathered(head_p, s), _gathered(whole_p, s)
-    head = _ceil(s.vocab, t) * d  # the LM head's local elements (its gradient appears in the loss)
-    head_grad = 0 if lora else head  # frozen under LoRA: the loss's weight gradient is dropped
-    # the first weight gradient of a block's backward, there at its peak: w2's (LoRA: its adapters')
-    w2 = d * _ceil(s.hidden, t)
-    if lora:
-        w2 = s.lora_rank * (d + _ceil(s.hidden, t)) if "w2" in s.lora_targets else 0
-    # Under TP the embedding's gradient comes back Replicate: the full vocabulary on every rank
-    # (DTensor's embedding backward), in .grad without FSDP, among the gathered gradients with it.
-    embedding_grad = (s.vocab * d if t > 1 else head) if not s.tied and not lora else 0
-    emb_grads = full_emb + embedding_grad - head if emb_p and not lora else 0  # the embedding unit's gathered gradient
-    head_grads, whole_grads = (0, 0) if lora else (full_head, full_whole)  # [norm, head]'s / the root's
-    dequant = nf4_dequantized(s)
+class _StepWalk:
+    """One optimizer step, event by event, as ``train.py`` runs it (see the module doc): the sizes the
+    walk needs, worked out once from the ``Setup``, then each micro-batch's forward and backward."""
 
-    ledger = _Peak()
-    now = ledger.now
-    now["params"] = 4 * (L * shard_block + shard_root) + 4 * s.max_seq_len * s.head_dim  # + RoPE cos/sin
-    now["params"] += L * nf4_bytes(nf4_p, s)
-    # AdamW: exp_avg and exp_avg_sq in fp32, and a scalar step count per parameter tensor (fused
-    # AdamW keeps it on the device: a 512-byte block there); only what trains
-    now["optimizer"] = 2 * 4 * (L * train_shard_block + train_shard_root) + (512 if s.device == "cuda" else 4) * (
-        L * len(train_block) + len(train_root)
-    )
-    now["activations"] = 2 * 8 * s.local_batch * s.seq  # token ids and targets of the whole local batch
+    def __init__(self, s: Setup) -> None:
+        self.s = s
+        self.block_p, self.root_p = param_shapes(s)
+        self.emb_p, self.head_p, self.whole_p = outer_units(s)
+        self.L, self.tokens, self.d, self.t, self.pb = s.layers, s.micro * s.seq, s.dim, s.tp, s.param_bytes
+        self.lora = bool(s.lora_rank)
+        # LoRA: the base is frozen (no gradients, no optimizer state), the adapters train; QLoRA keeps
+        # the targets' weights in NF4, FSDP-gathered as NF4 (``nf4_bytes``) where it shards them
+        self.adapters, self.nf4_p = adapter_shapes(s), nf4_shapes(s)
+        # the block's parameters FSDP handles as plain tensors: all but the NF4 weights, and the adapters
+        self.plain_block = [
+            shp for i, shp in enumerate(self.block_p) if not (i < len(_BLOCK_LINEARS) and _in_nf4(s, i))
+        ] + self.adapters
+        self.train_block, self.train_root = (self.adapters, []) if self.lora else (self.block_p, self.root_p)
+        self.shard_block, self.shard_root = _sharded(self.plain_block, s), _sharded(self.root_p, s)
+        self.train_shard_block, self.train_shard_root = _sharded(self.train_block, s), _sharded(self.train_root, s)
+        self.grad_block = _gathered(self.train_block, s)  # a gathered block's gradients (FSDP reduce-scatters these)
+        self.nf4_gathered = nf4_bytes(self.nf4_p, s, gathered=True) if s.nf4_sharded else 0
+        # a gathered block's parameters, bytes
+        self.unit_block = self.pb * _gathered(self.plain_block, s) + self.nf4_gathered
+        self.full_emb, self.full_head, self.full_whole = (
+            _gathered(self.emb_p, s),
+            _gathered(self.head_p, s),
+            _gathered(self.whole_p, s),
+        )
+        self.head = _ceil(s.vocab, self.t) * self.d  # the LM head's local elements (its gradient appears in the loss)
+        self.head_grad = 0 if self.lora else self.head  # frozen under LoRA: the loss's weight gradient is dropped
+        # the first weight gradient of a block's backward, there at its peak: w2's (LoRA: its adapters')
+        self.w2 = self.d * _ceil(s.hidden, self.t)
+        if self.lora:
+            self.w2 = s.lora_rank * (self.d + _ceil(s.hidden, self.t)) if "w2" in s.lora_targets else 0
+        # Under TP the embedding's gradient comes back Replicate: the full vocabulary on every rank
+        # (DTensor's embedding backward), in .grad without FSDP, among the gathered gradients with it.
+        self.embedding_grad = (s.vocab * self.d if self.t > 1 else self.head) if not s.tied and not self.lora else 0
+        # the embedding unit's gathered gradient; [norm, head]'s and the root's
+        self.emb_grads = self.full_emb + self.embedding_grad - self.head if self.emb_p and not self.lora else 0
+        self.head_grads, self.whole_grads = (0, 0) if self.lora else (self.full_head, self.full_whole)
+        self.dequant = nf4_dequantized(s)
 
-    casts = weight_casts(s)
-    saved = block_saved(s) * tokens + (casts + rope_tables(s) if s.ac == "none" else 0)
-    # LoRA: the first block's input (the frozen embedding's output) needs no gradient, so its
-    # attention norm saves nothing for the backward (the adapters' inputs follow it)
-    first_relief = (4 * d / t + 4 / t) * tokens if lora and s.ac == "none" else 0
-    cast_cache = casts if s.ac != "none" else 0  # autocast's copies, released when the forward ends
-    backward_extra = block_backward_extra(s) * tokens + (cast_cache + rope_tables(s) if s.ac != "none" else 0)
-    loss_fwd, loss_bwd = loss_memory(s)
-    norm_saved = final_norm_saved(s) * tokens
-    # packed examples: the bool [b, 1, s, s] mask (reference kernels) and the RoPE tables gathered
-    # at each position, alive through the forward; AC's checkpoints keep them (block inputs) until
-    # the backward ends. Fused kernels turn the mask into one additive mask in the compute dtype,
-    # which every layer's SDPA keeps for its backward: alive until the backward ends
-    packed_inputs = s.micro * s.seq * ((0 if s.fused_kernels else s.seq) + 4 * s.head_dim) if s.packed else 0
-    shared_mask = s.micro * s.seq * s.seq * s.compute_bytes if s.packed and s.fused_kernels else 0
+        self.casts = weight_casts(s)
+        self.saved = block_saved(s) * self.tokens + (self.casts + rope_tables(s) if s.ac == "none" else 0)
+        # LoRA: the first block's input (the frozen embedding's output) needs no gradient, so its
+        # attention norm saves nothing for the backward (the adapters' inputs follow it)
+        self.first_relief = (4 * self.d / self.t + 4 / self.t) * self.tokens if self.lora and s.ac == "none" else 0
+        self.cast_cache = self.casts if s.ac != "none" else 0  # autocast's copies, released when the forward ends
+        self.backward_extra = block_backward_extra(s) * self.tokens + (
+            self.cast_cache + rope_tables(s) if s.ac != "none" else 0
+        )
+        self.loss_fwd, self.loss_bwd = loss_memory(s)
+        self.norm_saved = final_norm_saved(s) * self.tokens
+        # packed examples: the bool [b, 1, s, s] mask (reference kernels) and the RoPE tables gathered
+        # at each position, alive through the forward; AC's checkpoints keep them (block inputs) until
+        # the backward ends. Fused kernels turn the mask into one additive mask in the compute dtype,
+        # which every layer's SDPA keeps for its backward: alive until the backward ends
+        self.packed_inputs = s.micro * s.seq * ((0 if s.fused_kernels else s.seq) + 4 * s.head_dim) if s.packed else 0
+        self.shared_mask = s.micro * s.seq * s.seq * s.compute_bytes if s.packed and s.fused_kernels else 0
 
-    def gather_of(nbytes: int) -> int:
+        self.gather = self._gather_of(self.unit_block)  # one block's
+        self.prefetch = self.gather
+
+    def _gather_of(self, nbytes: int) -> int:
         """A unit's all-gather output, ahead of its copy-out; with one shard (one process, or HSDP's
         dp_shard=1) FSDP2 copies the parameters out of the shard without an all-gather buffer."""
-        return nbytes if s.fsdp and s.dp_shard > 1 else 0
+        return nbytes if self.s.fsdp and self.s.dp_shard > 1 else 0
 
-    gather = gather_of(unit_block)  # one block's
-    prefetch = gather
-
-    def settle(first: bool, last: bool, shard: int, kept: int) -> None:
+    def _settle(self, now: dict[str, float], first: bool, last: bool, shard: int, kept: int) -> None:
         """A unit's post-backward, after its parameters are resharded and the gradient it just
         made is dropped from ``now``: reduce-scattered into this rank's fp32 shard, or (no sync
         before the last micro-batch) its ``kept`` gathered elements stay, in fp32."""
-        if s.reduce_each_micro_batch:
+        if self.s.reduce_each_micro_batch:
             now["grads"] += 4 * shard if first else 0
         elif last:
             now["grads"] += 4 * shard
@@ -676,80 +679,124 @@ def _walk_step(s: Setup) -> _Peak:
         elif first:
             now["unsharded"] += 4 * kept
 
-    # Micro-batches between the second and the last repeat the second exactly: walk 1, 2 and the last.
-    for k in sorted({0, 1, s.micro_batches - 1} & set(range(s.micro_batches))):
+    def run(self) -> _Peak:
+        s, ledger = self.s, _Peak()
+        now = ledger.now
+        # the parameters' shards, + RoPE cos/sin
+        now["params"] = 4 * (self.L * self.shard_block + self.shard_root) + 4 * s.max_seq_len * s.head_dim
+        now["params"] += self.L * nf4_bytes(self.nf4_p, s)
+        # AdamW: exp_avg and exp_avg_sq in fp32, and a scalar step count per parameter tensor (fused
+        # AdamW keeps it on the device: a 512-byte block there); only what trains
+        now["optimizer"] = 2 * 4 * (self.L * self.train_shard_block + self.train_shard_root) + (
+            512 if s.device == "cuda" else 4
+        ) * (self.L * len(self.train_block) + len(self.train_root))
+        now["activations"] = 2 * 8 * s.local_batch * s.seq  # token ids and targets of the whole local batch
+
+        # Micro-batches between the second and the last repeat the second exactly: walk 1, 2 and the last.
+        for k in sorted({0, 1, s.micro_batches - 1} & set(range(s.micro_batches))):
+            self._micro_batch(ledger, k)
+        ledger.moment("optimizer step")
+        return ledger
+
+    def _micro_batch(self, ledger: _Peak, k: int) -> None:
+        s = self.s
         first, last = k == 0, k == s.micro_batches - 1
         reduce = last or s.reduce_each_micro_batch  # FSDP reduce-scatters this backward's gradients
         tag = f"(micro-batch {k + 1}/{s.micro_batches})"
         # Gradients a backward allocates: all of them in the first micro-batch; later ones add into
         # the kept fp32 gradients in place, except FSDP's bf16 ones (cast to fp32 after each backward)
         # and any FSDP reduced after the previous micro-batch (its gathered gradients were freed).
-        new_grads = first or pb != 4 or s.reduce_each_micro_batch
-        # forward: FSDP gathers the root unit first (tied embeddings: embedding, norm and head), and
-        # it stays gathered until the end of its backward; untied, the embedding is gathered for
-        # its forward only
+        new_grads = first or self.pb != 4 or s.reduce_each_micro_batch
+        self._forward(ledger, tag)
+        self._backward(ledger, first, last, reduce, new_grads, tag)
+
+    def _forward(self, ledger: _Peak, tag: str) -> None:
+        """FSDP gathers the root unit first (tied embeddings: embedding, norm and head), and it stays
+        gathered until the end of its backward; untied, the embedding is gathered for its forward only."""
+        s, now = self.s, ledger.now
+
         if s.fsdp:
-            now["unsharded"] += pb * full_whole
-        now["activations"] += packed_inputs
-        if s.fsdp and emb_p:
-            ledger.moment(f"embedding forward {tag}", unsharded=pb * full_emb, comm=gather_of(pb * full_emb))
-        now["activations"] += shared_mask
-        for i in range(L):
+            now["unsharded"] += self.pb * self.full_whole
+        now["activations"] += self.packed_inputs
+        if s.fsdp and self.emb_p:
+            ledger.moment(
+                f"embedding forward {tag}",
+                unsharded=self.pb * self.full_emb,
+                comm=self._gather_of(self.pb * self.full_emb),
+            )
+        now["activations"] += self.shared_mask
+        for i in range(self.L):
             if s.fsdp:  # this block's all-gather output and its copy-out into the parameters
-                ledger.moment(f"forward of layer {i} {tag}", unsharded=unit_block, comm=gather, temporaries=dequant)
-            now["activations"] += saved + cast_cache - (first_relief if i == 0 else 0)
-        now["activations"] += norm_saved
+                ledger.moment(
+                    f"forward of layer {i} {tag}", unsharded=self.unit_block, comm=self.gather, temporaries=self.dequant
+                )
+            now["activations"] += self.saved + self.cast_cache - (self.first_relief if i == 0 else 0)
+        now["activations"] += self.norm_saved
         if s.fsdp:  # [norm, head] (untied): gathered as the norm runs, kept through the loss
-            now["unsharded"] += pb * full_head
+            now["unsharded"] += self.pb * self.full_head
         if s.ac == "none":
-            now["activations"] -= packed_inputs
+            now["activations"] -= self.packed_inputs
         # FSDP keeps the forward's last all-gather output until the forward ends: the last
         # block's, or (untied) [norm, head]'s
-        ledger.moment(f"loss forward {tag}", logits=loss_fwd, comm=gather_of(pb * full_head) if head_p else prefetch)
-        now["activations"] -= L * cast_cache
+        ledger.moment(
+            f"loss forward {tag}",
+            logits=self.loss_fwd,
+            comm=self._gather_of(self.pb * self.full_head) if self.head_p else self.prefetch,
+        )
+        now["activations"] -= self.L * self.cast_cache
+
+    def _backward(self, ledger: _Peak, first: bool, last: bool, reduce: bool, new_grads: bool, tag: str) -> None:
+        s, now = self.s, ledger.now
+
         # The last block's all-gather, prefetched by the unit whose output the loss is: the root, or
         # [norm, head] for the fused loss. With logits out of the head (TP's loss, reference
         # kernels) the cross-entropy's backward runs before [norm, head]'s pre-backward.
-        loss_prefetch = 0 if head_p and s.vocab_parallel_loss else prefetch
-        ledger.moment(f"loss backward {tag}", logits=loss_bwd, comm=loss_prefetch)
-        now["activations"] -= norm_saved
+        loss_prefetch = 0 if self.head_p and s.vocab_parallel_loss else self.prefetch
+        ledger.moment(f"loss backward {tag}", logits=self.loss_bwd, comm=loss_prefetch)
+        now["activations"] -= self.norm_saved
         if new_grads:  # the LM head's gradient, from the loss
-            now["unsharded" if s.fsdp else "grads"] += (pb if s.fsdp else 4) * head_grad
-        if s.fsdp and head_p:  # [norm, head] reshards after the norm's backward, before the blocks'
-            now["unsharded"] -= pb * (full_head + (head_grad if new_grads else 0))
-            settle(first, last, _sharded(head_p if not lora else [], s), head_grads)
-        for i in reversed(range(L)):
-            moment = {"temporaries": backward_extra + dequant}
+            now["unsharded" if s.fsdp else "grads"] += (self.pb if s.fsdp else 4) * self.head_grad
+        if s.fsdp and self.head_p:  # [norm, head] reshards after the norm's backward, before the blocks'
+            now["unsharded"] -= self.pb * (self.full_head + (self.head_grad if new_grads else 0))
+            self._settle(now, first, last, _sharded(self.head_p if not self.lora else [], s), self.head_grads)
+        for i in reversed(range(self.L)):
+            moment = {"temporaries": self.backward_extra + self.dequant}
             if s.fsdp:
-                moment["unsharded"] = unit_block + (pb * w2 if new_grads else 0)  # parameters, first gradient
+                # parameters, first gradient
+                moment["unsharded"] = self.unit_block + (self.pb * self.w2 if new_grads else 0)
                 # the next unit's all-gather: the block below, or (untied) the embedding
-                moment["comm"] = prefetch if i > 0 else gather_of(pb * full_emb)
+                moment["comm"] = self.prefetch if i > 0 else self._gather_of(self.pb * self.full_emb)
                 if reduce:  # the previous unit's reduce-scatter input (fp32): the block above, or [norm, head]
-                    moment["comm"] += 4 * (grad_block if i < L - 1 else head_grads)
+                    moment["comm"] += 4 * (self.grad_block if i < self.L - 1 else self.head_grads)
             elif new_grads:
-                moment["grads"] = 4 * w2
+                moment["grads"] = 4 * self.w2
             ledger.moment(f"backward of layer {i} {tag}", **moment)
-            now["activations"] -= saved - (first_relief if i == 0 else 0)
+            now["activations"] -= self.saved - (self.first_relief if i == 0 else 0)
             if not s.fsdp:
-                now["grads"] += 4 * train_shard_block if new_grads else 0
+                now["grads"] += 4 * self.train_shard_block if new_grads else 0
             else:
-                settle(first, last, train_shard_block, grad_block)
-        now["activations"] -= shared_mask + (packed_inputs if s.ac != "none" else 0)
+                self._settle(now, first, last, self.train_shard_block, self.grad_block)
+        now["activations"] -= self.shared_mask + (self.packed_inputs if s.ac != "none" else 0)
         # embedding backward, then (FSDP) its unit reshards and reduce-scatters
         if not s.fsdp:
-            if new_grads and not lora:
-                now["grads"] += 4 * (embedding_grad + shard_root - head - (head if not s.tied else 0))
+            if new_grads and not self.lora:
+                now["grads"] += 4 * (
+                    self.embedding_grad + self.shard_root - self.head - (self.head if not s.tied else 0)
+                )
             ledger.moment(f"end of backward {tag}")
-            continue
-        if emb_p:  # gathered again (prefetched during layer 0's backward), its gradient made
-            block_rs = 4 * grad_block if reduce else 0  # layer 0's reduce-scatter input
-            grad = pb * embedding_grad if new_grads else 0
-            ledger.moment(f"embedding backward {tag}", unsharded=pb * full_emb + grad, comm=block_rs)
-            settle(first, last, _sharded(emb_p if not lora else [], s), emb_grads)
-            ledger.moment(f"end of backward {tag}", comm=4 * full_emb if reduce and not lora else 0)
+            return
+        if self.emb_p:  # gathered again (prefetched during layer 0's backward), its gradient made
+            block_rs = 4 * self.grad_block if reduce else 0  # layer 0's reduce-scatter input
+            grad = self.pb * self.embedding_grad if new_grads else 0
+            ledger.moment(f"embedding backward {tag}", unsharded=self.pb * self.full_emb + grad, comm=block_rs)
+            self._settle(now, first, last, _sharded(self.emb_p if not self.lora else [], s), self.emb_grads)
+            ledger.moment(f"end of backward {tag}", comm=4 * self.full_emb if reduce and not self.lora else 0)
         else:  # tied: the root unit reshards, its gradient (head's and embedding's) reduced
-            now["unsharded"] -= pb * (full_whole + (head_grad if new_grads else 0))
-            settle(first, last, _sharded(whole_p if not lora else [], s), whole_grads)
-            ledger.moment(f"end of backward {tag}", comm=4 * whole_grads if reduce else 0)
-    ledger.moment("optimizer step")
-    return ledger
+            now["unsharded"] -= self.pb * (self.full_whole + (self.head_grad if new_grads else 0))
+            self._settle(now, first, last, _sharded(self.whole_p if not self.lora else [], s), self.whole_grads)
+            ledger.moment(f"end of backward {tag}", comm=4 * self.whole_grads if reduce else 0)
+
+
+def _walk_step(s: Setup) -> _Peak:
+    """One optimizer step, event by event, as ``train.py`` runs it (see the module doc)."""
+    return _StepWalk(s).run()
