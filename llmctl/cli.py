@@ -502,9 +502,9 @@ def eval_cmd(
     --tasks of a cloud or Slurm run runs as a job on the run's infra, billed to the run (--here: on this machine).
     """
     from llmctl.run import eval_and_export as ev
+    from llmctl.run.scoring import evaluate
     from llmctl.sweep.state import untrained
 
-    t = None
     try:
         if hf or tasks:
             ev.require_transformers()  # before any work: the messages name the install
@@ -513,33 +513,26 @@ def eval_cmd(
             from llmctl.run import benchmark_scores
 
             request = benchmark_scores.parse_request(tasks, include_path, num_fewshot, limit, batch_size, parallelize)
-        t = ev.resolve_target(target, overrides or [], tracking_uri, config_dir, untrained)
-        if request is not None and not hf and not here and benchmark_scores.on_infra(t):
-            code = benchmark_scores.score_on_infra(t, request, typer.echo)
-            if code == 0:
-                typer.echo(f"llmctl: lm-eval scores of {', '.join(request.tasks)} logged to run {t.run_id}")
-            raise typer.Exit(code)
-        if request is not None:
-            result, step = benchmark_scores.score(t, request, hf, typer.echo)
-            where = f"run {t.run_id} at step {step}" if t.run_id else "nothing (no run: a bare checkpoint URL)"
-            names = ", ".join(request.tasks)
-            typer.echo(f"llmctl: {len(result['scores'])} lm-eval scores of {names} logged to {where}")
-            return
-        if hf:
-            result = ev.run_workload(t, 1, ["--hf", str(hf)], typer.echo)
-            result["step"] = ev.export_step(hf) or 0
-        else:
-            result = ev.run_workload(t, nproc, [], typer.echo)
-        ev.log_result(t, result, ev.metric_prefix(t.cfg, bool(hf)))
+        code = evaluate(
+            target,
+            overrides or [],
+            request=request,
+            hf=hf,
+            here=here,
+            nproc=nproc,
+            tracking_uri=tracking_uri,
+            config_dir=config_dir,
+            untrained=untrained,
+            say=typer.echo,
+        )
     except ConfigError as exc:
-        ev.discard(t)
         raise _fail(str(exc), EXIT_CONFIG) from None
     except LaunchError as exc:
         raise _fail(str(exc), EXIT_FAILED) from None
     except KeyboardInterrupt:
         raise _fail("eval interrupted", EXIT_INTERRUPTED) from None
-    where = f"run {t.run_id} at step {result.get('step')}" if t.run_id else "nothing (no run: a bare checkpoint URL)"
-    typer.echo(f"llmctl: eval of {result.get('checkpoint') or hf} logged to {where}")
+    if code:
+        raise typer.Exit(code)
 
 
 @app.command("export")

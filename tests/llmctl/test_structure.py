@@ -1,52 +1,38 @@
-"""The structure the features build on, checked from the source: one direction of dependency
-(the workload never imports llmctl), no import cycle among llmctl's modules (imports inside
-functions included), and every backend implementing the whole declared interface."""
+"""The structure the features build on, checked from the source: the layering (which stage and
+which workload may import what) as import-linter contracts in pyproject.toml, run here with
+``lint-imports``; no import cycle among llmctl's modules; a protocol of the standard library alone;
+every backend implementing the whole declared interface. Imports inside functions count
+(grimp, which both use, reads every import statement)."""
 
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
+import os
 import subprocess
 import sys
 from pathlib import Path
 
+import grimp
 import pytest
 from helpers import ROOT
 
-
-def _module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+LINT_IMPORTS = str(Path(sys.executable).with_name("lint-imports"))
 
 
-def _modules(package: str) -> dict[str, Path]:
-    return {_module_name(p): p for p in sorted((ROOT / package).rglob("*.py"))}
+@functools.cache
+def _graph() -> grimp.ImportGraph:
+    return grimp.build_graph("llmctl", "workloads", include_external_packages=True, cache_dir=None)
 
 
-def _imports(path: Path, name: str, known: set[str]) -> set[str]:
-    """Every module ``path`` imports, anywhere in the file (functions, ``TYPE_CHECKING`` blocks too).
-    ``from a import b`` counts as ``a.b`` when that is a module, else as ``a``."""
-    is_package = path.name == "__init__.py"
-    found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:  # relative: resolve against this module's package
-                pkg = name.split(".") if is_package else name.split(".")[:-1]
-                pkg = pkg[: len(pkg) - node.level + 1]
-                base = ".".join(pkg + ([base] if base else []))
-            for alias in node.names:
-                sub = f"{base}.{alias.name}"
-                found.add(sub if sub in known else base)
-    return found
-
-
-def _graph(package: str) -> dict[str, set[str]]:
-    mods = _modules(package)
+def _imports_of(package: str) -> dict[str, set[str]]:
+    """Each module of ``package`` (itself included) and what it imports directly."""
+    graph = _graph()
     return {
-        name: {m for m in _imports(path, name, set(mods)) if m in mods and m != name} for name, path in mods.items()
+        m: set(graph.find_modules_directly_imported_by(m))
+        for m in sorted(graph.modules)
+        if m == package or m.startswith(package + ".")
     }
 
 
@@ -85,92 +71,39 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
-def test_the_workload_imports_nothing_from_llmctl() -> None:
-    mods = _modules("workloads")
-    assert len(mods) > 15, "the scan found the workload's modules"
-    offenders = {
-        name: sorted(m for m in _imports(path, name, set(mods)) if m == "llmctl" or m.startswith("llmctl."))
-        for name, path in mods.items()
-    }
-    assert {k: v for k, v in offenders.items() if v} == {}
+def test_the_import_contracts_hold() -> None:
+    """pyproject.toml's [tool.importlinter] contracts: the workloads never import llmctl, the command
+    workload nothing of the trainer, llmctl the workloads only through their contracts, the
+    contracts no torch or numpy, each stage of llmctl only the stages below it."""
+    out = subprocess.run([LINT_IMPORTS, "--no-cache"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+    assert " 0 broken" in out.stdout and "KEPT" in out.stdout, out.stdout[-2000:]
 
 
-def test_the_scan_sees_imports_inside_functions(tmp_path: Path) -> None:
-    """The checker itself: a function-level import and a relative one are found (else both tests above
-    could pass on a tree full of them)."""
-    src = tmp_path / "mod.py"
-    src.write_text("def f():\n    from llmctl.cost import ledger\n    from . import sibling\n")
-    found = _imports(src, "pkg.mod", {"llmctl.cost.ledger", "pkg.sibling"})
-    assert found == {"llmctl.cost.ledger", "pkg.sibling"}
-    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+def test_an_import_inside_a_function_breaks_a_contract(tmp_path: Path) -> None:
+    """The check itself can fail: a forbidden import inside a function is seen and reported."""
+    pkg = tmp_path / "layered"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "low.py").write_text("def f():\n    from layered import high\n    return high\n")
+    (pkg / "high.py").write_text("")
+    (tmp_path / ".importlinter").write_text(
+        "[importlinter]\nroot_package = layered\n\n[importlinter:contract:down]\nname = low never imports high\n"
+        "type = forbidden\nsource_modules = layered.low\nforbidden_modules = layered.high\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    out = subprocess.run(
+        [LINT_IMPORTS, "--no-cache"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 1 and "BROKEN" in out.stdout and "layered.low -> layered.high" in out.stdout, out.stdout
 
 
 def test_no_import_cycle_among_llmctl_modules() -> None:
-    graph = _graph("llmctl")
+    graph = {m: {d for d in deps if d.startswith("llmctl.")} for m, deps in _imports_of("llmctl").items()}
     assert {"llmctl.run.lifecycle", "llmctl.backends.local", "llmctl.cost.estimate", "llmctl.sweep.state"} <= set(graph)
+    assert sum(map(len, graph.values())) > 100, "the graph holds llmctl's imports"
     assert _cycles(graph) == []
-
-
-def test_data_flows_one_way() -> None:
-    """Backends and the cost model never reach back into what calls them."""
-    graph = _graph("llmctl")
-    upstream = {
-        "llmctl.cli",
-        "llmctl.run.lifecycle",
-        "llmctl.run.attached",
-        "llmctl.run.closing",
-        "llmctl.run.resume",
-        "llmctl.plan.make",
-        "llmctl.sweep.control",
-        "llmctl.sweep.supervisor",
-        "llmctl.sweep.trial_plans",
-    }
-    for name, deps in graph.items():
-        if name.startswith(("llmctl.backends", "llmctl.cost")):
-            assert not deps & upstream, (name, sorted(deps & upstream))
-    assert "llmctl.backends" not in graph["llmctl.cost.estimate"] and not any(
-        d.startswith("llmctl.backends") for d in graph["llmctl.cost.estimate"]
-    )
-
-
-def test_folders_import_only_later_stages() -> None:
-    """By folder: the stages below a folder never import it back (config and the controller's
-    machinery are the ground floor; tracking never reaches into running or planning; backends
-    never into the run lifecycle, sweeps or the CLI)."""
-    graph = _graph("llmctl")
-    forbidden = {
-        "llmctl.config": (
-            "llmctl.plan",
-            "llmctl.run",
-            "llmctl.backends",
-            "llmctl.tracking",
-            "llmctl.sweep",
-            "llmctl.cost",
-            "llmctl.controller",
-            "llmctl.cli",
-        ),
-        "llmctl.controller": (
-            "llmctl.plan",
-            "llmctl.run",
-            "llmctl.backends",
-            "llmctl.tracking",
-            "llmctl.sweep",
-            "llmctl.cost",
-            "llmctl.cli",
-        ),
-        "llmctl.tracking": ("llmctl.plan", "llmctl.run", "llmctl.backends", "llmctl.sweep", "llmctl.cli"),
-        "llmctl.backends": ("llmctl.run", "llmctl.sweep", "llmctl.cli", "llmctl.plan.make"),
-        "llmctl.run": ("llmctl.sweep", "llmctl.cli"),
-    }
-    offenders = sorted(
-        (name, dep)
-        for name, deps in graph.items()
-        for folder, banned in forbidden.items()
-        if name.startswith(folder + ".")
-        for dep in deps
-        if dep.startswith(banned)
-    )
-    assert offenders == []
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
 def test_every_backend_implements_the_whole_interface() -> None:
@@ -190,102 +123,38 @@ def test_every_backend_implements_the_whole_interface() -> None:
             assert list(inspect.signature(impl).parameters) == want, (kind, method)
 
 
-CONTRACT = "workloads.pretrain.contract"
 # a user program's workload (``workload=command``): what llmctl and its node-side guard share
 COMMAND_CONTRACT = "workloads.command.contract"
 # what every workload speaks with its launcher, owned by none of them
 PROTOCOL = "workloads.protocol"
 
 
-def test_llmctl_imports_only_the_trainers_contract() -> None:
-    """llmctl reads the trainer through its stdlib contract package alone, and a command workload
-    through its stdlib contract module; everything else of the workloads (torch, the guard) runs as
-    a process (torchrun, ``python -m workloads.pretrain.<entry>``, ``python -m workloads.command``)."""
-    known = set(_modules("workloads")) | set(_modules("llmctl"))
-    reached = {
-        (name, m)
-        for name, path in _modules("llmctl").items()
-        for m in _imports(path, name, known)
-        if m.startswith("workloads")
-    }
-    assert any(m.startswith(CONTRACT + ".") for _, m in reached), "the scan sees llmctl's contract imports"
-    assert any(m == COMMAND_CONTRACT for _, m in reached), "the scan sees the command contract's imports"
-    assert any(m.startswith(PROTOCOL + ".") for _, m in reached), "the scan sees the protocol's imports"
-    allowed = (CONTRACT + ".", PROTOCOL + ".")
-    outside = sorted(
-        (name, m)
-        for name, m in reached
-        if m not in (CONTRACT, COMMAND_CONTRACT, PROTOCOL) and not m.startswith(allowed)
-    )
-    assert outside == [], (
-        f"llmctl imports workload modules outside {CONTRACT}, {PROTOCOL} and {COMMAND_CONTRACT}: {outside}"
-    )
-
-
-def test_the_command_workload_imports_nothing_of_the_trainer() -> None:
-    """A user's program runs under the protocol, not under the bundled trainer's package."""
-    mods = _modules("workloads/command")
-    reached = {(name, m) for name, path in mods.items() for m in _imports(path, name, set(_modules("workloads")))}
-    assert any(m.startswith(PROTOCOL + ".") for _, m in reached), "the scan sees the guard's protocol imports"
-    assert sorted((n, m) for n, m in reached if m.startswith("workloads.pretrain")) == []
+def _foreign(imports: set[str], allowed: tuple[str, ...] = ()) -> list[str]:
+    """What of ``imports`` is neither the standard library nor ``allowed``."""
+    return sorted(m for m in imports if m.split(".")[0] not in sys.stdlib_module_names and not m.startswith(allowed))
 
 
 def test_the_protocol_is_stdlib_and_its_own() -> None:
     """Every workload and llmctl import the protocol: nothing heavy, no workload's code."""
-    mods = _modules("workloads/protocol")
-    found = {m for name, path in mods.items() for m in _imports(path, name, set(_modules("workloads")))}
-    assert found, "the scan sees the protocol's imports"
-    foreign = sorted(
-        m
-        for m in found
-        if m.split(".")[0] not in sys.stdlib_module_names
-        and m not in ("__future__", "fsspec")
-        and not m.startswith(PROTOCOL)
-    )
-    assert foreign == [], f"the protocol imports {foreign}"
+    found = set().union(*_imports_of(PROTOCOL).values())
+    assert {"os", "fsspec"} <= found, "the scan sees the protocol's imports"
+    assert _foreign(found, ("__future__", "fsspec", PROTOCOL)) == []
 
 
 def test_the_command_contract_is_stdlib() -> None:
     """``workloads/command/contract.py`` reaches every ``llmctl plan``: the standard library only."""
-    path = ROOT / "workloads" / "command" / "contract.py"
-    found = _imports(path, COMMAND_CONTRACT, set(_modules("workloads")))
-    assert found and all(m.split(".")[0] in sys.stdlib_module_names or m == "__future__" for m in found), found
+    found = _imports_of(COMMAND_CONTRACT)[COMMAND_CONTRACT]
+    assert found and _foreign(found, ("__future__",)) == [], found
 
 
-def test_the_contract_imports_no_torch_or_numpy() -> None:
-    """Anywhere in the contract's files (functions too): torch or numpy there would reach every
-    ``llmctl plan``; and the contract stays within itself, the protocol every workload speaks (which
-    sits below all of them) and the standard library's neighbours."""
-    mods = _modules("workloads/pretrain/contract")
-    assert len(mods) >= 10, sorted(mods)
-    heavy = {
-        (name, m)
-        for name, path in mods.items()
-        for m in _imports(path, name, set(_modules("workloads")))
-        if m.split(".")[0] in ("torch", "numpy", "triton", "torchao", "transformers", "safetensors")
-    }
-    assert heavy == set()
-    inward = {
-        (name, m)
-        for name, path in mods.items()
-        for m in _imports(path, name, set(_modules("workloads")))
-        if m.startswith("workloads") and not m.startswith((CONTRACT, PROTOCOL + "."))
-    }
-    assert inward == set(), "the contract imports the rest of the trainer"
-
-
-def test_the_contract_check_can_fail(tmp_path: Path) -> None:
-    """The scans above see a torch import inside a function and a trainer import from llmctl."""
-    src = tmp_path / "m.py"
-    src.write_text("def f():\n    import torch.nn\n    from workloads.pretrain.model import transformer\n")
-    found = _imports(src, "llmctl.x", {"workloads.pretrain.model.transformer"})
-    assert found == {"torch.nn", "workloads.pretrain.model.transformer"}
+def test_the_stdlib_check_can_fail() -> None:
+    assert _foreign({"os", "json.decoder", "torch.nn", "fsspec"}, ("fsspec",)) == ["torch.nn"]
 
 
 @pytest.mark.parametrize(
     "module",
-    sorted(_modules("workloads/pretrain/contract"))
-    + sorted(_modules("workloads/protocol"))
+    sorted(_imports_of("workloads.pretrain.contract"))
+    + sorted(_imports_of(PROTOCOL))
     + ["llmctl.cli", "llmctl.config.root_schema"],
 )
 def test_contract_modules_import_no_heavy_dependency(module: str) -> None:
