@@ -123,16 +123,28 @@ def test_the_extras_resolve_together_in_every_order_the_docs_show(tmp_path: Path
         pytest.skip("PyPI is not reachable: the docs' install lines cannot be resolved")
     base = PipView(tmp_path / "base")
     base.install(BASE[1])
+    # Orders that share their first steps share the views those steps left (``cloud and hf, then
+    # eval`` starts from the view ``in one line`` ends with): each distinct step from each distinct
+    # view is resolved once, level by level, the steps of a level side by side (pip waits on PyPI).
+    views: dict[tuple[str, ...], PipView] = {(): base}
 
-    def run(name: str) -> tuple[str, dict[str, str], str]:
-        view = base.copy(tmp_path / name.replace(",", "").replace(" ", "-"))
-        for _, line in ORDERS[name]:
-            view.install(line)
-        check = view.pip("check")
-        return name, view.versions(), check.stdout + check.stderr if check.returncode else ""
+    def step(where: str, prefix: tuple[str, ...]) -> None:
+        view = views[prefix[:-1]].copy(tmp_path / where)
+        view.install(prefix[-1])
+        views[prefix] = view
 
-    with ThreadPoolExecutor(len(ORDERS)) as pool:  # pip waits on PyPI, not on the CPU
-        results = list(pool.map(run, ORDERS))
+    for depth in range(1, max(len(lines) for lines in ORDERS.values()) + 1):
+        level = sorted({tuple(line for _, line in lines[:depth]) for lines in ORDERS.values() if len(lines) >= depth})
+        with ThreadPoolExecutor(len(level)) as pool:
+            list(pool.map(step, [f"view-{depth}-{k}" for k in range(len(level))], level))
+
+    def check(name: str) -> tuple[str, dict[str, str], str]:
+        view = views[tuple(line for _, line in ORDERS[name])]
+        out = view.pip("check")
+        return name, view.versions(), out.stdout + out.stderr if out.returncode else ""
+
+    with ThreadPoolExecutor(len(ORDERS)) as pool:
+        results = list(pool.map(check, ORDERS))
     for name, versions, broken in results:
         assert not broken, f"{name}: {broken}"
         assert {"transformers", "skypilot", "huggingface-hub", "llmctl"} <= set(versions), (name, versions)
