@@ -154,7 +154,7 @@ def _measured(best: Candidate, cfg: Mapping[str, Any]) -> Measured:
 
 
 # ----------------------------------------------------------------------------- reading the history
-# ``plan`` reads this on every call, and importing mlflow costs 1.5-3 s: a sqlite store is read
+# ``plan`` reads this on every call, and importing mlflow takes longer than the rest of ``plan``: a sqlite store is read
 # with sqlite3 (read-only), a tracking server through its REST API, anything else through
 # MlflowClient. All three answer what ``MlflowClient.search_runs`` answers (tests/llmctl/test_history_reader.py).
 

@@ -35,7 +35,7 @@ from workloads.pretrain.contract.shape import (
 # 8B on 8 H100s (docs/cost.md); benchmarks/gpu_fp8.py's figure replaces it once measured.
 FP8_PEAK_RATIO = 2.0
 FP8_DERATE = {"tensorwise": 0.70, "rowwise": 0.65}
-FP8_NOT_MEASURED = "not yet measured on a GPU: docs/benchmarks.md#gpu_fp8"
+FP8_PRIOR_SOURCE = "until benchmarks/gpu_fp8.py measures it: docs/benchmarks.md#gpu_fp8"
 # Selective AC re-runs the ops between matmuls (norms, RoPE, SiLU, residual adds) in backward:
 # no matmul FLOPs, but memory-bound time. A stated prior (docs/cost.md), as a share of step time.
 SELECTIVE_AC_TIME = 0.03
@@ -97,7 +97,7 @@ class Work:
                     "fp8",
                     f"train.fp8={self.fp8}: the block linears ({self.fp8_flops / self.hardware:.0%} of the FLOPs) at"
                     f" {self.fp8_speedup:.2f}x bf16 speed, a stated prior (FP8/bf16 peak {FP8_PEAK_RATIO:g}x derated"
-                    f" to {FP8_DERATE[self.fp8]:.0%}; {FP8_NOT_MEASURED})",
+                    f" to {FP8_DERATE[self.fp8]:.0%}; {FP8_PRIOR_SOURCE})",
                 )
             )
         lines.append(("work", f"{self.effective / 1e6:,.2f} bf16-equivalent MFLOP/token (what the throughput divides)"))

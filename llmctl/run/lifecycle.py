@@ -82,8 +82,8 @@ IGNORE_MEMORY_PLAN = "--ignore-memory-plan"
 
 def check_memory(plan: Plan, ignore: bool = False, say: Optional[Say] = None) -> None:
     """Refuse (ConfigError, before anything exists) a job whose memory plan exceeds its devices,
-    unless ``ignore`` (``--ignore-memory-plan``): the plan's CUDA rules are not yet measured on a GPU
-    (docs/scale.md), so a user who knows better can go past it, and is told what was overridden."""
+    unless ``ignore`` (``--ignore-memory-plan``): how far the plan's CUDA rules have been checked is in
+    docs/scale.md, so a user who knows better can go past it, and is told what was overridden."""
     fit = plan.memory
     if fit is None or fit.fits is not False:
         return
@@ -94,7 +94,7 @@ def check_memory(plan: Plan, ignore: bool = False, say: Optional[Say] = None) ->
     fix = f" Fix: add {' '.join(fit.fix)} to the command." if fit.fix else ""
     raise ConfigError(
         f"the job would run out of memory: {fit.verdict()}.{fix} (`llmctl plan` shows the memory by part;"
-        f" {IGNORE_MEMORY_PLAN} launches anyway: the plan's CUDA rules are not yet measured on a GPU, docs/scale.md)"
+        f" {IGNORE_MEMORY_PLAN} launches anyway; how the plan's rules were checked: docs/scale.md)"
     )
 
 

@@ -1,7 +1,7 @@
 """A new local sqlite store starts as a copy of an empty one MLflow made earlier on this machine.
 
 MLflow builds a new sqlite store's schema by running every Alembic migration from the first (about 60
-of them): 1.5-2.5 s on an idle core, and several times that on a busy one, paid by the first command
+of them): seconds of CPU, more on a busy machine, paid by the first command
 in every directory (and by every test of this repository that launches in a fresh one). The schema
 only changes with MLflow's version, so llmctl lets MLflow build it once per version, in
 ``$LLMCTL_CACHE_DIR`` (else ``~/.cache/llmctl``), and copies that file where a new store is wanted.

@@ -86,7 +86,7 @@ def test_the_plan_says_what_it_assumed() -> None:
     assert "parallel.ac=full: each block's forward again in backward" in recompute and "MFU stays on model" in recompute
     fp8 = next(ln for ln in both.splitlines() if ln.startswith("fp8: "))
     assert "train.fp8=rowwise" in fp8 and "1.30x bf16 speed, a stated prior" in fp8
-    assert "not yet measured on a GPU: docs/benchmarks.md#gpu_fp8" in fp8
+    assert "until benchmarks/gpu_fp8.py measures it: docs/benchmarks.md#gpu_fp8" in fp8
     assert any(ln.startswith("work:        ") and "bf16-equivalent MFLOP/token" in ln for ln in both.splitlines())
     selective = _est("parallel.ac=selective").describe()
     assert "parallel.ac=selective: no matmuls again, +3% step time" in selective and "stated prior" in selective

@@ -1,4 +1,5 @@
-"""SkyPilot's answers that ``llmctl plan`` needs, remembered on disk: ``import sky`` alone costs 2-4 s.
+"""SkyPilot's answers that ``llmctl plan`` needs, remembered on disk: ``import sky`` alone takes
+seconds, longer than the rest of ``plan``.
 
 Each answer (providers, a provider's declared capabilities, accelerator counts, offers and prices,
 the task YAML through SkyPilot's loader) is keyed by the question and reused only while nothing it

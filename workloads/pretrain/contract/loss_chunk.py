@@ -11,13 +11,12 @@ _DEFAULT_CHUNK_ELEMENTS = 1 << 25
 _GPU_MAX_CHUNKS = 8
 # GPU chunks are whole multiples of this many tokens: tensor-core GEMM tiles.
 _GPU_TOKEN_MULTIPLE = 128
-# On CPU the softmax passes are memory-bound: a 4 MiB chunk stays in cache. Measured on the smoke
-# model's head (2048 tokens x 4096 vocab, 1 thread): 256 tokens/chunk 1.53x F.cross_entropy's
-# speed (fwd+bwd), one 8192-token chunk 1.31x.
+# On CPU the softmax passes are memory-bound: a 4 MiB chunk stays in cache (the measured effect on
+# the training step: docs/benchmarks.md, kernels_cpu).
 _CPU_CHUNK_ELEMENTS = 1 << 20
 # ... but never fewer than 256 tokens: each chunk adds its grad into the whole [vocab, dim] output
-# gradient, so small chunks re-stream it. At vocab 32000 x dim 768 (the 125m shape, 1 thread),
-# 32-token chunks (4 MiB) took 6.1 s fwd+bwd for 2048 tokens, full logits 4.9 s, 256-token chunks 4.3 s.
+# gradient, so small chunks re-stream it: at the 125m shape's vocabulary, 4 MiB chunks (32 tokens)
+# were slower than full logits (docs/benchmarks.md, kernels_cpu, records the run that showed it).
 _CPU_MIN_CHUNK_TOKENS = 256
 
 
