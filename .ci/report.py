@@ -1,6 +1,8 @@
 """What CI spent its time on: each stage's wall time (.ci/out/stages.tsv, written by .ci/run's
-``stage``) and the ten slowest tests of every JUnit XML under .ci/out. Printed at the end of a run,
-passed or failed, so a slower CI says where without a second run."""
+``stage``), the ten slowest tests of every JUnit XML under .ci/out, and the ten that used the most
+CPU (.ci/out/cpu, the main suite's ``--cpu-report``: on 2 cores the suite is CPU-bound, so CPU is
+what a faster CI cuts). Printed at the end of a run, passed or failed, so a slower CI says where
+without a second run."""
 
 from __future__ import annotations
 
@@ -35,6 +37,16 @@ def slowest(count: int = 10) -> list[tuple[float, str, str]]:
     return sorted(tests, reverse=True)[:count]
 
 
+def hungriest(count: int = 10) -> tuple[float, list[tuple[float, float, str]]]:
+    """The main suite's CPU seconds in all, and its ``count`` tests that used the most (CPU, wall, test)."""
+    rows = []
+    for tsv in sorted((OUT / "cpu").glob("*.tsv")):
+        for line in tsv.read_text().splitlines():
+            nodeid, wall, cpu = line.split("\t")
+            rows.append((float(cpu), float(wall), nodeid))
+    return sum(r[0] for r in rows), sorted(rows, reverse=True)[:count]
+
+
 def main() -> int:
     print("== CI stages (wall time)")
     for name, seconds, status in stages():
@@ -42,6 +54,11 @@ def main() -> int:
     print("== ten slowest tests")
     for seconds, name, suite in slowest():
         print(f"  {seconds:8.0f} s  {name}  [{suite}]")
+    total, top = hungriest()
+    if top:
+        print(f"== ten most CPU-hungry tests (the main suite's tests: {total:.0f} CPU-s in all)")
+        for cpu, wall, name in top:
+            print(f"  {cpu:8.0f} CPU-s {wall:6.0f} s  {name}")
     return 0
 
 

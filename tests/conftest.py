@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import cpu_usage
 import pytest
 from ci_policy import (  # noqa: F401  (hooks: registered by being in this module)
     pytest_make_collect_report,
@@ -17,6 +18,7 @@ from ci_policy import (  # noqa: F401  (hooks: registered by being in this modul
     pytest_xdist_make_scheduler,
     work_unit,
 )
+from cpu_usage import pytest_runtest_protocol  # noqa: F401  (hook: --cpu-report)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -27,6 +29,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=False,
         help="skip the test that brings up Slurm on localhost (needs root and apt packages)",
     )
+    cpu_usage.add_option(parser)
 
 
 # Work units (a test file, or one documentation session: ci_policy.work_unit) that take a minute or

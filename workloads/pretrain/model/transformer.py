@@ -419,14 +419,14 @@ def _liger_fused_linear_ce(reduction: str):
     return _LIGER[reduction]
 
 
-def loss_kernel(choice: Any, device_type: str) -> str:
-    """What ``model.loss_kernel`` runs on ``device_type``: "liger" or "chunked".
+def loss_kernel(choice: str, device_type: str) -> str:
+    """What ``model.loss_kernel`` runs on ``device_type``: "liger" or "chunked". ``choice``: the
+    schema's ``LossKernel`` (a ``str`` enum, equal to its value) or its value.
 
     ``auto``: Liger on CUDA when it loads, else chunked (the header names which). ``liger`` where
     it cannot run is a ``ConfigError`` naming the key and the fix: a user who asked for Liger and
     silently got the slower chunked loss would compare the wrong numbers.
     """
-    choice = getattr(choice, "value", choice)
     if choice == "chunked" or (choice == "auto" and device_type != "cuda"):
         return "chunked"
     if device_type != "cuda":
