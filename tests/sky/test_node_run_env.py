@@ -19,7 +19,7 @@ AIDS = ("TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_NCCL_TRACE_BUFFER_SIZE", "NCCL_DEBU
 def _env_seen(tmp_path: Path, nodes: int, **extra: str) -> dict[str, str]:
     (tmp_path / ".llmctl" / "runs" / "r1" / "program").mkdir(parents=True, exist_ok=True)
     fake = tmp_path / "python"
-    fake.write_text("#!/bin/sh\nenv\n")
+    fake.write_text('#!/bin/sh\necho "ARGS=$*"\nenv\n')
     fake.chmod(0o755)
     script = tmp_path / "run.sh"
     script.write_text(sky_task.RUN)
@@ -61,3 +61,9 @@ def test_every_workload_gets_its_run_folder(tmp_path: Path, workload: str) -> No
     folder holding the run's resolved config.yaml."""
     seen = _env_seen(tmp_path, nodes=1, LLMCTL_WORKLOAD=workload)
     assert seen["LLMCTL_RUN_DIR"] == str(tmp_path / ".llmctl" / "runs" / "r1")
+
+
+def test_the_first_node_is_the_rendezvous(tmp_path: Path) -> None:
+    """torchrun's master address is the first of SkyPilot's node IPs, on every node."""
+    seen = _env_seen(tmp_path, nodes=2)
+    assert "--master_addr=10.0.0.1 " in seen["ARGS"], seen["ARGS"]

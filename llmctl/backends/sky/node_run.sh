@@ -1,7 +1,9 @@
 set -euo pipefail
 PY="${LLMCTL_PYTHON:-$HOME/.llmctl/venv/bin/python}"
 NPROC="${LLMCTL_NPROC_PER_NODE:-$SKYPILOT_NUM_GPUS_PER_NODE}"
-MASTER_ADDR="$(echo "$SKYPILOT_NODE_IPS" | head -n1)"
+# the first line of the node list, without a pipe: under pipefail, head closing the pipe early
+# kills echo with SIGPIPE (exit 141) now and then
+MASTER_ADDR="${SKYPILOT_NODE_IPS%%$'\n'*}"
 LLMCTL_CONFIG="$HOME/.llmctl/runs/$LLMCTL_RUN_ID/config.yaml"
 # the contract's run folder (the resolved config.yaml), as on infra=local: every workload gets it
 export LLMCTL_RUN_DIR="$HOME/.llmctl/runs/$LLMCTL_RUN_ID"
