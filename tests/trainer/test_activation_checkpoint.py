@@ -1,4 +1,4 @@
-"""Selective AC's save list (``parallelize._SAC_SAVE``): torch's own compute-intensive ops plus the
+"""Selective AC's save list (``parallelize.sac_save_ops``): torch's own compute-intensive ops plus the
 kernels that list lacks, so no GPU attention or FP8 kernel is recomputed in the backward.
 
 The list is checked by name because a CPU never runs the CUDA kernels: on an H100 with torch 2.11's
@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
-from workloads.pretrain.parallel.parallelize import _SAC_SAVE, sac_policy
+from workloads.pretrain.parallel.parallelize import sac_policy, sac_save_ops
 
 aten = torch.ops.aten
 
@@ -30,14 +30,14 @@ aten = torch.ops.aten
     ids=lambda op: str(op).split(".")[1],
 )
 def test_every_sdpa_kernel_is_saved(op) -> None:
-    assert op in _SAC_SAVE
+    assert op in sac_save_ops()
     assert sac_policy(None, op) == CheckpointPolicy.MUST_SAVE
 
 
 @pytest.mark.parametrize("op", [aten._scaled_mm.default, aten.max.default, aten.mm.default], ids=str)
 def test_fp8_and_plain_matmuls_are_saved(op) -> None:
     """``_scaled_mm`` is the compiled FP8 matmul, ``aten.max`` its amax (a whole-tensor reduction)."""
-    assert op in _SAC_SAVE
+    assert op in sac_save_ops()
 
 
 def test_the_list_contains_torchs_compute_intensive_ops() -> None:
@@ -45,11 +45,11 @@ def test_the_list_contains_torchs_compute_intensive_ops() -> None:
     there is saved without an edit here."""
     from torch._functorch.partitioners import get_default_op_list
 
-    assert {op.default for op in get_default_op_list().compute_intensive_ops} <= _SAC_SAVE
+    assert {op.default for op in get_default_op_list().compute_intensive_ops} <= sac_save_ops()
 
 
 def test_tp_collectives_are_saved_and_cheap_ops_recomputed() -> None:
-    assert torch.ops._c10d_functional.reduce_scatter_tensor.default in _SAC_SAVE
-    assert torch.ops._c10d_functional.all_gather_into_tensor.default in _SAC_SAVE
+    assert torch.ops._c10d_functional.reduce_scatter_tensor.default in sac_save_ops()
+    assert torch.ops._c10d_functional.all_gather_into_tensor.default in sac_save_ops()
     for op in (aten.add.Tensor, aten.mul.Tensor, aten.silu.default, aten.rsqrt.default):
         assert sac_policy(None, op) == CheckpointPolicy.PREFER_RECOMPUTE, op

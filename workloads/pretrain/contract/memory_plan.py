@@ -416,7 +416,7 @@ def block_saved(s: Setup, ac: str | None = None) -> float:
       heads where SDPA cannot take grouped heads, see ``native_gqa``), its output and log-sum-exp (and
       for packed examples with reference kernels the mask); SwiGLU keeps w1 x, w3 x, silu(w1 x) and their
       product.
-    * selective (``parallelize._SAC_SAVE``): the block input, every matmul output (q, k, v, wo,
+    * selective (``parallelize.sac_save_ops``): the block input, every matmul output (q, k, v, wo,
       w1, w3, w2; wo/w2 before TP's reduce-scatter, so full width), SDPA's outputs and TP's
       all-gather / reduce-scatter outputs.
     * full: the block input only.

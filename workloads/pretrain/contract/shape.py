@@ -168,7 +168,7 @@ def recompute_flops_per_token(model: ModelCfg, seq_len: int, ac: str) -> int:
       whose output backward does not keep) is not repeated. 2 x the other linears' weights +
       4·L·H·Q·T (attention's forward third of 12·L·H·Q·T). The embedding, final norm and LM head
       are outside the blocks. tests/trainer/test_recompute_flops.py counts the matmuls torch runs.
-    - ``selective``: only the ops between matmuls (norms, RoPE, SiLU, adds; ``parallelize._SAC_SAVE``
+    - ``selective``: only the ops between matmuls (norms, RoPE, SiLU, adds; ``parallelize.sac_save_ops``
       keeps every matmul and attention output): no matmul FLOPs. Their time (memory-bound) is a
       cost of its own, which llmctl's estimate states as a prior.
     - ``none``: 0.

@@ -8,6 +8,7 @@ function, in the order written there. Reading ``parallelize`` tells you how the 
 
 from __future__ import annotations
 
+import functools
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Callable, ContextManager
@@ -211,8 +212,11 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh) -> None:
     model.vocab_parallel_loss = True
 
 
-def _sac_save_ops() -> frozenset:
+@functools.cache
+def sac_save_ops() -> frozenset:
     """The ops whose outputs selective AC keeps; it recomputes the rest (norms, RoPE, SiLU, adds).
+    Built on first use: torch's op list imports its compiler stack, which a run without selective AC
+    never needs.
 
     Built as torchtitan builds its list: torch's own compute-intensive ops (what the min-cut
     partitioner never recomputes: mm, addmm, bmm, the SDPA flash / efficient ops, ``_scaled_mm``
@@ -247,14 +251,11 @@ def _sac_save_ops() -> frozenset:
     return frozenset(ops)
 
 
-_SAC_SAVE = _sac_save_ops()
-
-
 def sac_policy(ctx, op, *args, **kwargs):
-    """Selective AC's decision for one op: keep its output (``_SAC_SAVE``) or recompute it."""
+    """Selective AC's decision for one op: keep its output (``sac_save_ops``) or recompute it."""
     from torch.utils.checkpoint import CheckpointPolicy
 
-    return CheckpointPolicy.MUST_SAVE if op in _SAC_SAVE else CheckpointPolicy.PREFER_RECOMPUTE
+    return CheckpointPolicy.MUST_SAVE if op in sac_save_ops() else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _sac_context():
@@ -265,7 +266,7 @@ def _sac_context():
 
 def apply_ac(model: Transformer, mode: str) -> None:
     """Activation checkpointing per block: ``full`` recomputes the whole block in backward;
-    ``selective`` is per-op SAC (``_SAC_SAVE``): saves matmul/attention/collective outputs only.
+    ``selective`` is per-op SAC (``sac_save_ops``): saves matmul/attention/collective outputs only.
 
     The wrapper adds ``_checkpoint_wrapped_module`` to module paths; DCP's state-dict helpers
     strip it, so checkpoints are interchangeable across AC modes.
