@@ -21,6 +21,15 @@ from llmctl.cost import ledger
 from llmctl.run.outcomes import RULES, Outcome
 
 ROOT = Path(__file__).resolve().parents[1]
+# tests/inject/sitecustomize.py: the faults and traces tests ask of llmctl and the trainer, each armed
+# by its variable alone (every subprocess environment the tests build has it on PYTHONPATH)
+INJECT = ROOT / "tests" / "inject"
+
+
+def with_injector(env: dict[str, str]) -> dict[str, str]:
+    """``env`` (changed in place, and returned) with the fault injector first on ``PYTHONPATH``."""
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(INJECT), env.get("PYTHONPATH")) if p)
+    return env
 
 
 def cli_env_at(home: Path, cache_dir: Path) -> dict[str, str]:
@@ -38,17 +47,20 @@ def cli_env_at(home: Path, cache_dir: Path) -> dict[str, str]:
         }
     )
     home.mkdir(parents=True, exist_ok=True)
-    return env
+    return with_injector(env)
 
 
-INJECT = ROOT / "tests" / "inject"
+def loss_env(loss_file: Path, **extra: str) -> dict[str, str]:
+    """A trainer's environment outside llmctl (none of this shell's MLflow/llmctl settings), its rank
+    0's losses traced to ``loss_file`` at full precision (``LLMCTL_LOSS_FILE``, injected)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "LLMCTL_"))}
+    return with_injector({**env, "PYTHONUNBUFFERED": "1", "LLMCTL_LOSS_FILE": str(loss_file), **extra})
 
 
 def with_faults(env: Mapping[str, str], **faults: str) -> dict[str, str]:
     """``env`` with ``tests/inject/sitecustomize.py`` loaded at start-up and ``faults`` (its
     ``LLMCTL_TEST_*`` variables) armed: faults injected into the controller from the tests."""
-    path = os.pathsep.join(p for p in (str(INJECT), env.get("PYTHONPATH")) if p)
-    return {**env, "PYTHONPATH": path, **faults}
+    return with_injector({**env, **faults})
 
 
 def run_cli(

@@ -46,6 +46,31 @@ def test_sighup_to_the_controller_stops_the_workers_with_a_checkpoint(cli_env: d
     assert not [p for p in group if pid_alive(p)], "a worker outlived its controller"
 
 
+@pytest.mark.slow
+def test_a_trainer_save_longer_than_torchruns_shutdown_timeout_gets_the_promised_grace(
+    cli_env: dict[str, str], tmp_path: Path
+) -> None:
+    """Two ranks under torchrun, ``preempt_grace_s=90`` and an emergency save that takes 40 s (a pause
+    before its marker, injected): torchrun's agent, stopped itself, SIGKILLs its ranks 30 s after its
+    own stop (torch 2.11's fixed shutdown timeout); llmctl stops the ranks instead, so the save
+    completes and the run ends a saved stop (75), resumable from the step it stopped at."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    loss_file = tmp_path / "losses.jsonl"
+    env = {**cli_env, "LLMCTL_LOSS_FILE": str(loss_file), "LLMCTL_CKPT_PAUSE_S": "40"}
+    args = [*SMALL, "checkpoint.every=0", "parallel.dp_shard=2", "train.steps=100000", "checkpoint.preempt_grace_s=90"]
+    proc = _start(["launch", *args], tmp_path, env)
+    _wait_training(loss_file, proc, after=0)
+    rid = _run_id(tmp_path)
+    os.kill(proc.pid, signal.SIGTERM)  # what llmctl down sends
+    out, said = proc.communicate(timeout=90 + 120)
+    assert proc.returncode == RULES[Outcome.PREEMPTED].exit_code, out[-3000:] + said[-3000:]
+    tags = assert_outcome(uri, rid, Outcome.PREEMPTED, proc.returncode, attempt=1)
+    stopped = json.loads(tags["llmctl.preempted"])
+    step = stopped["checkpoint"]
+    assert step is not None and f"step-{step} written, pausing 40s" in out, out[-3000:]
+    assert (tmp_path / "llmctl-runs" / rid / "checkpoints" / f"step-{step}" / ".complete").is_file()
+
+
 def _serve(root: Path, port: int) -> subprocess.Popen[bytes]:
     """A real ``mlflow server`` on ``port`` (its own process group: the test kills all of it), on the
     same port again after a restart, so the run's tracking URI stays valid."""

@@ -16,7 +16,6 @@ in-process on the repo's own modules; those two run the trainer's entry point
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -24,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import read_loss_file
+from helpers import loss_env, read_loss_file
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -226,8 +225,7 @@ def _trainer(tmp_path: Path, name: str, cache: Path, model: str, **overrides) ->
     )
     path, losses = tmp_path / f"{name}.yaml", tmp_path / f"{name}.jsonl"
     OmegaConf.save(cfg, path)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "LLMCTL_"))}
-    env.update({"LLMCTL_LOSS_FILE": str(losses), "PYTHONUNBUFFERED": "1"})
+    env = loss_env(losses)
     proc = subprocess.run(
         [sys.executable, "-m", "workloads.pretrain", "--config", str(path)],
         cwd=REPO,

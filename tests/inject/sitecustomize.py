@@ -13,14 +13,29 @@ has no switch for any of them.
   ``TaskManager`` raises unless told ``include_defaults=False``): what llmctl knows of them must come
   from its own cache.
 
-Each patches a module of llmctl (or of a library it calls) when it is first imported (workload
-processes, which import no llmctl, are untouched).
+And in the bundled trainer's processes (every rank), at the seams it has anyway:
+
+- ``LLMCTL_FAIL_AT_STEP=N``: ``Trainer.train_step`` raises at the start of step N (a failing workload
+  must exit non-zero and be reported as failed).
+- ``LLMCTL_LOSS_FILE=PATH``: rank 0 appends one JSON line per logged step (``{"step": N, "train/loss":
+  ...}`` or ``{"step": N, "val/loss": ...}``, with the other metrics of that log) at full precision,
+  from ``MetricSink.log``, whether or not a run is tracked.
+- ``LLMCTL_CKPT_PAUSE_S=S``: rank 0 sleeps S seconds before a checkpoint's completion marker
+  (``Checkpointer._write_marker``): a SIGKILL then leaves a written but unmarked checkpoint, and a
+  stop's emergency save lasts that much longer.
+- ``LLMCTL_EXIT_PAUSE_S=S``: sleep after training returned (its checkpoint committed, the run tagged
+  ``llmctl.completed``) before exiting: a stop can then land after the work is done.
+
+Each patches a module when it is first imported; a process that never imports it is untouched. The
+tests' subprocess environments put this folder on ``PYTHONPATH`` (``helpers.INJECT``), so a variable
+alone arms its fault.
 """
 
 from __future__ import annotations
 
 import importlib.abc
 import importlib.util
+import json
 import os
 import shlex
 import signal
@@ -33,6 +48,10 @@ BEFORE_CLOSE = os.environ.get("LLMCTL_TEST_BEFORE_CLOSE")
 RAISE_ON = os.environ.get("LLMCTL_TEST_RAISE_ON")
 CTRL_C_AFTER_OPEN = os.environ.get("LLMCTL_TEST_CTRL_C_AFTER_OPEN") == "1"
 NO_BUILTIN_TASK_INDEX = os.environ.get("LLMCTL_TEST_NO_BUILTIN_TASK_INDEX") == "1"
+FAIL_AT_STEP = int(os.environ.get("LLMCTL_FAIL_AT_STEP", "0") or 0)
+LOSS_FILE = os.environ.get("LLMCTL_LOSS_FILE")
+CKPT_PAUSE_S = float(os.environ.get("LLMCTL_CKPT_PAUSE_S", "0") or 0)
+EXIT_PAUSE_S = float(os.environ.get("LLMCTL_EXIT_PAUSE_S", "0") or 0)
 
 
 def _patch_close(lifecycle: Any) -> None:
@@ -88,21 +107,70 @@ def _patch_task_manager(tasks: Any) -> None:
     tasks.TaskManager = WithoutBuiltins
 
 
-PATCHES: dict[str, Callable[[Any], None]] = {}
-if BEFORE_CLOSE:
-    PATCHES["llmctl.run.lifecycle"] = _patch_close
-if RAISE_ON:
-    PATCHES["llmctl.backends.local"] = _patch_echo
-if CTRL_C_AFTER_OPEN:
-    PATCHES["llmctl.cost.ledger"] = _patch_open_attempt
-if NO_BUILTIN_TASK_INDEX:
-    PATCHES["lm_eval.tasks"] = _patch_task_manager
+def _patch_fail_at_step(train: Any) -> None:
+    step_once = train.Trainer.train_step
+
+    def train_step(self: Any, step: int) -> Any:
+        if step == FAIL_AT_STEP:
+            raise RuntimeError(f"LLMCTL_FAIL_AT_STEP={FAIL_AT_STEP}: injected failure at step {step}")
+        return step_once(self, step)
+
+    train.Trainer.train_step = train_step
+
+
+def _patch_exit_pause(train: Any) -> None:
+    run = train.train
+
+    def train_then_linger(*args: Any, **kwargs: Any) -> Any:
+        out = run(*args, **kwargs)
+        time.sleep(EXIT_PAUSE_S)  # a stop signal meanwhile only sets the preemption flag
+        return out
+
+    train.train = train_then_linger
+
+
+def _patch_loss_file(metrics: Any) -> None:
+    log = metrics.MetricSink.log
+
+    def log_and_trace(self: Any, values: dict[str, Any], step: int) -> None:
+        if int(os.environ.get("RANK", "0")) == 0 and ("train/loss" in values or "val/loss" in values):
+            with open(LOSS_FILE or "", "a") as f:
+                f.write(json.dumps({"step": step, **values}) + "\n")
+        log(self, values, step)
+
+    metrics.MetricSink.log = log_and_trace
+
+
+def _patch_checkpoint_pause(dcp: Any) -> None:
+    write_marker = dcp.Checkpointer._write_marker
+
+    def pause_then_mark(self: Any, step: int, *args: Any) -> None:
+        print(f"checkpoint | step-{step} written, pausing {CKPT_PAUSE_S:g}s before its marker", flush=True)
+        time.sleep(CKPT_PAUSE_S)
+        write_marker(self, step, *args)
+
+    dcp.Checkpointer._write_marker = pause_then_mark
+
+
+PATCHES: dict[str, list[Callable[[Any], None]]] = {}
+for armed, module, patch in (
+    (BEFORE_CLOSE, "llmctl.run.lifecycle", _patch_close),
+    (RAISE_ON, "llmctl.backends.local", _patch_echo),
+    (CTRL_C_AFTER_OPEN, "llmctl.cost.ledger", _patch_open_attempt),
+    (NO_BUILTIN_TASK_INDEX, "lm_eval.tasks", _patch_task_manager),
+    (FAIL_AT_STEP, "workloads.pretrain.train", _patch_fail_at_step),
+    (EXIT_PAUSE_S, "workloads.pretrain.train", _patch_exit_pause),
+    (LOSS_FILE, "workloads.pretrain.components.metrics", _patch_loss_file),
+    (CKPT_PAUSE_S, "workloads.pretrain.checkpoint.dcp", _patch_checkpoint_pause),
+):
+    if armed:
+        PATCHES.setdefault(module, []).append(patch)
 
 
 class _PatchOnImport(importlib.abc.MetaPathFinder):
     def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
-        patch = PATCHES.pop(name, None)
-        if patch is None:
+        patches = PATCHES.pop(name, None)
+        if patches is None:
             return None
         sys.meta_path.remove(self)  # find the real module
         try:
@@ -115,7 +183,8 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
 
         def exec_and_patch(module: Any) -> None:
             exec_module(module)
-            patch(module)
+            for one in patches:
+                one(module)
 
         loader.exec_module = exec_and_patch
         return spec

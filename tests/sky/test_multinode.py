@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import read_loss_file
+from helpers import read_loss_file, with_injector
 from sky_helpers import REMOTE_URI
 
 from llmctl.backends.sky import task as sky_task
@@ -69,18 +69,20 @@ def test_two_torchrun_agents_on_one_host_reproduce_one_process(tmp_path: Path, c
     port = str(_free_port())
     procs = []
     for rank in (0, 1):
-        env = {
-            **base,
-            **envs,
-            "HOME": str(home),
-            "LLMCTL_PYTHON": sys.executable,
-            "LLMCTL_MASTER_PORT": port,
-            "SKYPILOT_NUM_NODES": "2",
-            "SKYPILOT_NODE_RANK": str(rank),
-            "SKYPILOT_NUM_GPUS_PER_NODE": "0",
-            "SKYPILOT_NODE_IPS": "127.0.0.1\n127.0.0.1",
-            "LLMCTL_LOSS_FILE": str(tmp_path / f"node{rank}.jsonl"),
-        }
+        env = with_injector(
+            {
+                **base,
+                **envs,
+                "HOME": str(home),
+                "LLMCTL_PYTHON": sys.executable,
+                "LLMCTL_MASTER_PORT": port,
+                "SKYPILOT_NUM_NODES": "2",
+                "SKYPILOT_NODE_RANK": str(rank),
+                "SKYPILOT_NUM_GPUS_PER_NODE": "0",
+                "SKYPILOT_NODE_IPS": "127.0.0.1\n127.0.0.1",
+                "LLMCTL_LOSS_FILE": str(tmp_path / f"node{rank}.jsonl"),
+            }
+        )
         procs.append(
             subprocess.Popen(
                 ["bash", "-c", task["run"]],
@@ -110,7 +112,7 @@ def test_two_torchrun_agents_on_one_host_reproduce_one_process(tmp_path: Path, c
         cwd=repo,
         text=True,
         capture_output=True,
-        env={**base, "LLMCTL_LOSS_FILE": str(tmp_path / "single.jsonl")},
+        env=with_injector({**base, "LLMCTL_LOSS_FILE": str(tmp_path / "single.jsonl")}),
         timeout=600,
     )
     assert ref.returncode == 0, ref.stderr[-3000:]

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import read_loss_file
+from helpers import read_loss_file, with_injector
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -53,7 +53,7 @@ def write_tiny_config(tmp_path: Path, cache_dir: Path):
 def workload_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "LLMCTL_"))}
     env["PYTHONUNBUFFERED"] = "1"
-    return env
+    return with_injector(env)
 
 
 def run_workload(

@@ -7,13 +7,13 @@ the rerun must find the newest complete checkpoint on its own, as a preempted jo
 
 from __future__ import annotations
 
-import os
 import shutil
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
+from helpers import loss_env
 
 from workloads.pretrain.checkpoint.dcp import Checkpointer
 from workloads.pretrain.components.optim import build_optimizer
@@ -142,8 +142,7 @@ def test_rng_state_is_restored(workload, tmp_path):
 
 
 def _env(loss_file, extra=None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "LLMCTL_"))}
-    return {**env, "PYTHONUNBUFFERED": "1", "LLMCTL_LOSS_FILE": str(loss_file), **(extra or {})}
+    return loss_env(loss_file, **(extra or {}))
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import loss_env
 
 from workloads.pretrain.data import Windows
 from workloads.pretrain.data.sampler import documents
@@ -126,7 +127,6 @@ def test_trainer_masks_documents_alike_on_one_process_and_under_tensor_parallel(
     """The trainer reads ``data.document_mask``: it says so, its losses differ from the unmasked
     run's from the first step on, and 2 tensor-parallel ranks (heads split, the mask broadcast over
     them) reproduce the single process's train and val losses within 1e-5."""
-    import os
 
     from omegaconf import OmegaConf
 
@@ -145,8 +145,7 @@ def test_trainer_masks_documents_alike_on_one_process_and_under_tensor_parallel(
             ),
             cfg,
         )
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "LLMCTL_"))}
-        env.update(PYTHONUNBUFFERED="1", LLMCTL_LOSS_FILE=str(tmp_path / f"{name}.jsonl"))
+        env = loss_env(tmp_path / f"{name}.jsonl")
         out = workload.run(["--config", str(cfg), *extra], env, launcher=launcher)
         assert out.returncode == 0, out.stderr[-4000:]
         return out.stdout, workload.loss_file(tmp_path / f"{name}.jsonl")

@@ -2,9 +2,9 @@
 async save's background write and commit included, the loaded checkpoint's recorded time before
 this attempt has saved, and an estimate from the state's size when nothing was ever measured.
 
-In process, one rank, real checkpoints. A save is made slow with the workload's own test hook
-(``LLMCTL_CKPT_PAUSE_S``: a pause before the marker, which for an async save runs after its
-background write has finished), so "at least the pause" is a bound no scheduler can break.
+In process, one rank, real checkpoints. A save is made slow from here (``_slow_commits``: a pause
+before the marker, which for an async save runs after its background write has finished), so "at
+least the pause" is a bound no scheduler can break.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from workloads.pretrain.checkpoint import dcp as dcp_checkpoint
 from workloads.pretrain.checkpoint.dcp import Checkpointer
 from workloads.pretrain.components import preempt
 from workloads.pretrain.components.optim import build_optimizer
-from workloads.pretrain.components.test_hooks import CKPT_PAUSE_ENV
 from workloads.pretrain.data import Sampler
 from workloads.pretrain.model.transformer import build_model
 from workloads.protocol.checkpoint_layout import MARKER
@@ -29,6 +28,17 @@ from workloads.protocol.checkpoint_layout import MARKER
 ONE_PROCESS = SimpleNamespace(rank=0, world_size=1)
 PAUSE_S = 0.5
 NO_HOST = torch.device("meta")  # one process decides without a tensor
+
+
+def _slow_commits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every commit waits ``PAUSE_S`` before its completion marker (the seam tests/inject uses too)."""
+    write_marker = Checkpointer._write_marker
+
+    def pause_then_mark(self, *args):
+        time.sleep(PAUSE_S)
+        write_marker(self, *args)
+
+    monkeypatch.setattr(Checkpointer, "_write_marker", pause_then_mark)
 
 
 def _trained(cfg):
@@ -82,7 +92,7 @@ def test_async_save_counts_until_durable_not_just_staging(workload, tmp_path, mo
     cfg = workload.cfg(**{"checkpoint.dir": str(tmp_path / "ck"), "checkpoint.async_save": True})
     model, opt, sampler = _trained(cfg)
     ck = Checkpointer(cfg, ONE_PROCESS, model, opt, sampler)
-    monkeypatch.setenv(CKPT_PAUSE_ENV, str(PAUSE_S))  # the commit, after the background write, is slow
+    _slow_commits(monkeypatch)  # the commit, after the background write, is slow
     ck.maybe_save(1, last=True)
     ck.close()
 
@@ -101,9 +111,9 @@ def test_async_save_counts_until_durable_not_just_staging(workload, tmp_path, mo
 def test_the_next_attempt_starts_from_the_recorded_save_time(workload, tmp_path, monkeypatch):
     cfg = workload.cfg(**{"checkpoint.dir": str(tmp_path / "ck")})
     model, opt, sampler = _trained(cfg)
-    monkeypatch.setenv(CKPT_PAUSE_ENV, str(PAUSE_S))
+    _slow_commits(monkeypatch)
     Checkpointer(cfg, ONE_PROCESS, model, opt, sampler).maybe_save(1, last=True)
-    monkeypatch.delenv(CKPT_PAUSE_ENV)
+    monkeypatch.undo()
     recorded = json.loads((tmp_path / "ck" / "step-1" / MARKER).read_text())["save_s"]
     assert recorded >= PAUSE_S
 

@@ -9,20 +9,15 @@ continues the curve it left.
 
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 
 import pytest
+from helpers import loss_env
 
 pytestmark = pytest.mark.slow
 
 STEPS = {"train.steps": 10, "train.batch_size": 16, "train.log_every": 1, "train.val_every": 5}
-
-
-def _env(path: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "LLMCTL_"))}
-    return {**env, "PYTHONUNBUFFERED": "1", "LLMCTL_LOSS_FILE": str(path)}
 
 
 def _assert_same(got: dict, ref: dict, steps: range | None = None) -> None:
@@ -42,7 +37,7 @@ def test_micro_batches_reproduce_the_whole_batch(workload, tmp_path: Path, cache
     def run(name: str, *overrides: str, nproc: int = 1) -> dict:
         proc = workload.run(
             ["--config", str(cfg), *overrides],
-            _env(tmp_path / f"{name}.jsonl"),
+            loss_env(tmp_path / f"{name}.jsonl"),
             launcher=workload.torchrun(nproc) if nproc > 1 else None,
         )
         assert proc.returncode == 0, proc.stderr[-4000:]
@@ -77,7 +72,7 @@ def test_micro_batch_that_does_not_divide_is_refused(workload, tmp_path: Path, c
 
     cfg = tmp_path / "config.yaml"
     OmegaConf.save(workload.cfg(**{"data.cache_dir": str(cache_dir), **STEPS}), cfg)
-    proc = workload.run(["--config", str(cfg), "train.micro_batch_size=6"], _env(tmp_path / "l.jsonl"), timeout=120)
+    proc = workload.run(["--config", str(cfg), "train.micro_batch_size=6"], loss_env(tmp_path / "l.jsonl"), timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert (
         "Bad value for 'train.micro_batch_size': 6 does not divide the 16 sequences each of 1 data-parallel "

@@ -6,20 +6,15 @@ turn on activation checkpointing (full / selective), which must not change the n
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
 import pytest
+from helpers import loss_env
 
 pytestmark = pytest.mark.slow
 
 SHORT = {"train.steps": 6, "train.log_every": 1, "train.val_every": 3}
-
-
-def loss_env(path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "LLMCTL_"))}
-    return {**env, "PYTHONUNBUFFERED": "1", "LLMCTL_LOSS_FILE": str(path)}
 
 
 @pytest.fixture(scope="module")

@@ -8,12 +8,12 @@ compute; the single-process run for what 2 ranks must compute.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from helpers import loss_env
 
 VOCAB = 512
 SPECIAL = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
@@ -322,11 +322,6 @@ def test_eval_prompts_a_chat_fine_tune_as_a_user_turn(
     assert sample["greedy"] and sample["sampled"] and 0 < len(sample["greedy_ids"]) <= 3  # the new tokens
 
 
-def _loss_env(path: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "LLMCTL_"))}
-    return {**env, "PYTHONUNBUFFERED": "1", "LLMCTL_LOSS_FILE": str(path)}
-
-
 @pytest.mark.slow
 def test_sft_loss_falls_and_two_ranks_or_micro_batches_reproduce_one(
     tokenizer_dir, workload, tmp_path, cache_dir
@@ -360,14 +355,14 @@ def test_sft_loss_falls_and_two_ranks_or_micro_batches_reproduce_one(
         ),
         cfg,
     )
-    one = workload.run(["--config", str(cfg)], _loss_env(tmp_path / "one.jsonl"))
+    one = workload.run(["--config", str(cfg)], loss_env(tmp_path / "one.jsonl"))
     assert one.returncode == 0, one.stderr[-4000:]
     assert "examples packed into" in one.stdout, one.stdout
     two = workload.run(
-        ["--config", str(cfg), "parallel.dp_shard=2"], _loss_env(tmp_path / "two.jsonl"), launcher=workload.torchrun(2)
+        ["--config", str(cfg), "parallel.dp_shard=2"], loss_env(tmp_path / "two.jsonl"), launcher=workload.torchrun(2)
     )
     assert two.returncode == 0, two.stderr[-4000:]
-    micro = workload.run(["--config", str(cfg), "train.micro_batch_size=2"], _loss_env(tmp_path / "micro.jsonl"))
+    micro = workload.run(["--config", str(cfg), "train.micro_batch_size=2"], loss_env(tmp_path / "micro.jsonl"))
     assert micro.returncode == 0 and "(2 micro-batches of 2 per rank)" in micro.stdout, micro.stderr[-4000:]
     ref = workload.loss_file(tmp_path / "one.jsonl")
     assert sorted(ref["train"]) == list(range(1, 9)) and sorted(ref["val"]) == [0, 4, 8]

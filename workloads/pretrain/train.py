@@ -12,7 +12,9 @@ same on every rank) -> ``parallelize`` (FP8 -> TP -> AC -> compile -> FSDP2) -> 
 the newest complete checkpoint -> loop (val at step 0, every ``val_every`` and at the end; logs
 every ``log_every``; checkpoints every ``checkpoint.every`` and at the end).
 
-Test hooks (a failure at step N, a file of full-precision losses): ``components/test_hooks.py``.
+Nothing here exists for tests: the faults and traces they ask of the trainer (a failure at step N,
+a file of full-precision losses, slow saves) are injected from outside (tests/inject/sitecustomize.py)
+at the seams ``Trainer.train_step``, ``MetricSink.log`` and ``Checkpointer._write_marker``.
 
 Exit status: 0 on success, 1 on an exception (traceback on stderr), 130 on SIGINT, 75 when preempted:
 SIGTERM/SIGUSR1 finish the current step, write an emergency checkpoint within
@@ -36,12 +38,11 @@ import torch
 import torch.distributed as dist
 
 from workloads.pretrain.checkpoint.dcp import Checkpointer
-from workloads.pretrain.components import preempt, system_metrics, task_scores, test_hooks
+from workloads.pretrain.components import preempt, system_metrics, task_scores
 from workloads.pretrain.components.budget import BudgetGuard
 from workloads.pretrain.components.dataset_input import log_training_corpus
 from workloads.pretrain.components.metrics import MetricSink, format_train_line, peak_memory_gib, peak_tflops
 from workloads.pretrain.components.optim import build_optimizer, lr_factor
-from workloads.pretrain.components.test_hooks import LossFile
 from workloads.pretrain.contract import shape
 from workloads.pretrain.contract.config import parse_args
 from workloads.pretrain.contract.hardware import cpu_threads
@@ -288,7 +289,6 @@ class Trainer:
         self._setup_data()
         self._setup_model()
         self._setup_tracking()
-        self.fail_at = test_hooks.fail_at_step()
         self.tokens_per_step = self.tc.batch_size * self.tc.seq_len  # global: the batch is split over dp ranks
         self.log_every = max(1, int(self.tc.log_every))
         self.val_every = max(0, int(self.tc.val_every))  # 0: start/end only
@@ -367,7 +367,6 @@ class Trainer:
         self.sink.skip_upto = preempt.on_start(env.is_main, self.start_step, env.world_size)  # no step logged twice
         if env.is_main:
             log_training_corpus(str(cfg.data.name), self.corpus.path)  # the run's Datasets: source, digest, tokens
-        self.loss_file = LossFile(enabled=env.is_main)
         self.tasks = task_scores.scorer(cfg, env, self.sink, self.corpus)  # eval.tasks: lm-eval at checkpoint steps
 
     def describe(self) -> None:
@@ -407,7 +406,6 @@ class Trainer:
         t0 = time.perf_counter()
         loss = evaluate(self.model, self.val_set, self.autocast, self.env, self.tc.micro_batch_size)
         self.sink.log({"val/loss": loss, "time/val_s": time.perf_counter() - t0}, step)
-        self.loss_file.write(step, {"val/loss": loss})
         self.sink.flush()
         self.say(f"val step {step} | val/loss {loss:.4f}")
         return loss
@@ -416,8 +414,6 @@ class Trainer:
         """One optimizer step over the step's micro-batches; the loss adds up on the device (read at
         the next log). Returns the step's learning rate."""
         tc, env, model, optimizer = self.tc, self.env, self.model, self.optimizer
-        if step == self.fail_at:
-            raise RuntimeError(f"{test_hooks.FAIL_AT_STEP_ENV}={self.fail_at}: injected failure at step {step}")
         lr = float(tc.lr) * lr_factor(step, tc)
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -457,7 +453,6 @@ class Trainer:
         }
         self.sink.log(m, step)
         self.sink.flush()
-        self.loss_file.write(step, m)
         self.say(format_train_line(step, self.tc.steps, m, self.no_mfu))
         self.loss_sum.zero_()
         self.loss_count = 0
@@ -550,7 +545,6 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(argv)
         monitor = system_metrics.start()  # one per node, labelled by node
         train(cfg)
-        test_hooks.pause_before_exit()
         return 0
     except ConfigError as e:
         print(f"pretrain: config error: {e}", file=sys.stderr, flush=True)

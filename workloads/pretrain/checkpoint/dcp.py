@@ -46,7 +46,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from workloads.pretrain.components import test_hooks
 from workloads.pretrain.contract.schema import TrainerCfg
 from workloads.protocol.checkpoint_layout import (
     MARKER,
@@ -281,17 +280,8 @@ class Checkpointer:
         if self.env.rank != 0:
             self.save_s = written_s
             return
-        pause = test_hooks.checkpoint_pause_s()
-        if pause > 0:  # test hook: a SIGKILL now leaves step-N written but unmarked
-            print(
-                f"checkpoint | step-{step} written, pausing {pause:g}s before its marker ({test_hooks.CKPT_PAUSE_ENV})",
-                flush=True,
-            )
-            time.sleep(pause)
-        fs, path = fs_and_path(self._step_dir(step))
-        save_s = written_s + time.monotonic() - t0
-        with fs.open(join(path, MARKER), "w") as f:
-            json.dump({"step": step, "world_size": self.env.world_size, "time": time.time(), "save_s": save_s}, f)
+        self._write_marker(step, t0, written_s)
+        fs = fs_and_path(self._step_dir(step))[0]
         ckpts = list_checkpoints(self.root)
         keep = sorted((s for s, ok in ckpts.items() if ok), reverse=True)[: self.keep]
         for s, ok in ckpts.items():
@@ -299,9 +289,22 @@ class Checkpointer:
                 fs.rm(fs_and_path(self._step_dir(s))[1], recursive=True)
         self.save_s = written_s + time.monotonic() - t0  # the pruning too: the run waits for it on a stop
 
+    def _write_marker(self, step: int, since: float, written_s: float) -> None:
+        """Rank 0: step-N's completion marker, the moment the checkpoint starts to count (a crash before
+        it leaves a written but unmarked save, which ``load`` skips). ``save_s`` in it is the whole save:
+        ``written_s`` plus the time since ``since``."""
+        fs, path = fs_and_path(self._step_dir(step))
+        save_s = written_s + time.monotonic() - since
+        with fs.open(join(path, MARKER), "w") as f:
+            json.dump({"step": step, "world_size": self.env.world_size, "time": time.time(), "save_s": save_s}, f)
+
     def wait(self) -> None:
         """Commit an async save still in flight (its step is then ``last_committed``)."""
         self._finish_pending()
+
+    def settle(self) -> None:
+        """Every rank waits until rank 0 has committed the last save (only rank 0 writes markers)."""
+        self._barrier()
 
     def close(self) -> None:
         """Wait for an async save and commit it (call at exit)."""

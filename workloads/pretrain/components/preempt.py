@@ -273,4 +273,8 @@ def stop(checkpointer: Any, step: int, save: bool) -> Preempted:
             checkpointer.save(step)
             saved = True
     checkpointer.close()  # an async save in flight is committed (or never marked) here
+    # Nobody leaves before rank 0 has marked the save: under torchrun a rank that ends first ends the
+    # group (the agent stops the others and SIGKILLs them after its shutdown timeout, 30 s on torch
+    # 2.11, whatever the grace), which would cut rank 0's commit and its record of the stop.
+    checkpointer.settle()
     return Preempted(step, checkpointer.last_committed, saved, sig, note)
