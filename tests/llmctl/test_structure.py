@@ -10,6 +10,7 @@ import ast
 import functools
 import inspect
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -223,3 +224,25 @@ def test_the_length_check_can_fail() -> None:
     body = "".join(f"    x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES))
     assert _long_functions(f"def long():\n{body}", MAX_FUNCTION_LINES) == [("long", MAX_FUNCTION_LINES + 1)]
     assert _long_functions("def short():\n    return 1\n", MAX_FUNCTION_LINES) == []
+
+
+def _test_switches(source: str) -> list[str]:
+    """The fault and trace variables of tests/inject/sitecustomize.py that ``source`` names."""
+    injector = (ROOT / "tests" / "inject" / "sitecustomize.py").read_text()
+    switches = set(re.findall(r'"(LLMCTL_(?:TEST_\w+|FAIL_AT_STEP|LOSS_FILE|CKPT_PAUSE_S|EXIT_PAUSE_S))"', injector))
+    return sorted(s for s in switches if s in source)
+
+
+def test_no_product_module_exists_for_tests() -> None:
+    """Faults and traces are injected from the tests (tests/inject): no module of llmctl or the
+    workloads is a test hook, and none reads a variable the injector arms."""
+    named = {
+        str(path.relative_to(ROOT)): _test_switches(path.read_text())
+        for package in ("llmctl", "workloads")
+        for path in sorted((ROOT / package).rglob("*.py"))
+    }
+    assert {path: names for path, names in named.items() if names or "test" in Path(path).name} == {}
+
+
+def test_the_test_switch_check_can_fail() -> None:
+    assert _test_switches('int(os.environ.get("LLMCTL_FAIL_AT_STEP", "0"))') == ["LLMCTL_FAIL_AT_STEP"]
