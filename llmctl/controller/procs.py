@@ -170,13 +170,15 @@ def descendants(pid: int) -> list[int]:
 def signal_ranks(agent: int, sig: int) -> None:
     """``sig`` to each rank torchrun's agent ``agent`` started (each leads a session of its own), not
     to the agent: the agent, stopped itself, SIGKILLs its ranks after its shutdown timeout (30 s on
-    torch 2.11), however long the grace promised. While no rank runs yet, the agent gets it."""
+    torch 2.11), however long the grace promised. While no rank runs yet, or when the process table
+    cannot be read, the agent gets it: it passes the stop on (within its shutdown timeout, which every
+    launch sets past the grace: torch 2.12 and later honour it)."""
     import psutil
 
     try:
         ranks = [child.pid for child in psutil.Process(agent).children()]
-    except psutil.NoSuchProcess:
-        return
+    except psutil.Error:  # gone (then nothing below is signalled), or no process table to read (no /proc)
+        ranks = []
     for group in ranks or [agent]:
         try:
             os.killpg(group, sig)

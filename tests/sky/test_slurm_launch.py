@@ -13,6 +13,7 @@ reason, except under CI=true, where tests/ci_policy.py fails them.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -21,6 +22,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+import uuid
 from datetime import datetime
 from pathlib import Path
 from typing import Iterator
@@ -382,14 +384,17 @@ def test_a_transformers_script_as_a_managed_job_recovers_from_scancel_as_one_run
     the launch directory with the tiny Llama it trains) as a managed job. scancel its Slurm
     allocation once it has logged a few steps: SkyPilot reruns it, the guard starts it with
     ``LLMCTL_RESUME=1``, it continues from its newest checkpoint on the shared filesystem
-    (``resume_from_checkpoint``), and the one MLflow run holds every step over two billed attempts."""
+    (``resume_from_checkpoint``), and the one MLflow run holds every step over two billed attempts.
+    The program gets the contract's run folder as on infra=local, and a secret named in
+    ``workload.secrets`` (a SkyPilot secret) that appears in no MLflow record, artifact or log."""
     shared = cluster.root / "shared-program"
     shared.mkdir()
     shutil.chown(shared, USER, USER)
     shutil.copy(Path(__file__).parents[1] / "e2e" / "programs" / "hf_trainer.py", tmp_path / "hf_trainer.py")
     save_tiny_llama(tmp_path / "tiny")
     steps = 60
-    with _managed_jobs(cluster, cli_env, tracking_server) as (env, sky_bin):
+    secret = f"s3cr3t-{uuid.uuid4().hex}"  # made here: no file of the tree holds it
+    with _managed_jobs(cluster, {**cli_env, "LLMCTL_TEST_API_KEY": secret}, tracking_server) as (env, sky_bin):
         from mlflow.tracking import MlflowClient
 
         mc = MlflowClient(tracking_uri=env["MLFLOW_TRACKING_URI"])
@@ -412,6 +417,8 @@ def test_a_transformers_script_as_a_managed_job_recovers_from_scancel_as_one_run
             "workload.args.save_steps=2",
             "workload.args.step_sleep=0.3",
             f"checkpoint.dir={shared / 'out'}",
+            f"workload.args.contract_report={shared / 'contract.json'}",
+            "workload.secrets=[LLMCTL_TEST_API_KEY]",
             "tracking.run_name=program-recovery",
         ]
         proc = subprocess.Popen(
@@ -448,11 +455,29 @@ def test_a_transformers_script_as_a_managed_job_recovers_from_scancel_as_one_run
             # the rerun continued from a checkpoint: steps before it were not trained (logged) again
             assert logged.count(1) == 1 and len(logged) < 2 * steps - 5, logged
             _assert_no_slurm_job_left(cluster)
+            _assert_contract_and_secret_kept(mc, run, shared / "contract.json", secret, log, tmp_path)
         finally:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGTERM)
                 proc.wait(timeout=60)
             log.close()
+
+
+def _assert_contract_and_secret_kept(
+    mc: "object", run: "object", report: Path, secret: str, log: "object", tmp_path: Path
+) -> None:
+    """The node's program saw the run folder (with the resolved config) and the forwarded secret; the
+    secret is in none of the run's params, tags or artifacts, nor in what the launch printed."""
+    seen = json.loads(report.read_text())
+    assert seen["config"] and Path(seen["run_dir"]).name == run.info.run_id, seen  # type: ignore[attr-defined]
+    assert seen["key_sha256"] == hashlib.sha256(secret.encode()).hexdigest()[:16], seen
+    data = run.data  # type: ignore[attr-defined]
+    assert data.params["workload.secrets"] == "['LLMCTL_TEST_API_KEY']"
+    assert secret not in json.dumps([data.params, data.tags])
+    artifacts = Path(mc.download_artifacts(run.info.run_id, "", str(tmp_path / "artifacts")))  # type: ignore[attr-defined]
+    leaked = [str(p) for p in artifacts.rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]
+    log.seek(0)  # type: ignore[attr-defined]
+    assert leaked == [] and secret not in log.read(), leaked  # type: ignore[attr-defined]
 
 
 def _tail(log: "object") -> str:

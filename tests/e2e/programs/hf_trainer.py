@@ -6,6 +6,11 @@ by ``MLFLOW_RUN_ID``), saves and exits 75 on SIGTERM, and continues from its new
 SIGTERM, as Slurm sends once its grace is over, can cut a save short).
 
     python hf_trainer.py --model DIR [--learning_rate 1e-3] [--max_steps 12] [--save_steps 4]
+        [--contract_report FILE]
+
+``--contract_report``: write what the contract gave this start to FILE (JSON): the run folder
+(``LLMCTL_RUN_DIR``), whether the resolved config is in it, and a digest of ``LLMCTL_TEST_API_KEY``
+(a secret forwarded with ``workload.secrets``; never the value itself).
 
 The data: fixed random token sequences (no download), the same on every start.
 """
@@ -13,6 +18,8 @@ The data: fixed random token sequences (no download), the same on every start.
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import os
 import signal
 import sys
@@ -28,7 +35,18 @@ parser.add_argument("--learning_rate", type=float, default=1e-3)
 parser.add_argument("--max_steps", type=int, default=12)
 parser.add_argument("--save_steps", type=int, default=4)
 parser.add_argument("--step_sleep", type=float, default=0.0)  # slows each step: time for a test to stop it
+parser.add_argument("--contract_report", default="")
 args = parser.parse_args()
+
+if args.contract_report:
+    run_dir = os.environ.get("LLMCTL_RUN_DIR", "")
+    key = os.environ.get("LLMCTL_TEST_API_KEY", "")
+    report = {
+        "run_dir": run_dir,
+        "config": bool(run_dir) and (Path(run_dir) / "config.yaml").is_file(),
+        "key_sha256": hashlib.sha256(key.encode()).hexdigest()[:16] if key else None,
+    }
+    Path(args.contract_report).write_text(json.dumps(report))
 
 stop = {"asked": False}
 signal.signal(signal.SIGTERM, lambda signum, frame: stop.update(asked=True))
