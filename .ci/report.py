@@ -2,7 +2,12 @@
 ``stage``), the ten slowest tests of every JUnit XML under .ci/out, and the ten that used the most
 CPU (.ci/out/cpu, the main suite's ``--cpu-report``: on 2 cores the suite is CPU-bound, so CPU is
 what a faster CI cuts). Printed at the end of a run, passed or failed, so a slower CI says where
-without a second run."""
+without a second run.
+
+``python .ci/report.py unit-times`` prints each work unit's wall time in that run (a test file, or one
+documentation session: ``tests/ci_policy.work_unit``), longest first, as ``tests/unit_times.tsv``
+holds them: the suite starts its longest units first (tests/conftest.py). Refresh that file from a CI
+run's ``.ci/out`` when the suite's shape changes."""
 
 from __future__ import annotations
 
@@ -47,7 +52,24 @@ def hungriest(count: int = 10) -> tuple[float, list[tuple[float, float, str]]]:
     return sum(r[0] for r in rows), sorted(rows, reverse=True)[:count]
 
 
+def unit_times() -> list[tuple[float, str]]:
+    """Each work unit's wall seconds in the main suite's CPU report, longest first."""
+    sys.path.insert(0, str(OUT.parents[1] / "tests"))
+    from ci_policy import work_unit
+
+    units: dict[str, float] = {}
+    for tsv in sorted((OUT / "cpu").glob("*.tsv")):
+        for line in tsv.read_text().splitlines():
+            nodeid, wall, _cpu = line.split("\t")
+            units[work_unit(nodeid)] = units.get(work_unit(nodeid), 0.0) + float(wall)
+    return sorted(((seconds, unit) for unit, seconds in units.items()), reverse=True)
+
+
 def main() -> int:
+    if sys.argv[1:] == ["unit-times"]:
+        for seconds, unit in unit_times():
+            print(f"{unit}\t{seconds:.0f}")
+        return 0
     print("== CI stages (wall time)")
     for name, seconds, status in stages():
         print(f"  {seconds:8.0f} s  {name}{'' if status == '0' else f'  (exit {status})'}")

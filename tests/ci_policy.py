@@ -8,6 +8,12 @@
 - **No process outlives its test.** Whatever a test body started and left running (a CLI it timed
   out on, a server it forgot) is killed when the test ends; on a 2-core CI machine a leaked trainer
   takes a core from every later test. Fixtures' processes (set up before the body) are theirs to stop.
+- **The longest work units start first.** The collection is sorted by each unit's wall time in a CI
+  run (``tests/unit_times.tsv``, written by ``python .ci/report.py unit-times``); with addopts'
+  ``--dist loadfile --no-loadscope-reorder`` the workers take units in that order, so the long ones
+  start first and the many short files fill in around them at the end, where they even out when the
+  workers finish (xdist's own reorder, most tests first, left the Slurm file, few tests and many
+  minutes, for last). A unit the file does not know counts as short.
 - **The documentation sessions spread over the workers.** ``--dist loadfile`` keeps a test file on one
   worker (module fixtures such as a Slurm cluster run once); ``tests/e2e/test_docs.py`` has one
   independent session per document, minutes each, so each is its own work unit.
@@ -16,6 +22,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any, Generator
 
 import psutil
@@ -34,6 +41,21 @@ def work_unit(nodeid: str) -> str:
     """The unit a worker takes whole: the test file, or the test itself in ``SPLIT_PER_TEST``."""
     path = nodeid.split("::", 1)[0]
     return nodeid if path in SPLIT_PER_TEST else path
+
+
+UNIT_TIMES = Path(__file__).with_name("unit_times.tsv")
+
+
+def unit_times() -> dict[str, float]:
+    """``tests/unit_times.tsv``: each work unit's wall seconds in a CI run."""
+    rows = (line.split("\t") for line in UNIT_TIMES.read_text().splitlines() if line.strip())
+    return {unit: float(seconds) for unit, seconds in rows}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    seconds = unit_times()
+    # stable: a unit's tests keep their order, and units of equal (or unknown) time theirs
+    items.sort(key=lambda item: -seconds.get(work_unit(item.nodeid), 0.0))
 
 
 def _skip_counts_as_failure(nodeid: str) -> bool:

@@ -154,31 +154,32 @@ def classify(
     return Outcome.FAILED, f"workload exited with code {code}"
 
 
+def _fact(raw: Optional[str]) -> dict[str, Any]:
+    """A workload fact's fields (a JSON object in a tag); {} for none, or for anything else (a fact
+    from an older trainer, a tag a user edited): the reasons then say "?" rather than fail."""
+    try:
+        info = json.loads(raw) if raw else {}
+    except ValueError:
+        return {}
+    return info if isinstance(info, dict) else {}
+
+
 def _program_saved(raw: Optional[str]) -> bool:
     """Whether a preemption fact is a command workload's program that saved its state (exit 75)."""
-    try:
-        info = json.loads(raw) if raw else None
-    except ValueError:
-        return False
-    return isinstance(info, dict) and bool(info.get("program")) and bool(info.get("saved"))
+    info = _fact(raw)
+    return bool(info.get("program")) and bool(info.get("saved"))
 
 
 def _completed_reason(raw: str, code: Optional[int]) -> str:
-    try:
-        info = json.loads(raw)
-    except ValueError:
-        info = {}
-    ck = info.get("checkpoint") if isinstance(info, dict) else None
+    info = _fact(raw)
+    ck = info.get("checkpoint")
     saved = f"final checkpoint step-{ck}" if ck is not None else "no checkpoint.dir"
     after = f"; stopped after its last step (exit code {code})" if code else "; stopped after its last step"
     return f"finished: all {info.get('step', '?')} steps ({saved}){after}"
 
 
 def _preempted_reason(raw: str, run_id: str) -> str:
-    try:
-        info = json.loads(raw)
-    except ValueError:
-        info = {}
+    info = _fact(raw)
     if info.get("program"):  # a command workload's program exited 75 (``workloads/command/guard.py``)
         return f"preempted after the program saved its state (exit 75) — resume with: llmctl resume {run_id}"
     ck = info.get("checkpoint")
@@ -209,14 +210,11 @@ def _requested_reason(request: dict[str, Any], preempted: Optional[str], run_id:
     if preempted is None:
         where, hint = "before its workers saved a checkpoint", "resume from the last one with"
     else:
-        try:
-            info = json.loads(preempted)
-        except ValueError:
-            info = {}
-        ck = info.get("checkpoint") if isinstance(info, dict) else None
+        info = _fact(preempted)
+        ck = info.get("checkpoint")
         saved = f"checkpoint step-{ck}" if ck is not None else "no checkpoint: resume restarts from step 0"
-        where = f"at step {info.get('step', '?') if isinstance(info, dict) else '?'} ({saved})"
-        if isinstance(info, dict) and info.get("program"):  # a user's program: its own state, its own steps
+        where = f"at step {info.get('step', '?')} ({saved})"
+        if info.get("program"):  # a user's program: its own state, its own steps
             where = "after the program saved its state (exit 75)"
         hint = "resume with"
     tail = f" — {hint}: llmctl resume {run_id}" if request.get("resume", True) else ""

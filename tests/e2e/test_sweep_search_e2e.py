@@ -233,7 +233,11 @@ def test_killed_supervisor_resumes_every_trial_once(store: Store) -> None:
     def workers(index: int) -> int:
         return json.loads((store.root / "llmctl-runs" / victims[index]["run_id"] / "pids.json").read_text())["workers"]
 
-    _pause_outside_a_store_write(workers(live_index), store.root / "mlflow.db")  # surely running when resumed
+    # Both paused first: the one to kill must not end its last steps in the meantime (a tiny trial
+    # trains a step in a fraction of a second; seen in CI: it had FINISHED by the kill), and the live
+    # one must surely be running when the sweep is resumed.
+    for index in (dead_index, live_index):
+        _pause_outside_a_store_write(workers(index), store.root / "mlflow.db")
     os.kill(supervisor, signal.SIGKILL)
     os.kill(victims[dead_index]["pid"], signal.SIGKILL)
     os.killpg(workers(dead_index), signal.SIGKILL)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from ci_policy import work_unit
+from ci_policy import unit_times, work_unit
 
 pytest_plugins = ["pytester"]
 
@@ -131,3 +131,17 @@ def test_ci_run_exports_ci_true() -> None:
     script = (ROOT / ".ci" / "run").read_text()
     assert re.search(r"^export CI=true\b", script, re.M), ".ci/run must export CI=true before the tests"
     assert script.index("export CI=true") < script.index("pytest"), "CI=true must be set before pytest runs"
+
+
+def test_the_longest_units_start_first(request: pytest.FixtureRequest) -> None:
+    """The collection the workers take units from is sorted by tests/unit_times.tsv, longest first;
+    every unit the file names is still one of the suite's (a renamed file would silently go last)."""
+    seconds = unit_times()
+    units = [work_unit(item.nodeid) for item in request.session.items]
+    known = [seconds[u] for u in units if u in seconds]
+    assert known == sorted(known, reverse=True)
+    for unit in seconds:
+        path, _, test = unit.partition("::")
+        assert (ROOT / path).is_file(), f"tests/unit_times.tsv names {unit}: refresh it (.ci/report.py unit-times)"
+        document = test.partition("[")[2].rstrip("]")
+        assert not test or (ROOT / document).is_file(), f"tests/unit_times.tsv names {unit}: refresh it"
