@@ -82,17 +82,25 @@ def test_bad_eval_tasks_are_refused_before_a_run_exists(
     assert not (tmp_path / "llmctl-runs").exists() or not any((tmp_path / "llmctl-runs").iterdir())
 
 
-def test_a_misspelt_task_is_refused_from_the_cached_task_index(cli_env: dict[str, str], tmp_path: Path) -> None:
-    """lm-eval's built-in task index is summarised into llmctl's cache once: a later check refuses the
-    same typo with lm-eval unable to index its built-ins (a fault injected from here); with an empty
-    cache the same fault breaks the check, so the cache is what answered."""
+def test_a_misspelt_task_is_refused_without_indexing_lm_evals_tasks(cli_env: dict[str, str], tmp_path: Path) -> None:
+    """lm-eval's built-in task index, summarised, comes from the summary llmctl ships for the lm-eval
+    it pins (a machine's first check) or from llmctl's cache: either refuses a typo with lm-eval unable
+    to index its built-ins (faults injected from here); with neither, the same fault breaks the
+    check, so they are what answered."""
     args = ["launch", *TRAIN, "eval.tasks=[python_facts_mcq]", f"eval.include_path={TASKS}"]
     first = run_cli(args, tmp_path, cli_env)
     assert first.returncode == 3 and "unknown lm-eval task 'python_facts_mcq'" in first.stderr, first.stderr[-2000:]
     broken = with_faults(cli_env, LLMCTL_TEST_NO_BUILTIN_TASK_INDEX="1")
-    again = run_cli(args, tmp_path, broken)
-    assert (again.returncode, again.stderr) == (3, first.stderr), again.stderr[-2000:]
-    cold = run_cli(args, tmp_path, {**broken, "LLMCTL_CACHE_DIR": str(tmp_path / "empty-cache")})
+    shipped = run_cli(args, tmp_path, {**broken, "LLMCTL_CACHE_DIR": str(tmp_path / "empty-cache")})
+    assert (shipped.returncode, shipped.stderr) == (3, first.stderr), shipped.stderr[-2000:]
+
+    unshipped = {**with_faults(cli_env, LLMCTL_TEST_NO_SHIPPED_TASK_INDEX="1"), "LLMCTL_CACHE_DIR": str(tmp_path / "c")}
+    built = run_cli(args, tmp_path, unshipped)  # lm-eval indexes its tasks; the summary is cached
+    assert (built.returncode, built.stderr) == (3, first.stderr), built.stderr[-2000:]
+    neither = {**unshipped, "LLMCTL_TEST_NO_BUILTIN_TASK_INDEX": "1"}
+    cached = run_cli(args, tmp_path, neither)
+    assert (cached.returncode, cached.stderr) == (3, first.stderr), cached.stderr[-2000:]
+    cold = run_cli(args, tmp_path, {**neither, "LLMCTL_CACHE_DIR": str(tmp_path / "another-empty-cache")})
     assert cold.returncode != 0 and "injected fault (LLMCTL_TEST_NO_BUILTIN_TASK_INDEX)" in cold.stderr, cold.stderr
 
 

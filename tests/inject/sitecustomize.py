@@ -11,7 +11,9 @@ has no switch for any of them.
   run's attempt in the ledger, before anything else of the attempt exists.
 - ``LLMCTL_TEST_NO_BUILTIN_TASK_INDEX=1``: lm-eval cannot index its built-in tasks (its
   ``TaskManager`` raises unless told ``include_defaults=False``): what llmctl knows of them must come
-  from its own cache.
+  from its own cache or the summary it ships.
+- ``LLMCTL_TEST_NO_SHIPPED_TASK_INDEX=1``: llmctl ships no summary of lm-eval's tasks (its folder is
+  missing).
 
 And in the bundled trainer's processes (every rank), at the seams it has anyway:
 
@@ -48,6 +50,7 @@ BEFORE_CLOSE = os.environ.get("LLMCTL_TEST_BEFORE_CLOSE")
 RAISE_ON = os.environ.get("LLMCTL_TEST_RAISE_ON")
 CTRL_C_AFTER_OPEN = os.environ.get("LLMCTL_TEST_CTRL_C_AFTER_OPEN") == "1"
 NO_BUILTIN_TASK_INDEX = os.environ.get("LLMCTL_TEST_NO_BUILTIN_TASK_INDEX") == "1"
+NO_SHIPPED_TASK_INDEX = os.environ.get("LLMCTL_TEST_NO_SHIPPED_TASK_INDEX") == "1"
 FAIL_AT_STEP = int(os.environ.get("LLMCTL_FAIL_AT_STEP", "0") or 0)
 LOSS_FILE = os.environ.get("LLMCTL_LOSS_FILE")
 CKPT_PAUSE_S = float(os.environ.get("LLMCTL_CKPT_PAUSE_S", "0") or 0)
@@ -107,6 +110,10 @@ def _patch_task_manager(tasks: Any) -> None:
     tasks.TaskManager = WithoutBuiltins
 
 
+def _patch_shipped_index(index: Any) -> None:
+    index.SHIPPED = index.SHIPPED.with_name("no-shipped-lm-eval-indexes")
+
+
 def _patch_fail_at_step(train: Any) -> None:
     step_once = train.Trainer.train_step
 
@@ -158,6 +165,7 @@ for armed, module, patch in (
     (RAISE_ON, "llmctl.backends.local", _patch_echo),
     (CTRL_C_AFTER_OPEN, "llmctl.cost.ledger", _patch_open_attempt),
     (NO_BUILTIN_TASK_INDEX, "lm_eval.tasks", _patch_task_manager),
+    (NO_SHIPPED_TASK_INDEX, "workloads.pretrain.contract.lm_eval_index", _patch_shipped_index),
     (FAIL_AT_STEP, "workloads.pretrain.train", _patch_fail_at_step),
     (EXIT_PAUSE_S, "workloads.pretrain.train", _patch_exit_pause),
     (LOSS_FILE, "workloads.pretrain.components.metrics", _patch_loss_file),

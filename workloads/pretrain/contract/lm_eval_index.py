@@ -2,15 +2,19 @@
 or a group or tag, its members, its tags, the Hub data set a leaf reads).
 
 lm-eval builds its index by parsing every task YAML it ships (about 14,700 entries; seconds to tens of
-seconds of CPU) on every ``TaskManager()``. Its built-in part only changes with lm-eval itself, so its
-summary is kept in llmctl's cache (``cache_home()``), keyed by lm-eval's version and install location:
-after the first check on a machine, a misspelt task is refused without parsing them again. Tasks of an
-include path are indexed on each call (lm-eval alone, without its built-ins: a few files). The
-standard library at import; lm-eval when the built-in summary is not cached yet.
+seconds of CPU) on every ``TaskManager()``. Its built-in part only changes with those files, so its
+summary is keyed by them (each task file's path and size: ``_files_key``, a fraction of a second to
+read) and found, in order: in llmctl's cache (``cache_home()``); shipped with llmctl for the lm-eval
+the project pins (``lm_eval_indexes/``, made by ``python -m workloads.pretrain.contract.lm_eval_index``),
+so even a machine's first check refuses a misspelt task without parsing them; else built by lm-eval
+and cached. An lm-eval whose task files differ (another version, a task added in place) gets its own
+key, never a summary of other files. Tasks of an include path are indexed on each call (lm-eval alone,
+without its built-ins: a few files). The standard library at import; lm-eval only to build a summary.
 """
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import os
@@ -21,6 +25,8 @@ from urllib.parse import urlparse
 from workloads.protocol.run_contract import cache_home
 
 SUMMARY_FORMAT = 1  # bumped when what a summary holds changes
+# summaries shipped with llmctl (gzip'd JSON named by their key): the pinned lm-eval's, made at release
+SHIPPED = Path(__file__).with_name("lm_eval_indexes")
 # datasets' packaged builders: a task whose ``dataset_path`` is one of these reads local files
 # (``dataset_kwargs.data_files``), not the Hub
 LOCAL_BUILDERS = {"json", "csv", "parquet", "text", "arrow", "pandas"}
@@ -62,7 +68,7 @@ def summarize(index: dict[str, Any]) -> Summary:
             "hub": reads_hub(cfg) if leaf else None,
             "members": [m for m in members if m],
             "tag": kind == "TAG",
-            "tags": [str(t) for t in (getattr(entry, "tags", None) or ())],
+            "tags": sorted(str(t) for t in (getattr(entry, "tags", None) or ())),  # a set in lm-eval
         }
     return out
 
@@ -92,26 +98,43 @@ def complete(summary: Summary, name: str, depth: int = 0) -> bool:
     return bool(members) and all(complete(summary, m, depth + 1) for m in members)
 
 
-def _cache_file() -> Path:
-    import importlib.metadata
+def _files_key() -> str:
+    """What a built-in summary is a summary of: lm-eval's task files, each by its path (relative to
+    lm-eval's ``tasks`` folder) and size, with the summary's format."""
     import importlib.util
 
     spec = importlib.util.find_spec("lm_eval")
-    where = str(Path(spec.origin).parent) if spec and spec.origin else "?"
-    key = f"{SUMMARY_FORMAT}|{importlib.metadata.version('lm_eval')}|{where}"
-    return cache_home() / "lm-eval-index" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+    tasks = Path(spec.origin).parent / "tasks" if spec and spec.origin else Path("?")
+    digest = hashlib.sha256(f"{SUMMARY_FORMAT}\n".encode())
+    for folder, subfolders, files in os.walk(tasks):
+        subfolders.sort()
+        for name in sorted(files):
+            if name.endswith((".yaml", ".yml")):
+                path = os.path.join(folder, name)
+                digest.update(f"{os.path.relpath(path, tasks)}\0{os.path.getsize(path)}\n".encode())
+    return digest.hexdigest()[:16]
+
+
+def build_builtin_summary() -> Summary:
+    """lm-eval indexes its built-in tasks (the slow part), summarised."""
+    from lm_eval.tasks import TaskManager
+
+    return summarize(TaskManager().task_index)
 
 
 def builtin_summary() -> Summary:
-    """The summary of lm-eval's own tasks: read from the cache, else built (lm-eval indexes them) and kept."""
-    path = _cache_file()
+    """The summary of lm-eval's own tasks: cached, else shipped, else built (lm-eval indexes them) and cached."""
+    key = _files_key()
+    path = cache_home() / "lm-eval-index" / f"{key}.json"
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         pass
-    from lm_eval.tasks import TaskManager
-
-    summary = summarize(TaskManager().task_index)
+    try:
+        return json.loads(gzip.decompress((SHIPPED / f"{key}.json.gz").read_bytes()))
+    except (OSError, ValueError):
+        pass
+    summary = build_builtin_summary()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}")
@@ -120,6 +143,15 @@ def builtin_summary() -> Summary:
     except OSError:
         pass  # a read-only cache costs the next check the parsing, nothing else
     return summary
+
+
+def ship() -> Path:
+    """Write the installed lm-eval's summary where llmctl ships it (run after changing lm-eval's pin)."""
+    SHIPPED.mkdir(exist_ok=True)
+    path = SHIPPED / f"{_files_key()}.json.gz"
+    data = json.dumps(build_builtin_summary(), sort_keys=True).encode()
+    path.write_bytes(gzip.compress(data, mtime=0))  # the same bytes for the same summary
+    return path
 
 
 def task_summary(include_path: Optional[str]) -> Summary:
@@ -131,3 +163,7 @@ def task_summary(include_path: Optional[str]) -> Summary:
         local = TaskManager(include_path=str(Path(include_path).expanduser()), include_defaults=False)
         summary = {**summary, **summarize(local.task_index)}
     return summary
+
+
+if __name__ == "__main__":
+    print(ship())
