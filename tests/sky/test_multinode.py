@@ -1,18 +1,21 @@
-"""Two nodes for real: the run script SkyPilot executes on every node (``sky_task.RUN``), run twice
-on 127.0.0.1 as node 0 and node 1 of a 2-node task (``SKYPILOT_NODE_IPS``, ``SKYPILOT_NODE_RANK``),
-each starting its own torchrun agent with 2 processes. HSDP replicates across the nodes and shards
-within each: the losses are those of one process, step by step."""
+"""Two nodes for real: the run script SkyPilot executes on every node (``sky_task.RUN``), run on two
+hosts with addresses of their own (network namespaces: tests/netns_hosts.py) as node 0 and node 1 of
+a 2-node task (``SKYPILOT_NODE_IPS``, ``SKYPILOT_NODE_RANK``, as SkyPilot sets them), each starting
+its own torchrun agent whose processes rendezvous with node 0 over the hosts' network. The losses are
+those of one process, step by step: HSDP replicating across the hosts and sharding within each, and
+FSDP sharding across them, whose checkpoint (written by ranks on both hosts) one process resumes."""
 
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from helpers import read_loss_file, with_injector
+from netns_hosts import Host, hosts, missing
 from sky_helpers import REMOTE_URI
 
 from llmctl.backends.sky import task as sky_task
@@ -20,6 +23,7 @@ from llmctl.config.compose import compose, to_yaml
 
 pytestmark = pytest.mark.slow
 
+REPO = Path(__file__).resolve().parents[2]
 TRAIN = [
     "model=tiny",
     "train.steps=6",
@@ -32,24 +36,19 @@ TRAIN = [
 ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+@pytest.fixture(autouse=True)
+def _needs_hosts() -> None:
+    if missing():
+        pytest.skip(missing())  # tests/ci_policy.py fails this skip under CI
 
 
-def test_two_torchrun_agents_on_one_host_reproduce_one_process(tmp_path: Path, cache_dir: Path) -> None:
-    cfg = compose(
-        [
-            "infra=slurm",
-            "infra.nodes=2",
-            "parallel.dp_replicate=2",
-            "parallel.dp_shard=2",
-            f"data.cache_dir={cache_dir}",
-            f"tracking.uri={REMOTE_URI}",
-            *TRAIN,
-        ]
-    ).cfg
+def _base_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "LLMCTL_", "SKYPILOT_"))}
+
+
+def _two_nodes(tmp_path: Path, cfg: Any, env: dict[str, str]) -> list[subprocess.CompletedProcess[str]]:
+    """The 2-node SkyPilot task of ``cfg``, its run script started on each of two hosts as SkyPilot
+    starts it (the resolved config where the file mount puts it); how each node ended."""
     task = sky_task.task_config(
         cfg,
         run_id="mn",
@@ -59,67 +58,83 @@ def test_two_torchrun_agents_on_one_host_reproduce_one_process(tmp_path: Path, c
         workdir=str(tmp_path),
         environ={},
     )
-    assert task["num_nodes"] == 2 and task["envs"]["LLMCTL_NPROC_PER_NODE"] == "2"
+    assert task["num_nodes"] == 2
     home = tmp_path / "home"
-    (home / ".llmctl/runs/mn").mkdir(parents=True)
-    (home / ".llmctl/runs/mn/config.yaml").write_text(to_yaml(cfg))  # what the file mount puts there
-    repo = Path(__file__).resolve().parents[2]
-    base = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "LLMCTL_", "SKYPILOT_"))}
+    (home / ".llmctl/runs/mn").mkdir(parents=True, exist_ok=True)
+    (home / ".llmctl/runs/mn/config.yaml").write_text(to_yaml(cfg))
     envs = {k: v for k, v in task["envs"].items() if not k.startswith("MLFLOW_")}  # no tracking server here
-    port = str(_free_port())
-    procs = []
-    for rank in (0, 1):
-        env = with_injector(
-            {
-                **base,
-                **envs,
-                "HOME": str(home),
-                "LLMCTL_PYTHON": sys.executable,
-                "LLMCTL_MASTER_PORT": port,
-                "SKYPILOT_NUM_NODES": "2",
-                "SKYPILOT_NODE_RANK": str(rank),
-                "SKYPILOT_NUM_GPUS_PER_NODE": "0",
-                "SKYPILOT_NODE_IPS": "127.0.0.1\n127.0.0.1",
-                "LLMCTL_LOSS_FILE": str(tmp_path / f"node{rank}.jsonl"),
-            }
-        )
-        procs.append(
-            subprocess.Popen(
-                ["bash", "-c", task["run"]],
-                cwd=repo,
-                env=env,
-                text=True,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-            )
-        )
-    outs = [p.communicate(timeout=600)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outs)
-    assert "mesh dp_replicate 2 x dp_shard 2 x tp 1" in outs[0] and "world 4 on cpu" in outs[0], outs[0][-3000:]
+    with hosts(2) as machines:
+        return _run_nodes(machines, task["run"], {**_base_env(), **envs, **env, "HOME": str(home)}, tmp_path)
 
-    single = tmp_path / "single.yaml"
-    single.write_text(to_yaml(cfg))
-    ref = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "workloads.pretrain",
-            "--config",
-            str(single),
-            "parallel.dp_replicate=1",
-            "parallel.dp_shard=1",
-        ],
-        cwd=repo,
-        text=True,
-        capture_output=True,
-        env=with_injector({**base, "LLMCTL_LOSS_FILE": str(tmp_path / "single.jsonl")}),
-        timeout=600,
-    )
+
+def _run_nodes(machines: list[Host], script: str, env: dict[str, str], tmp_path: Path) -> list[Any]:
+    ips = "\n".join(m.address for m in machines)
+    procs = []
+    for rank, machine in enumerate(machines):
+        node_env = {
+            **env,
+            "LLMCTL_PYTHON": sys.executable,
+            "SKYPILOT_NUM_NODES": str(len(machines)),
+            "SKYPILOT_NODE_RANK": str(rank),
+            "SKYPILOT_NUM_GPUS_PER_NODE": "0",
+            "SKYPILOT_NODE_IPS": ips,
+            "LLMCTL_LOSS_FILE": str(tmp_path / f"node{rank}.jsonl"),
+        }
+        run, out = ["bash", "-c", script], subprocess.PIPE
+        procs.append(machine.popen(run, with_injector(node_env), cwd=REPO, stdout=out, stderr=subprocess.STDOUT))
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    return [subprocess.CompletedProcess(p.args, p.returncode, out) for p, out in zip(procs, outs)]
+
+
+def _one_process(cfg: Any, tmp_path: Path, name: str, *overrides: str) -> dict[str, dict[int, float]]:
+    """The same job in one process on this host: its losses."""
+    config = tmp_path / f"{name}.yaml"
+    config.write_text(to_yaml(cfg))
+    args = ["--config", str(config), "parallel.dp_replicate=1", "parallel.dp_shard=1", *overrides]
+    env = with_injector({**_base_env(), "LLMCTL_LOSS_FILE": str(tmp_path / f"{name}.jsonl")})
+    cmd = [sys.executable, "-m", "workloads.pretrain", *args]
+    ref = subprocess.run(cmd, cwd=REPO, text=True, capture_output=True, env=env, timeout=600)
     assert ref.returncode == 0, ref.stderr[-3000:]
-    want, got = read_loss_file(tmp_path / "single.jsonl"), read_loss_file(tmp_path / "node0.jsonl")
-    assert not (tmp_path / "node1.jsonl").exists()  # only the global rank 0 writes
-    assert sorted(want["train"]) == list(range(1, 7)) and sorted(want["val"]) == [0, 3, 6]
+    return read_loss_file(tmp_path / f"{name}.jsonl")
+
+
+def _assert_same_losses(got: dict[str, dict[int, float]], want: dict[str, dict[int, float]]) -> None:
     for kind in ("train", "val"):
-        assert sorted(got[kind]) == sorted(want[kind])
+        assert sorted(got[kind]) == sorted(want[kind]), kind
         diffs = {s: abs(got[kind][s] - v) for s, v in want[kind].items()}
         assert max(diffs.values()) <= 1e-5, (kind, diffs)
+
+
+def test_hsdp_across_two_hosts_reproduces_one_process(tmp_path: Path, cache_dir: Path) -> None:
+    overrides = ["infra=slurm", "infra.nodes=2", "parallel.dp_replicate=2", "parallel.dp_shard=2"]
+    cfg = compose([*overrides, f"data.cache_dir={cache_dir}", f"tracking.uri={REMOTE_URI}", *TRAIN]).cfg
+    nodes = _two_nodes(tmp_path, cfg, {})
+    assert [n.returncode for n in nodes] == [0, 0], "\n".join(n.stdout[-3000:] for n in nodes)
+    out = nodes[0].stdout
+    assert "mesh dp_replicate 2 x dp_shard 2 x tp 1" in out and "world 4 on cpu" in out, out[-3000:]
+    want = _one_process(cfg, tmp_path, "single")
+    assert not (tmp_path / "node1.jsonl").exists()  # only the global rank 0 writes
+    assert sorted(want["train"]) == list(range(1, 7)) and sorted(want["val"]) == [0, 3, 6]
+    _assert_same_losses(read_loss_file(tmp_path / "node0.jsonl"), want)
+
+
+def test_fsdp_across_two_hosts_then_one_process_resumes_its_checkpoint(tmp_path: Path, cache_dir: Path) -> None:
+    """One process per host, FSDP sharding across the hosts, a checkpoint every 3 steps on the shared
+    filesystem, the job failing at step 8 (injected): one process on this host resumes from step 6
+    (world size 2 -> 1) and ends where one process trained straight through ends."""
+    ckpt = tmp_path / "ckpt"
+    overrides = ["infra=slurm", "infra.nodes=2", "parallel.dp_replicate=1", "parallel.dp_shard=2"]
+    train = [*TRAIN, "train.steps=9", "checkpoint.every=3", f"checkpoint.dir={ckpt}"]
+    cfg = compose([*overrides, f"data.cache_dir={cache_dir}", f"tracking.uri={REMOTE_URI}", *train]).cfg
+    nodes = _two_nodes(tmp_path, cfg, {"LLMCTL_FAIL_AT_STEP": "8"})
+    assert all(n.returncode != 0 for n in nodes), "the injected failure at step 8 ends the job on both hosts"
+    assert "world 2 on cpu" in nodes[0].stdout and "LLMCTL_FAIL_AT_STEP=8" in nodes[0].stdout, nodes[0].stdout[-3000:]
+    assert sorted(p.name for p in ckpt.iterdir() if (p / ".complete").is_file()) == ["step-3", "step-6"]
+
+    want = _one_process(cfg, tmp_path, "straight", "checkpoint.dir=null")
+    resumed = _one_process(cfg, tmp_path, "resumed")
+    crossed = read_loss_file(tmp_path / "node0.jsonl")
+    before = {k: {s: v for s, v in want[k].items() if s <= 6} for k in want}
+    _assert_same_losses({k: {s: v for s, v in crossed[k].items() if s <= 6} for k in crossed}, before)
+    after = {k: {s: v for s, v in want[k].items() if s > 6} for k in want}
+    _assert_same_losses(resumed, after)
