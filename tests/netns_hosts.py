@@ -18,6 +18,7 @@ import contextlib
 import itertools
 import os
 import shutil
+import signal
 import subprocess
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -38,6 +39,15 @@ class Host:
             text=True,
             **kwargs,
         )
+
+    def lose(self) -> None:
+        """This host goes away as a lost node does: its link first, then every process on it, so no
+        peer ever sees a connection reset (it just stops hearing from it)."""
+        _ip("-n", self.namespace, "link", "set", "eth0", "down")
+        pids = subprocess.run(["ip", "netns", "pids", self.namespace], capture_output=True, text=True, timeout=30)
+        for pid in pids.stdout.split():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
 
 
 def missing() -> str:

@@ -21,6 +21,7 @@ BAD = [
     ("model.kernels=cuda", ["model.kernels", "reference|fused"]),
     ("parallel.tp=3", ["parallel.tp", "divide"]),
     ("train.batch_size=0", ["train.batch_size", "positive"]),
+    ("parallel.collective_timeout_s=0", ["parallel.collective_timeout_s", "> 0 seconds", "Fix"]),
     ("train.seq_len=100000", ["train.seq_len", "max_seq_len"]),
     ("model.tie_embeddings=maybe", ["model.tie_embeddings", "true|false"]),
     ("checkpoint.every=soon", ["checkpoint.every", "integer"]),

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -46,9 +47,9 @@ def _base_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "LLMCTL_", "SKYPILOT_"))}
 
 
-def _two_nodes(tmp_path: Path, cfg: Any, env: dict[str, str]) -> list[subprocess.CompletedProcess[str]]:
-    """The 2-node SkyPilot task of ``cfg``, its run script started on each of two hosts as SkyPilot
-    starts it (the resolved config where the file mount puts it); how each node ended."""
+def _node_task(tmp_path: Path, cfg: Any) -> tuple[str, dict[str, str]]:
+    """The 2-node SkyPilot task of ``cfg``: its run script and the environment every node gets (the
+    resolved config where the file mount puts it, in the nodes' HOME)."""
     task = sky_task.task_config(
         cfg,
         run_id="mn",
@@ -63,25 +64,18 @@ def _two_nodes(tmp_path: Path, cfg: Any, env: dict[str, str]) -> list[subprocess
     (home / ".llmctl/runs/mn").mkdir(parents=True, exist_ok=True)
     (home / ".llmctl/runs/mn/config.yaml").write_text(to_yaml(cfg))
     envs = {k: v for k, v in task["envs"].items() if not k.startswith("MLFLOW_")}  # no tracking server here
+    return task["run"], {**_base_env(), **envs, "HOME": str(home)}
+
+
+def _two_nodes(tmp_path: Path, cfg: Any, env: dict[str, str]) -> list[subprocess.CompletedProcess[str]]:
+    """The task's run script started on each of two hosts as SkyPilot starts it; how each node ended."""
+    script, node_env = _node_task(tmp_path, cfg)
     with hosts(2) as machines:
-        return _run_nodes(machines, task["run"], {**_base_env(), **envs, **env, "HOME": str(home)}, tmp_path)
+        return _run_nodes(machines, script, {**node_env, **env}, tmp_path)
 
 
 def _run_nodes(machines: list[Host], script: str, env: dict[str, str], tmp_path: Path) -> list[Any]:
-    ips = "\n".join(m.address for m in machines)
-    procs = []
-    for rank, machine in enumerate(machines):
-        node_env = {
-            **env,
-            "LLMCTL_PYTHON": sys.executable,
-            "SKYPILOT_NUM_NODES": str(len(machines)),
-            "SKYPILOT_NODE_RANK": str(rank),
-            "SKYPILOT_NUM_GPUS_PER_NODE": "0",
-            "SKYPILOT_NODE_IPS": ips,
-            "LLMCTL_LOSS_FILE": str(tmp_path / f"node{rank}.jsonl"),
-        }
-        run, out = ["bash", "-c", script], subprocess.PIPE
-        procs.append(machine.popen(run, with_injector(node_env), cwd=REPO, stdout=out, stderr=subprocess.STDOUT))
+    procs = _start_nodes(machines, script, env, tmp_path)
     outs = [p.communicate(timeout=600)[0] for p in procs]
     return [subprocess.CompletedProcess(p.args, p.returncode, out) for p, out in zip(procs, outs)]
 
@@ -138,3 +132,76 @@ def test_fsdp_across_two_hosts_then_one_process_resumes_its_checkpoint(tmp_path:
     _assert_same_losses({k: {s: v for s, v in crossed[k].items() if s <= 6} for k in crossed}, before)
     after = {k: {s: v for s, v in want[k].items() if s > 6} for k in want}
     _assert_same_losses(resumed, after)
+
+
+def test_a_lost_host_ends_the_other_within_the_collective_timeout(tmp_path: Path, cache_dir: Path) -> None:
+    """Host 1 goes away mid-run as a lost node does: its link goes down, then its processes die, so
+    no connection is ever reset. Host 0's rank, waiting in a collective, ends the job after
+    ``parallel.collective_timeout_s`` (not torch's default, nor forever), and one process resumes from
+    the newest complete checkpoint written across the hosts."""
+    ckpt = tmp_path / "ckpt"
+    overrides = ["infra=slurm", "infra.nodes=2", "parallel.dp_replicate=1", "parallel.dp_shard=2"]
+    train = [*TRAIN, "train.steps=100000", "checkpoint.every=2", f"checkpoint.dir={ckpt}"]
+    timeout = ["parallel.collective_timeout_s=15"]
+    cfg = compose([*overrides, *timeout, f"data.cache_dir={cache_dir}", f"tracking.uri={REMOTE_URI}", *train]).cfg
+    script, env = _node_task(tmp_path, cfg)
+    with hosts(2) as machines:
+        procs = _start_nodes(machines, script, env, tmp_path)
+        try:
+            _wait_for_step(tmp_path / "node0.jsonl", 6, procs)
+            machines[1].lose()
+            out = procs[0].communicate(timeout=15 + 300)[0]  # the timeout, and a loaded machine's slack
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                p.wait()
+    assert procs[0].returncode != 0, out[-3000:]
+    assert "Timed out waiting 15000ms" in out, out[-3000:]  # gloo's words: the configured timeout ended it
+    newest = max(int(p.name.split("-")[1]) for p in ckpt.iterdir() if (p / ".complete").is_file())
+    assert newest >= 6
+    again = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "workloads.pretrain",
+            "--config",
+            str(tmp_path / "home" / ".llmctl/runs/mn/config.yaml"),
+            "parallel.dp_shard=1",
+        ],
+        cwd=REPO,
+        text=True,
+        capture_output=True,
+        env=with_injector({**_base_env(), "LLMCTL_FAIL_AT_STEP": str(newest + 2)}),
+        timeout=600,
+    )
+    assert f"resumed from step {newest}" in again.stdout, again.stdout[-3000:] + again.stderr[-3000:]
+    assert f"LLMCTL_FAIL_AT_STEP={newest + 2}" in again.stderr  # it went on training from there
+
+
+def _start_nodes(machines: list[Host], script: str, env: dict[str, str], tmp_path: Path) -> list[Any]:
+    ips = "\n".join(m.address for m in machines)
+    procs = []
+    for rank, machine in enumerate(machines):
+        node_env = {
+            **env,
+            "LLMCTL_PYTHON": sys.executable,
+            "SKYPILOT_NUM_NODES": str(len(machines)),
+            "SKYPILOT_NODE_RANK": str(rank),
+            "SKYPILOT_NUM_GPUS_PER_NODE": "0",
+            "SKYPILOT_NODE_IPS": ips,
+            "LLMCTL_LOSS_FILE": str(tmp_path / f"node{rank}.jsonl"),
+        }
+        run, out = ["bash", "-c", script], subprocess.PIPE
+        procs.append(machine.popen(run, with_injector(node_env), cwd=REPO, stdout=out, stderr=subprocess.STDOUT))
+    return procs
+
+
+def _wait_for_step(loss_file: Path, step: int, procs: list[Any], timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert all(p.poll() is None for p in procs), "a node ended before the host was lost"
+        if loss_file.exists() and any(f'"step": {step},' in line for line in loss_file.read_text().splitlines()):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"step {step} never logged")

@@ -134,16 +134,16 @@ def init_distributed(cfg: TrainerCfg) -> DistEnv:
 
 # The collective timeout while starting: a checkpoint load from object storage (every rank waits
 # at DCP's barriers for the slowest reader) and the first step's torch.compile can each outlast
-# torch's 10-minute NCCL default, which would then kill a healthy job. After the first step the
-# default applies again, so a real hang is reported within it (``steady_timeouts``).
+# torch's 10-minute NCCL default, which would then kill a healthy job. After the first step
+# ``parallel.collective_timeout_s`` applies (``steady_timeouts``), so a rank or a host that went
+# silent (a lost node: no connection reset, the peers just wait) ends the job within it.
 START_TIMEOUT = timedelta(minutes=45)
-STEP_TIMEOUT = timedelta(minutes=10)
 
 
-def steady_timeouts(env: DistEnv) -> None:
-    """Every rank, after the first step: the default group's and the mesh's groups' timeout back
-    to ``STEP_TIMEOUT``. Best-effort (``_set_pg_timeout`` is torch's private API, which torchtitan
-    uses the same way): if it is missing, the longer start timeout simply stays."""
+def steady_timeouts(env: DistEnv, timeout_s: float) -> None:
+    """Every rank, after the first step: the default group's and the mesh's groups' timeout set to
+    ``timeout_s``. Best-effort (``_set_pg_timeout`` is torch's private API, which torchtitan uses
+    the same way): if it is missing, the longer start timeout simply stays."""
     if env.world_size == 1 or not dist.is_initialized():
         return
     try:
@@ -151,7 +151,7 @@ def steady_timeouts(env: DistEnv) -> None:
 
         groups = [None] + ([env.mesh.get_group(i) for i in range(env.mesh.ndim)] if env.mesh is not None else [])
         for group in groups:
-            _set_pg_timeout(STEP_TIMEOUT, group)
+            _set_pg_timeout(timedelta(seconds=timeout_s), group)
     except Exception as e:
         print(f"warning: collective timeout stays {START_TIMEOUT} ({type(e).__name__}: {e})", file=sys.stderr)
 
@@ -492,7 +492,7 @@ class Trainer:
             lr = self.train_step(step)
             steps_in_interval += 1
             if step == self.start_step + 1:
-                steady_timeouts(env)  # loading and the first (compiling) step are behind us
+                steady_timeouts(env, self.cfg.parallel.collective_timeout_s)  # loading, first step behind us
             # the ranks compare flags (budget, preemption) only on agreed steps: no sync every step
             agree = preempt.agreement_due(step, int(cfg.checkpoint.every), env.world_size)
             stop = guard.should_stop(env.device, agree)  # every rank gets the same answer

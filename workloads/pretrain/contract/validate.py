@@ -60,6 +60,8 @@ def validate(cfg: TrainerCfg) -> None:
     _require(train.lr > 0, "train.lr", f"must be > 0, got {train.lr}. Fix: train.lr=3e-4")
     _require(0 <= train.min_lr_ratio <= 1, "train.min_lr_ratio", "must lie in [0, 1]")
     _require(train.grad_clip >= 0, "train.grad_clip", "must be >= 0 (0 disables clipping)")
+    timeout = cfg.parallel.collective_timeout_s
+    _require(timeout > 0, "parallel.collective_timeout_s", f"must be > 0 seconds, got {timeout}. Fix: e.g. 600")
     _require(
         train.seq_len <= model.max_seq_len,
         "train.seq_len",
