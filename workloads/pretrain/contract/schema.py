@@ -249,7 +249,7 @@ class ParallelCfg:
     tp: int = 1  # tensor-parallel degree (sequence parallel, vocab-parallel loss); divides the heads
     ac: ActivationCheckpointing = ActivationCheckpointing.none  # activation checkpointing per block
     grad_sync: GradSync = GradSync.auto  # FSDP with micro-batches: reduce per step or per micro-batch
-    collective_timeout_s: float = 600.0  # after the first step: a collective waiting longer (a rank or host gone) ends the job
+    collective_timeout_s: float = 600.0  # after the first step: a longer collective wait (a host gone) ends the job
 
 
 @dataclass
