@@ -102,8 +102,9 @@ def start_mlflow_server(
     env: Optional[Mapping[str, str]] = None,
     log: Any = subprocess.DEVNULL,
     startup_s: float = 300,
+    host: str = "127.0.0.1",
 ) -> subprocess.Popen[bytes]:
-    """A real ``mlflow server`` on 127.0.0.1:``port`` (sqlite store and proxied artifacts under ``root``),
+    """A real ``mlflow server`` on ``host``:``port`` (sqlite store and proxied artifacts under ``root``),
     in a process group of its own, returned once healthy. The caller stops the group: uvicorn
     outlives the ``mlflow`` process on SIGTERM."""
     root.mkdir(parents=True, exist_ok=True)
@@ -116,7 +117,7 @@ def start_mlflow_server(
             "server",
             *extra,
             "--host",
-            "127.0.0.1",
+            host,
             "--port",
             str(port),
             "--workers",
@@ -135,7 +136,7 @@ def start_mlflow_server(
     deadline = time.monotonic() + startup_s  # generous for a loaded machine; not a timing assertion
     while True:
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+            with urllib.request.urlopen(f"http://{host}:{port}/health", timeout=2) as r:
                 if r.status == 200:
                     return proc
         except OSError:
@@ -149,16 +150,17 @@ def start_mlflow_server(
 
 @contextlib.contextmanager
 def mlflow_server(
-    root: Path, *extra: str, env: Optional[Mapping[str, str]] = None, startup_s: float = 300
+    root: Path, *extra: str, env: Optional[Mapping[str, str]] = None, startup_s: float = 300, host: str = "127.0.0.1"
 ) -> Iterator[str]:
     """``start_mlflow_server`` on a free port for the ``with`` block, its log in ``root/server.log``;
-    its whole process group is killed afterwards (they would pile up over a test session)."""
+    its whole process group is killed afterwards (they would pile up over a test session). ``host``:
+    the address it listens on (one of ``netns_hosts``' gateways serves several hosts)."""
     log = open(root / "server.log", "wb")  # noqa: SIM115 - the server's stdout, for its lifetime
     try:
         port = free_port()
-        proc = start_mlflow_server(root, port, *extra, env=env, log=log, startup_s=startup_s)
+        proc = start_mlflow_server(root, port, *extra, env=env, log=log, startup_s=startup_s, host=host)
         try:
-            yield f"http://127.0.0.1:{port}"
+            yield f"http://{host}:{port}"
         finally:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGTERM)

@@ -1,8 +1,10 @@
 """Several hosts on this machine, for real: each a network namespace with an address of its own
-(``eth0``, on one bridge that lives in a namespace of its own, so nothing touches the machine's own
-network), its loopback up. A process started with ``Host.popen`` sees only that host's addresses:
-two trainers on two hosts rendezvous over the bridge as two machines would over a LAN, with no
-shared 127.0.0.1. The file system stays shared (as a cluster's shared filesystem is).
+(``eth0``, on one bridge that lives in a namespace of its own), its loopback up; this machine joins
+the bridge too, at ``Host.gateway`` (a tracking server listening there serves every host), and with
+no other route: nothing reaches the machine's own network. A process started with ``Host.popen``
+sees only that host's addresses: two trainers on two hosts rendezvous over the bridge as two
+machines would over a LAN, with no shared 127.0.0.1. The file system stays shared (as a cluster's
+shared filesystem is).
 
 Needs root and ``ip`` (iproute2). ``hosts`` tears everything down on exit, whatever happened; the
 addresses are 10.213.K.1..N, K from this process's pid, so two test processes never collide.
@@ -30,6 +32,7 @@ _names = itertools.count()
 class Host:
     namespace: str
     address: str
+    gateway: str  # this machine's own address on the hosts' bridge: a server there serves every host
 
     def popen(self, cmd: list[str], env: dict[str, str], **kwargs: Any) -> subprocess.Popen[str]:
         """``cmd`` on this host (inside its network namespace), with its interface named for gloo."""
@@ -75,6 +78,13 @@ def hosts(count: int) -> Iterator[list[Host]]:
         made.append(switch)
         _ip("-n", switch, "link", "add", "br0", "type", "bridge")
         _ip("-n", switch, "link", "set", "br0", "up")
+        # this machine on the bridge too (the end in its namespace goes when the switch's goes)
+        _ip("link", "add", f"g{tag}", "type", "veth", "peer", "name", f"q{tag}")
+        _ip("link", "set", f"q{tag}", "netns", switch)
+        _ip("-n", switch, "link", "set", f"q{tag}", "master", "br0")
+        _ip("-n", switch, "link", "set", f"q{tag}", "up")
+        _ip("addr", "add", f"{subnet}.254/24", "dev", f"g{tag}")
+        _ip("link", "set", f"g{tag}", "up")
         found = []
         for i in range(count):
             name, port, end = f"llmctl-h{i}-{tag}", f"p{i}{tag}", f"e{i}{tag}"
@@ -89,8 +99,9 @@ def hosts(count: int) -> Iterator[list[Host]]:
             _ip("-n", name, "addr", "add", f"{subnet}.{i + 1}/24", "dev", "eth0")
             _ip("-n", name, "link", "set", "eth0", "up")
             _ip("-n", name, "link", "set", "lo", "up")
-            found.append(Host(name, f"{subnet}.{i + 1}"))
+            found.append(Host(name, f"{subnet}.{i + 1}", f"{subnet}.254"))
         yield found
     finally:
+        subprocess.run(["ip", "link", "del", f"g{tag}"], capture_output=True, timeout=30)  # at once, and its peer
         for name in reversed(made):  # a namespace's veth ends go with it
             subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)

@@ -31,8 +31,7 @@ def _env_seen(tmp_path: Path, nodes: int, **extra: str) -> dict[str, str]:
         SKYPILOT_NUM_GPUS_PER_NODE="8",
         SKYPILOT_NODE_IPS="10.0.0.1\n10.0.0.2",
         SKYPILOT_NUM_NODES=str(nodes),
-        SKYPILOT_NODE_RANK="0",
-        **extra,
+        **{"SKYPILOT_NODE_RANK": "0", **extra},
     )
     out = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, check=True).stdout
     return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
@@ -67,3 +66,10 @@ def test_the_first_node_is_the_rendezvous(tmp_path: Path) -> None:
     """torchrun's master address is the first of SkyPilot's node IPs, on every node."""
     seen = _env_seen(tmp_path, nodes=2)
     assert "--master_addr=10.0.0.1 " in seen["ARGS"], seen["ARGS"]
+
+
+def test_a_command_workload_node_names_its_own_address(tmp_path: Path) -> None:
+    """Each node's guard gets its own line of SkyPilot's node list (where the other nodes reach it):
+    torchrun would otherwise take the machine's hostname, which need not resolve to it."""
+    seen = _env_seen(tmp_path, nodes=2, LLMCTL_WORKLOAD="command", SKYPILOT_NODE_RANK="1")
+    assert "--local-addr=10.0.0.2" in seen["ARGS"] and "--rdzv-endpoint=10.0.0.1:" in seen["ARGS"], seen["ARGS"]

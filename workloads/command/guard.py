@@ -74,11 +74,20 @@ def _num(key: str) -> Optional[float]:
 
 
 class Guard:
-    def __init__(self, cfg: dict[str, Any], nproc: int, nnodes: int, node_rank: int, rdzv: Optional[str]) -> None:
+    def __init__(
+        self,
+        cfg: dict[str, Any],
+        nproc: int,
+        nnodes: int,
+        node_rank: int,
+        rdzv: Optional[str],
+        local_addr: Optional[str] = None,
+    ) -> None:
         self.workload = cfg.get("workload") or {}
         self.checkpoint_dir = str((cfg.get("checkpoint") or {}).get("dir") or "")
         self.grace = float((cfg.get("checkpoint") or {}).get("preempt_grace_s") or 0)
         self.nproc, self.nnodes, self.node_rank, self.rdzv = nproc, nnodes, node_rank, rdzv
+        self.local_addr = local_addr
         self.main = node_rank == 0
         self.run_id = os.environ.get("MLFLOW_RUN_ID")
         self.attempt = int(os.environ.get(ENV_ATTEMPT, "1") or 1)
@@ -99,6 +108,12 @@ class Guard:
         nodes = ["--standalone", "--nnodes=1"] if self.nnodes == 1 else [f"--nnodes={self.nnodes}"]
         if self.nnodes > 1:
             nodes += [f"--node_rank={self.node_rank}", "--rdzv_backend=c10d", f"--rdzv_endpoint={self.rdzv}"]
+            # Node 0 serves the rendezvous (the endpoint is its address), said outright: torchrun would
+            # guess it from the machine's hostname, which in a container or on a host with several
+            # networks resolves to another address, and then no node serves it.
+            nodes.append(f"--rdzv_conf=is_host={int(self.node_rank == 0)}")
+            if self.local_addr:  # where the other nodes' workers reach this node's (not its hostname's address)
+                nodes.append(f"--local_addr={self.local_addr}")
         return [
             sys.executable,
             "-m",
@@ -321,6 +336,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--nnodes", type=int, default=1)
     parser.add_argument("--node-rank", type=int, default=0)
     parser.add_argument("--rdzv-endpoint", default=None)
+    parser.add_argument("--local-addr", default=None)
     args = parser.parse_args(argv)
     cfg = yaml.safe_load(Path(args.config).read_text())
-    return Guard(cfg, args.nproc_per_node, args.nnodes, args.node_rank, args.rdzv_endpoint).run()
+    return Guard(cfg, args.nproc_per_node, args.nnodes, args.node_rank, args.rdzv_endpoint, args.local_addr).run()

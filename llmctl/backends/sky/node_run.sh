@@ -4,6 +4,8 @@ NPROC="${LLMCTL_NPROC_PER_NODE:-$SKYPILOT_NUM_GPUS_PER_NODE}"
 # the first line of the node list, without a pipe: under pipefail, head closing the pipe early
 # kills echo with SIGPIPE (exit 141) now and then
 MASTER_ADDR="${SKYPILOT_NODE_IPS%%$'\n'*}"
+# this node's own line of the list: where the other nodes reach it (its hostname may resolve elsewhere)
+THIS_ADDR="$(sed -n "$((SKYPILOT_NODE_RANK + 1))p" <<< "$SKYPILOT_NODE_IPS")"
 LLMCTL_CONFIG="$HOME/.llmctl/runs/$LLMCTL_RUN_ID/config.yaml"
 # the contract's run folder (the resolved config.yaml), as on infra=local: every workload gets it
 export LLMCTL_RUN_DIR="$HOME/.llmctl/runs/$LLMCTL_RUN_ID"
@@ -22,6 +24,6 @@ fi
 if [ "${LLMCTL_WORKLOAD:-pretrain}" = command ]; then
   # a user's program (workload=command), from its launch directory, under its guard on every node
   cd "$HOME/.llmctl/runs/$LLMCTL_RUN_ID/program"
-  exec "$PY" -m workloads.command --config "$LLMCTL_CONFIG" --nproc-per-node="$NPROC" --nnodes="$SKYPILOT_NUM_NODES" --node-rank="$SKYPILOT_NODE_RANK" --rdzv-endpoint="$MASTER_ADDR:${LLMCTL_MASTER_PORT:-29500}"
+  exec "$PY" -m workloads.command --config "$LLMCTL_CONFIG" --nproc-per-node="$NPROC" --nnodes="$SKYPILOT_NUM_NODES" --node-rank="$SKYPILOT_NODE_RANK" --rdzv-endpoint="$MASTER_ADDR:${LLMCTL_MASTER_PORT:-29500}" --local-addr="$THIS_ADDR"
 fi
 exec "$PY" -m torch.distributed.run --nnodes="$SKYPILOT_NUM_NODES" --nproc_per_node="$NPROC" --node_rank="$SKYPILOT_NODE_RANK" --master_addr="$MASTER_ADDR" --master_port="${LLMCTL_MASTER_PORT:-29500}" -m workloads.pretrain --config "$LLMCTL_CONFIG"
