@@ -94,7 +94,9 @@ def test_tp_with_compile_trains_or_is_refused(reference, workload, tmp_path):
     )
     if tuple(int(p) for p in torch.__version__.split(".")[:2]) >= TP_COMPILE_BROKEN_FROM:
         assert proc.returncode == 1, proc.stderr[-3000:]  # torchrun turns the workers' config-error status into 1
-        assert proc.stderr.count("pretrain: config error: Bad value for 'model.compile'") == 2, proc.stderr[-3000:]
+        # each rank refuses on its own; the first to exit ends the group (torchrun stops the other),
+        # so the other's line may never be printed (seen in CI)
+        assert proc.stderr.count("pretrain: config error: Bad value for 'model.compile'") >= 1, proc.stderr[-3000:]
         assert "parallel.tp=2" in proc.stderr and "Fix: model.compile=false" in proc.stderr
         assert "workloads/pretrain" not in proc.stderr and "pretrain | model" not in proc.stdout  # no traceback
         return
