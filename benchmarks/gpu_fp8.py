@@ -16,7 +16,7 @@ can be read as "fraction of the bf16 roofline". Memory, in GiB: what the contend
 (weights, AdamW state) plus the most one timed step adds (the peak is reset after warm-up, so build
 and compile buffers do not count).
 
-Needs a GPU with FP8 tensor cores (compute capability >= 8.9) and ``pip install 'llmctl[fp8]'``.
+Needs a GPU with FP8 tensor cores (compute capability >= 8.9) and ``pip install 'llmctl-train[fp8]'``.
 Without CUDA it prints why and exits 0. ``GPU_BENCH_BATCH`` changes the batch (default 2).
 
 Run: ``python benchmarks/gpu_fp8.py``. Last line: ``gpu_fp8: <best FP8 / bf16 tokens/s>x``.

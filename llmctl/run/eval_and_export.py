@@ -378,5 +378,6 @@ def require_transformers() -> None:
         import transformers  # noqa: F401
     except ImportError:
         raise ConfigError(
-            "scoring a Hugging Face export needs transformers: pip install 'llmctl[hf]' (llmctl export itself does not)"
+            "scoring a Hugging Face export needs transformers: pip install 'llmctl-train[hf]'"
+            " (llmctl export itself does not)"
         ) from None

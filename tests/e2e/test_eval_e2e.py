@@ -238,7 +238,7 @@ def test_lm_eval_bad_requests_exit_3_and_log_nothing(trained) -> None:
             env,
             "--limit 0: examples per task, at least 1",
         ),
-        (["--tasks", "python_facts_mc"], no_lm_eval, "pip install 'llmctl[eval]'"),
+        (["--tasks", "python_facts_mc"], no_lm_eval, "pip install 'llmctl-train[eval]'"),
     ]
     for args, case_env, message in cases:
         out = run_cli(["eval", run_id, *args], cwd, case_env)
@@ -259,7 +259,7 @@ def test_eval_usage_errors(trained) -> None:
     (poisoned / "__init__.py").write_text("raise ImportError('no transformers here')\n")
     bare = {**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(poisoned.parent), env.get("PYTHONPATH")]))}
     out = run_cli(["eval", run_id, "--hf", str(cwd / "hf")], cwd, bare)
-    assert out.returncode == 3 and "pip install 'llmctl[hf]'" in out.stderr, out.stderr
+    assert out.returncode == 3 and "pip install 'llmctl-train[hf]'" in out.stderr, out.stderr
     out = run_cli(["export", run_id, "--out", str(cwd / "hf-bare")], cwd, bare)  # export itself needs none
     assert out.returncode == 0 and (cwd / "hf-bare" / "tokenizer_config.json").is_file(), out.stderr[-3000:]
     out = run_cli(["eval", run_id, "eval.max_new_tokns=3"], cwd, env)

@@ -147,7 +147,7 @@ def test_the_extras_resolve_together_in_every_order_the_docs_show(tmp_path: Path
         results = list(pool.map(check, ORDERS))
     for name, versions, broken in results:
         assert not broken, f"{name}: {broken}"
-        assert {"transformers", "skypilot", "huggingface-hub", "llmctl"} <= set(versions), (name, versions)
+        assert {"transformers", "skypilot", "huggingface-hub", "llmctl-train"} <= set(versions), (name, versions)
     # the same transformers, SkyPilot and huggingface-hub whichever way they were installed
     key = {name: {p: v[p] for p in ("transformers", "skypilot", "huggingface-hub")} for name, v, _ in results}
     assert len({json.dumps(k, sort_keys=True) for k in key.values()}) == 1, key

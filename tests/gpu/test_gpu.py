@@ -303,7 +303,7 @@ def test_fp8_loss_tracks_bf16_over_300_steps(tmp_path: Path, cache_dir: Path) ->
 
     if torch.cuda.get_device_capability(0) < FP8_MIN_CAPABILITY:
         pytest.skip(f"{torch.cuda.get_device_name(0)} has no FP8 tensor cores (compute capability < 8.9)")
-    pytest.importorskip("torchao.float8", reason="torchao not installed (pip install 'llmctl[fp8]')")
+    pytest.importorskip("torchao.float8", reason="torchao not installed (pip install 'llmctl-train[fp8]')")
     common = {**SMALL, "train.steps": 300, "train.val_every": 300}
     runs = {
         recipe: _trainer(tmp_path, recipe, cache_dir, "125m", **common, **{"train.fp8": recipe})

@@ -28,7 +28,8 @@ def test_the_shim_hides_sky_as_a_missing_install_does(cli_env: dict[str, str], t
 
 def test_the_extra_is_named_in_pyproject() -> None:
     text = (ROOT / "pyproject.toml").read_text()
-    assert re.search(r'^cloud = \["skypilot\[', text, re.M), "the message names llmctl[cloud]: it must install SkyPilot"
+    message = "the message names llmctl-train[cloud]: it must install SkyPilot"
+    assert re.search(r'^cloud = \["skypilot\[', text, re.M), message
 
 
 @pytest.mark.parametrize("command", ["plan", "launch"])
@@ -40,7 +41,7 @@ def test_a_cloud_plan_without_skypilot_names_the_extra(
     assert out.returncode == 3, out.stdout[-2000:] + out.stderr[-3000:]
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in out.stderr, out.stderr
-    assert f"infra={infra} runs through SkyPilot" in lines[0] and "Fix: pip install 'llmctl[cloud]'" in lines[0]
+    assert f"infra={infra} runs through SkyPilot" in lines[0] and "Fix: pip install 'llmctl-train[cloud]'" in lines[0]
     assert not out.stdout.strip(), out.stdout
     assert sorted(p.name for p in tmp_path.iterdir()) == ["home"], "nothing created (no store, no run directory)"
     assert not (Path(cli_env["HOME"]) / ".sky").exists()

@@ -137,7 +137,7 @@ def test_blocks_compile_without_graph_breaks(
     dp_mesh, make_tiny_cfg, ac, fp8_recipe, autocast, param_dtype, document_mask
 ) -> None:
     if fp8_recipe != "none":
-        pytest.importorskip("torchao.float8", reason="torchao not installed (pip install 'llmctl[fp8]')")
+        pytest.importorskip("torchao.float8", reason="torchao not installed (pip install 'llmctl-train[fp8]')")
     cfg = make_tiny_cfg(**{"train.dtype": "bf16", "train.fp8": fp8_recipe})
     model = build(cfg, dp_mesh, ac=ac, fp8_recipe=fp8_recipe, param_dtype=param_dtype)
 

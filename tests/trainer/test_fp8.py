@@ -92,7 +92,7 @@ def test_fp8_needs_tokens_per_micro_batch_divisible_by_16(make_tiny_cfg) -> None
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_conversion_skips_the_head_and_dims_not_multiple_of_16(make_tiny_cfg, recipe: str) -> None:
-    pytest.importorskip("torchao.float8", reason="torchao not installed (pip install 'llmctl[fp8]')")
+    pytest.importorskip("torchao.float8", reason="torchao not installed (pip install 'llmctl-train[fp8]')")
     from torchao.float8.float8_linear import Float8Linear
 
     from workloads.pretrain.model.transformer import Transformer
@@ -114,7 +114,7 @@ def test_conversion_skips_the_head_and_dims_not_multiple_of_16(make_tiny_cfg, re
 def test_a_converted_model_trains_a_step_close_to_bf16_on_cpu(make_tiny_cfg) -> None:
     """torchao emulates the FP8 matmul on CPU: the first loss matches bf16 to FP8's precision and
     every converted weight gets a gradient."""
-    pytest.importorskip("torchao.float8", reason="torchao not installed (pip install 'llmctl[fp8]')")
+    pytest.importorskip("torchao.float8", reason="torchao not installed (pip install 'llmctl-train[fp8]')")
     from workloads.pretrain.model.transformer import build_model
 
     cfg = make_tiny_cfg().model
@@ -153,7 +153,7 @@ CPU_ROWWISE = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:
 def fsdp_fp8_runs() -> dict:
     """One 2-rank gloo run of fp8_fsdp_worker.py (FSDP2, 3 steps) per recipe, same init and batches;
     rowwise only where the CPU kernel supports it (``CPU_ROWWISE``)."""
-    pytest.importorskip("torchao.float8", reason="torchao not installed (pip install 'llmctl[fp8]')")
+    pytest.importorskip("torchao.float8", reason="torchao not installed (pip install 'llmctl-train[fp8]')")
     import json
     import os
     import subprocess

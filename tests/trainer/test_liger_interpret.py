@@ -29,7 +29,7 @@ def _require_the_interpreter() -> None:
     3.9 (torch 2.13's) runs the kernels. liger-kernel or triton missing fails in CI (the dev extra
     installs both there: tests/ci_policy.py fails a skip under CI=true) and skips elsewhere."""
     if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed (liger-kernel==0.8.5, in llmctl[dev], brings it)")
+        pytest.skip("triton is not installed (liger-kernel==0.8.5, in llmctl-train[dev], brings it)")
     version = importlib.metadata.version("triton")
     if tuple(int(part) for part in version.split(".")[:2]) < (3, 9):
         pytest.skip(
@@ -37,7 +37,7 @@ def _require_the_interpreter() -> None:
             "'only 0-dimensional arrays can be converted to Python scalars'); it needs triton >= 3.9"
         )
     if importlib.util.find_spec("liger_kernel") is None:
-        pytest.skip("liger-kernel is not installed (pip install liger-kernel==0.8.5; it is in llmctl[dev])")
+        pytest.skip("liger-kernel is not installed (pip install liger-kernel==0.8.5; it is in llmctl-train[dev])")
 
 
 def test_liger_matches_the_chunked_loss_under_the_triton_interpreter(workload_env) -> None:

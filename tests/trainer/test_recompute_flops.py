@@ -52,7 +52,7 @@ def test_full_recompute_adds_what_torch_runs_again_and_selective_no_matmuls() ->
 
 
 def test_fp8_terms_cover_the_linears_torchao_converts() -> None:
-    pytest.importorskip("torchao.float8", reason="torchao not installed (pip install 'llmctl[fp8]')")
+    pytest.importorskip("torchao.float8", reason="torchao not installed (pip install 'llmctl-train[fp8]')")
     from torchao.float8.float8_linear import Float8Linear
 
     from workloads.pretrain.parallel import fp8

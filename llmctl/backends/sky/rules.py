@@ -129,7 +129,7 @@ def tracking_refusal(infra_name: str, tracking_uri: str) -> Optional[str]:
     )
 
 
-CLOUD_EXTRA = "pip install 'llmctl[cloud]'"
+CLOUD_EXTRA = "pip install 'llmctl-train[cloud]'"
 
 
 def require_sky(infra_name: str) -> None:

@@ -2,7 +2,7 @@
 process per node (local rank 0), through MLflow's own system metrics monitor. Each node's metrics
 carry its node rank: ``system/node-<N>/cpu_utilization_percentage`` (MLflow's System metrics tab).
 
-Needs ``psutil`` (``pip install 'llmctl[system]'``); without it the run says so once and goes on.
+Needs ``psutil`` (``pip install 'llmctl-train[system]'``); without it the run says so once and goes on.
 The sampling interval is MLflow's (10 s; ``MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL``).
 """
 
@@ -27,7 +27,7 @@ def start() -> Optional[Any]:
         import psutil  # noqa: F401 - MLflow's CPU monitor needs it
     except ImportError:
         if os.environ.get("RANK", "0") == "0":
-            print("pretrain: no system metrics (psutil not installed: pip install 'llmctl[system]')", flush=True)
+            print("pretrain: no system metrics (psutil not installed: pip install 'llmctl-train[system]')", flush=True)
         return None
     try:
         import logging

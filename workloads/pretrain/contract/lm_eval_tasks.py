@@ -17,7 +17,7 @@ from urllib.parse import urlparse
 OFFLINE_ENV = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
 # the metric (seconds, at the scored step) of each in-training scoring: the plan's estimate leaves it out
 TASKS_TIME = "time/tasks_s"
-LM_EVAL_MISSING = "lm-eval is not installed: pip install 'llmctl[eval]' (lm-evaluation-harness), then run again"
+LM_EVAL_MISSING = "lm-eval is not installed: pip install 'llmctl-train[eval]' (lm-evaluation-harness), then run again"
 
 
 def metric_name(task: str, key: str) -> Optional[tuple[str, str]]:

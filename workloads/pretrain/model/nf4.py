@@ -42,7 +42,7 @@ from torch import nn
 from workloads.pretrain.contract.shape import NF4_BLOCK, NF4_SCALER_BLOCK
 from workloads.protocol.quiet_loggers import quiet_loggers
 
-INSTALL = "pip install 'llmctl[qlora]' (torchao)"
+INSTALL = "pip install 'llmctl-train[qlora]' (torchao)"
 
 
 def _torchao():

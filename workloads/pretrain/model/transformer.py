@@ -439,7 +439,7 @@ def loss_kernel(choice: str, device_type: str) -> str:
         return "chunked"
     raise ConfigError(
         f"Bad value for 'model.loss_kernel': liger cannot run here: {problem}. Fix: pip install liger-kernel"
-        " (llmctl[gpu]) on a CUDA machine, or model.loss_kernel=chunked (or auto)"
+        " (llmctl-train[gpu]) on a CUDA machine, or model.loss_kernel=chunked (or auto)"
     )
 
 

@@ -20,7 +20,7 @@ from workloads.pretrain.contract.hardware import fp8_refusal
 from workloads.pretrain.contract.schema import TrainerCfg
 from workloads.pretrain.contract.validate import ConfigError
 
-INSTALL = "pip install 'llmctl[fp8]' (torchao)"
+INSTALL = "pip install 'llmctl-train[fp8]' (torchao)"
 
 
 def recipe(cfg: TrainerCfg) -> str:
