@@ -17,7 +17,6 @@ from typing import Any, List, Optional
 os.environ.setdefault("TYPER_USE_RICH", "0")
 import typer
 
-from llmctl import __version__
 from llmctl.errors import ConfigError, LaunchError
 
 EXIT_FAILED = 1
@@ -63,7 +62,9 @@ def _fail(message: str, code: int) -> typer.Exit:
 
 def _version(value: bool) -> None:
     if value:
-        typer.echo(f"llmctl {__version__}")
+        from llmctl.distribution.identity import describe
+
+        typer.echo(describe())  # the build too: what the nodes compare with the controller's
         raise typer.Exit()
 
 

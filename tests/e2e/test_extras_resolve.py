@@ -1,27 +1,37 @@
 """The docs' install lines leave a working environment in every order the docs show them: the
 base install, then ``.[hf]`` and ``.[cloud]`` one after the other (either way round) or together,
-and ``.[eval]`` (lm-eval) or ``.[hf,peft]`` after both or before ``.[cloud]``.
+``.[eval]`` (lm-eval) or ``.[hf,peft]`` after both or before ``.[cloud]``, the storage extras
+(``s3``, ``gcs``, ``data``) before and after ``.[eval]`` and before and after ``.[cloud]``, and
+every user-facing extra in one line (docs/quickstart.md), which pip must resolve without
+backtracking: no candidate rejected, so pip's notice "pip is looking at multiple versions of ..."
+never shows (before the storage extras' bounds it took pip over five minutes of trying s3fs, gcsfs,
+boto3 and huggingface-hub releases; the time it takes now is printed, ``-s`` shows it, never asserted).
 
 Installing them for real takes minutes and gigabytes (torch, SkyPilot's clouds, MLflow), so the
 environment is pip's own view of one: a venv whose site-packages holds only the ``.dist-info``
 metadata of what pip reports it would install (``pip install --dry-run --report``), step after
 step, each step resolved by pip against what the earlier steps left (pip reads installed packages
-from that metadata, as it would from real ones), and ``pip check`` at the end. The failure this
-guards against, ``.[cloud]`` downgrading huggingface-hub under a transformers that needs a newer
-one, is a broken requirement ``pip check`` reports, and the same version check transformers runs
-when it is imported. Needs PyPI (CI has it): skipped without it locally, failed in CI. Marked
-``network``: plain ``pytest`` leaves it out (without a warm pip cache it waits on PyPI for ten
-minutes and more, a worker's share of the suite); ``.ci/run`` runs it beside the suite with
-``pytest -m network``.
+from that metadata, as it would from real ones), and ``pip check`` at the end. The failures this
+guards against are broken requirements ``pip check`` reports: ``.[cloud]`` downgrading
+huggingface-hub under a transformers that needs a newer one (the same version check transformers
+runs when it is imported), ``.[s3]`` lifting fsspec above the cap of ``.[eval]``'s datasets, or
+downgrading botocore under ``.[cloud]``'s boto3. Lines the docs write with the published name,
+``pip install 'llmctl-train[x]'``, are resolved as ``.[x]`` of this checkout: the distribution is not
+on PyPI yet, and this checkout's requirements are what it will publish. Needs PyPI (CI has it):
+skipped without it locally, failed in CI. Marked ``network``: plain ``pytest`` leaves it out (without
+a warm pip cache it waits on PyPI for ten minutes and more, a worker's share of the suite);
+``.ci/run`` runs it beside the suite with ``pytest -m network``.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import shlex
 import shutil
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -36,7 +46,17 @@ CLOUD = ("docs/quickstart.md", 'pip install -e ".[cloud]"')
 BOTH = ("docs/finetune.md", 'pip install -e ".[cloud,hf]"')
 EVAL = ("docs/eval.md", 'pip install -e ".[eval]"')  # lm-eval: its datasets caps fsspec, its hub and click float
 PEFT = ("docs/finetune.md", 'pip install -e ".[hf,peft]"')  # what loads a --format peft export
+# s3fs: pins fsspec to its own release, and aiobotocore, whose botocore window .[cloud]'s boto3 must share
+S3 = ("docs/config.md", "pip install 'llmctl-train[s3]'")
+GCS = ("docs/config.md", "pip install 'llmctl-train[gcs]'")  # gcsfs: its floor on fsspec rises with its release
+DATA = ("docs/config.md", "pip install 'llmctl-train[data]'")  # pyarrow and the s3 extra's s3fs
+# every user-facing extra at once (not gpu: Linux and CUDA only; not bench: Python >= 3.11, an older datasets)
+ALL = ("docs/quickstart.md", 'pip install -e ".[cloud,hf,peft,eval,s3,gcs,data,qlora,fp8,system]"')
+# installed, not cloned (the published name, resolved as this checkout's .[cloud])
+INSTALLED = ("README.md", "pip install torch==2.13.0 'llmctl-train[cloud]'")
 ORDERS = {
+    "every extra in one line": [ALL],
+    "installed with the cloud extra": [INSTALLED],
     "hf, then cloud": [HF, CLOUD],
     "cloud, then hf": [CLOUD, HF],
     "in one line": [BOTH],
@@ -44,11 +64,58 @@ ORDERS = {
     "eval, then cloud": [EVAL, CLOUD],
     "cloud and hf, then peft": [BOTH, PEFT],
     "peft, then cloud": [PEFT, CLOUD],
+    "eval, then s3": [EVAL, S3],
+    "s3, then eval": [S3, EVAL],
+    "eval, then gcs": [EVAL, GCS],
+    "gcs, then eval": [GCS, EVAL],
+    "eval, then data": [EVAL, DATA],
+    "data, then eval": [DATA, EVAL],
+    "cloud, then s3": [CLOUD, S3],
+    "s3, then cloud": [S3, CLOUD],
+    "cloud, then gcs": [CLOUD, GCS],
+    "gcs, then cloud": [GCS, CLOUD],
+    "cloud, then data": [CLOUD, DATA],
+    "data, then cloud": [DATA, CLOUD],
 }
+# what each extra is installed for: the environment of every order that installs it holds these
+PROVIDES = {
+    "cloud": ("skypilot",),
+    "hf": ("transformers",),
+    "peft": ("peft",),
+    "eval": ("lm-eval",),
+    "s3": ("s3fs",),
+    "gcs": ("gcsfs",),
+    "data": ("pyarrow", "s3fs"),
+    "qlora": ("torchao",),
+    "fp8": ("torchao",),
+    "system": ("psutil", "nvidia-ml-py"),
+}
+# the orders whose environments hold the first packages hold the second at one version, whichever
+# way round (or in one line) they were installed
+AGREE = [
+    (("skypilot", "transformers"), ("transformers", "skypilot", "huggingface-hub")),
+    (("skypilot", "s3fs"), ("s3fs", "aiobotocore", "botocore", "boto3")),
+    (("skypilot", "gcsfs"), ("gcsfs", "skypilot")),
+    (("datasets", "s3fs"), ("datasets", "s3fs", "fsspec")),
+    (("datasets", "gcsfs"), ("datasets", "gcsfs", "fsspec")),
+]
+# pip's notice when the resolver rejects a candidate and tries another release (logged at info level)
+BACKTRACKED = re.compile(r"pip is looking at multiple versions of (\S+)")
 
 
 def _canon(name: str) -> str:
     return name.lower().replace("_", "-").replace(".", "-")
+
+
+def pip_args(line: str) -> list[str]:
+    """The arguments of a doc's ``pip install`` line; the published name, not on PyPI yet, as this checkout."""
+    return ["." + a[len("llmctl-train") :] if a.startswith("llmctl-train[") else a for a in shlex.split(line)[2:]]
+
+
+def extras(line: str) -> list[str]:
+    """The extras a line installs: ``.[cloud,hf]`` or ``'llmctl-train[cloud,hf]'``, cloud and hf."""
+    found = re.search(r"\[([a-z0-9,]+)\]", line)
+    return found.group(1).split(",") if found else []
 
 
 class PipView:
@@ -71,16 +138,14 @@ class PipView:
         cmd = [sys.executable, "-m", "pip", "--python", str(self.python), "--disable-pip-version-check", *args]
         return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200)
 
-    def install(self, line: str) -> list[dict[str, Any]]:
-        """Resolve one doc line (``pip install ...``) against the view and apply pip's report."""
-        args = shlex.split(line)[2:]
+    def install(self, line: str) -> str:
+        """Resolve one doc line (``pip install ...``) against the view, apply pip's report; pip's log."""
         report = self.root / "report.json"
-        out = self.pip("install", "--dry-run", "--quiet", "--report", str(report), *args)
+        out = self.pip("install", "--dry-run", "--report", str(report), *pip_args(line))
         assert out.returncode == 0, f"{line}: {out.stderr[-3000:]}"
-        installs = json.loads(report.read_text())["install"]
-        for item in installs:
+        for item in json.loads(report.read_text())["install"]:
             self._write(item["metadata"])
-        return installs
+        return out.stdout + out.stderr
 
     def _write(self, meta: dict[str, Any]) -> None:
         for old in self.site.glob("*.dist-info"):
@@ -102,8 +167,16 @@ class PipView:
 
 
 def test_the_lines_are_the_docs() -> None:
-    for doc, line in (BASE, HF, CLOUD, BOTH, EVAL, PEFT):
+    for doc, line in sorted({BASE} | {step for lines in ORDERS.values() for step in lines}):
         assert line in (ROOT / doc).read_text(), f"{doc} no longer shows {line}"
+
+
+def test_the_published_name_resolves_as_this_checkout() -> None:
+    assert pip_args(S3[1]) == [".[s3]"]
+    assert pip_args(BOTH[1]) == ["-e", ".[cloud,hf]"]
+    assert pip_args(BASE[1]) == ["torch==2.13.0", "-e", "."]
+    assert extras(S3[1]) == ["s3"] and extras(BOTH[1]) == ["cloud", "hf"] and extras(BASE[1]) == []
+    assert set(extras(ALL[1])) <= set(PROVIDES), "an extra the all-extras line installs has no PROVIDES entry"
 
 
 def _pypi_reachable() -> bool:
@@ -127,16 +200,28 @@ def test_the_extras_resolve_together_in_every_order_the_docs_show(tmp_path: Path
     # eval`` starts from the view ``in one line`` ends with): each distinct step from each distinct
     # view is resolved once, level by level, the steps of a level side by side (pip waits on PyPI).
     views: dict[tuple[str, ...], PipView] = {(): base}
+    logs: dict[tuple[str, ...], tuple[float, str]] = {}
 
     def step(where: str, prefix: tuple[str, ...]) -> None:
         view = views[prefix[:-1]].copy(tmp_path / where)
-        view.install(prefix[-1])
+        start = time.monotonic()
+        log = view.install(prefix[-1])
+        logs[prefix] = time.monotonic() - start, log
         views[prefix] = view
 
+    # the line with every extra first and alone, so that the time it prints is its own
+    step("view-all", (ALL[1],))
     for depth in range(1, max(len(lines) for lines in ORDERS.values()) + 1):
-        level = sorted({tuple(line for _, line in lines[:depth]) for lines in ORDERS.values() if len(lines) >= depth})
+        level = sorted(
+            {tuple(line for _, line in lines[:depth]) for lines in ORDERS.values() if len(lines) >= depth} - set(views)
+        )
         with ThreadPoolExecutor(len(level)) as pool:
             list(pool.map(step, [f"view-{depth}-{k}" for k in range(len(level))], level))
+    for prefix, (seconds, log) in logs.items():
+        tried = sorted(set(BACKTRACKED.findall(log)))
+        alone = " (alone)" if prefix == (ALL[1],) else ""
+        note = f"  [pip tried several releases of {', '.join(tried)}]" if tried else ""
+        print(f"{seconds:4.0f} s{alone}: {' && '.join(prefix)}{note}")
 
     def check(name: str) -> tuple[str, dict[str, str], str]:
         view = views[tuple(line for _, line in ORDERS[name])]
@@ -147,7 +232,16 @@ def test_the_extras_resolve_together_in_every_order_the_docs_show(tmp_path: Path
         results = list(pool.map(check, ORDERS))
     for name, versions, broken in results:
         assert not broken, f"{name}: {broken}"
-        assert {"transformers", "skypilot", "huggingface-hub", "llmctl-train"} <= set(versions), (name, versions)
-    # the same transformers, SkyPilot and huggingface-hub whichever way they were installed
-    key = {name: {p: v[p] for p in ("transformers", "skypilot", "huggingface-hub")} for name, v, _ in results}
-    assert len({json.dumps(k, sort_keys=True) for k in key.values()}) == 1, key
+        wanted = {"llmctl-train"} | {p for _, line in ORDERS[name] for x in extras(line) for p in PROVIDES[x]}
+        assert wanted <= set(versions), (name, sorted(wanted - set(versions)))
+    for held, same in AGREE:
+        seen = {name: {p: v[p] for p in same} for name, v, _ in results if set(held) <= set(v)}
+        assert len(seen) >= 2, (held, seen)  # the orders the rule is about were resolved
+        # the same versions whichever way they were installed
+        assert len({json.dumps(k, sort_keys=True) for k in seen.values()}) == 1, seen
+
+    # every extra in one line: pip took each package's first candidate, trying no other release
+    seconds, log = logs[(ALL[1],)]
+    assert "Would install" in log, log[-3000:]  # pip's info-level log is on: a backtracking notice would show
+    tried = sorted(set(BACKTRACKED.findall(log)))
+    assert not tried, f"{ALL[1]}: pip tried several releases of {tried} ({seconds:.0f} s)"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -34,9 +35,11 @@ def test_help_and_version_import_no_heavy_modules() -> None:
 
 def test_version_and_help_output(cli_env: dict[str, str], tmp_path: Path) -> None:
     from llmctl import __version__
+    from llmctl.distribution.identity import describe
 
     out = run_cli(["--version"], tmp_path, cli_env)
-    assert out.returncode == 0 and out.stdout.strip() == f"llmctl {__version__}"
+    assert out.returncode == 0 and out.stdout.strip() == describe(), out.stdout
+    assert re.fullmatch(rf"llmctl {re.escape(__version__)} \(build [0-9a-f]{{12}}\)", out.stdout.strip())
     out = run_cli(["--help"], tmp_path, cli_env)
     assert out.returncode == 0
     for command in ("launch", "plan", "config"):

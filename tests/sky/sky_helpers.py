@@ -32,3 +32,20 @@ def run_cli(
         timeout=timeout,
         **kwargs,
     )
+
+
+def node_python(path: Path, body: str) -> Path:
+    """A stand-in for a node's Python, written at ``path``: it answers ``-m llmctl --version`` as this
+    checkout's llmctl does (the run script checks that first) and runs the shell ``body`` otherwise."""
+    from llmctl.distribution.identity import describe
+
+    path.write_text(f'#!/bin/sh\nif [ "$*" = "-m llmctl --version" ]; then echo "{describe()}"; exit 0; fi\n{body}\n')
+    path.chmod(0o755)
+    return path
+
+
+def version_env() -> dict[str, str]:
+    """The run script's ``LLMCTL_VERSION_LINE`` as a task from this checkout sets it."""
+    from llmctl.distribution.identity import describe
+
+    return {"LLMCTL_VERSION_LINE": describe()}

@@ -140,6 +140,10 @@ def slurm_cluster(cache: Path) -> Iterator[Cluster]:
         uv = _uv_binary(cache)
         shutil.copy(uv, root / "bin" / "uv")
         (root / "bin" / "python3.10").symlink_to(PY310)
+        # the cluster's python3 is this suite's interpreter, as a login node's is the one its users run:
+        # nodes that make their own venv from it (no infra.node_python) then run the Python the
+        # controller runs (the builtin pydoc corpus, and so its tokenizer, differs between Python releases)
+        (root / "bin" / "python3").symlink_to(Path(sys._base_executable).resolve())  # type: ignore[attr-defined]
         # SkyPilot runs `curl -LsSf https://astral.sh/uv/install.sh | UV_INSTALL_DIR=... sh` when uv is absent
         (root / "bin" / "curl").write_text(
             "#!/bin/sh\n# test shim: answers the uv installer request offline\n"

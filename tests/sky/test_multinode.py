@@ -60,7 +60,6 @@ def _node_task(
         tracking_uri=tracking_uri or REMOTE_URI,
         experiment_id=experiment_id,
         local_config="<unused>",
-        workdir=str(tmp_path),
         environ={},
     )
     assert task["num_nodes"] == 2

@@ -25,7 +25,7 @@ import urllib.request
 import uuid
 from datetime import datetime
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import pytest
 from helpers import mlflow_server, save_tiny_llama
@@ -83,32 +83,58 @@ def cluster(prerequisites: None, request: pytest.FixtureRequest) -> Iterator[Clu
 def test_launch_status_logs_down_on_real_slurm(
     tracking_server: str, cluster: Cluster, tmp_path: Path, cli_env: dict[str, str]
 ) -> None:
+    """What a user installs, not this checkout: llmctl's wheel in a venv of its own, run from a
+    directory outside the checkout, launches here (FINISHED) and on Slurm, where the nodes install
+    the wheel the controller ships (no infra.node_python) and the run's log shows the node runs the
+    controller's build; then ``status``, ``logs``, lm-eval scores by a job on the cluster (its node
+    adds the eval extra to the same build) and ``down``."""
+    from llmctl.distribution.identity import describe
+
+    build = describe()  # this checkout's, before anything else runs
+    venv, pip_args = _wheel_venv(cluster, tmp_path)
+    wheel_env = {k: v for k, v in cli_env.items() if k != "PYTHONPATH"}
+    wheel_env.update(PATH=f"{venv / 'bin'}:{wheel_env['PATH']}", VIRTUAL_ENV=str(venv))
+
+    def installed(*args: str, cwd: Path = tmp_path, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+        llmctl = str(venv / "bin" / "llmctl")
+        return subprocess.run([llmctl, *args], cwd=cwd, env=wheel_env, text=True, capture_output=True, timeout=timeout)
+
+    where = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", "import llmctl; print(llmctl.__file__)"],
+        env=wheel_env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
+    assert where.stdout.startswith(str(venv)), where.stdout + where.stderr  # the wheel's copy, not this checkout
+    assert installed("--version").stdout.strip() == build
+    (tmp_path / "here").mkdir()
+    here = installed("launch", "model=tiny", "train.steps=4", cwd=tmp_path / "here")
+    assert here.returncode == 0 and "FINISHED" in here.stdout, here.stdout[-3000:] + here.stderr[-3000:]
+
     home = Path(cli_env["HOME"])
     cluster.write_client_config(home, cluster.root / "ssh" / "user_key")
     env = {**cli_env, **SMALL_API_SERVER, "MLFLOW_TRACKING_URI": tracking_server, "AWS_EC2_METADATA_DISABLED": "true"}
+    wheel_env.update({k: env[k] for k in (*SMALL_API_SERVER, "MLFLOW_TRACKING_URI", "AWS_EC2_METADATA_DISABLED")})
     sky_bin = str(Path(sys.executable).with_name("sky"))
     shared = cluster.root / "shared-launch"  # the cluster's shared filesystem: the controller reads it too
     shared.mkdir(exist_ok=True)
     shutil.chown(shared, USER, USER)
     _wait_healthy(tracking_server)
     try:
-        out = run_cli(
-            [
-                "launch",
-                "infra=slurm",
-                "experiment=smoke",
-                f"infra.region={CLUSTER}",
-                f"infra.zone={PARTITION}",
-                f"infra.node_python={sys.executable}",
-                "infra.cpus=1",
-                "infra.memory=2",
-                "infra.down=false",
-                "checkpoint.every=0",
-                f"checkpoint.dir={shared / 'ckpt'}",
-            ],
-            tmp_path,
-            env,
-            timeout=420,
+        out = installed(
+            "launch",
+            "infra=slurm",
+            "experiment=smoke",
+            f"infra.region={CLUSTER}",
+            f"infra.zone={PARTITION}",
+            f"infra.pip_args={pip_args}",
+            "infra.cpus=1",
+            "infra.memory=2",
+            "infra.down=false",
+            "checkpoint.every=0",
+            f"checkpoint.dir={shared / 'ckpt'}",
+            timeout=600,
         )
         assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
 
@@ -123,17 +149,18 @@ def test_launch_status_logs_down_on_real_slurm(
         assert val, "the workload on the Slurm node logged into the controller's MLflow run"
         rid = run.info.run_id
 
-        status = run_cli(["status", rid], tmp_path, env, timeout=120)
+        status = installed("status", rid, timeout=120)
         assert status.returncode == 0, status.stderr
         assert "FINISHED" in status.stdout and "UP" in status.stdout and "SUCCEEDED" in status.stdout, status.stdout
-        listing = run_cli(["status"], tmp_path, env, timeout=120)
+        listing = installed("status", timeout=120)
         assert rid in listing.stdout
 
-        logs = run_cli(["logs", rid], tmp_path, env, timeout=120)
+        logs = installed("logs", rid, timeout=120)
         assert logs.returncode == 0, logs.stderr
         assert "val" in logs.stdout and "step" in logs.stdout, logs.stdout[-2000:]
+        assert f"llmctl on node 0: {build}" in logs.stdout, logs.stdout[-3000:]  # the node ran the controller's
 
-        _scores_by_a_job_on_the_cluster(mc, rid, tmp_path, env)
+        _scores_by_a_job_on_the_cluster(mc, rid, tmp_path, installed)
 
         # clusters stay visible to plain `sky status`
         assert (
@@ -141,13 +168,13 @@ def test_launch_status_logs_down_on_real_slurm(
             in subprocess.run([sky_bin, "status"], env=env, capture_output=True, text=True, timeout=120).stdout
         )
 
-        down = run_cli(["down", rid], tmp_path, env, timeout=180)
+        down = installed("down", rid, timeout=180)
         assert down.returncode == 0 and "is down" in down.stdout, down.stdout + down.stderr
-        after = run_cli(["status", rid], tmp_path, env, timeout=120)
+        after = installed("status", rid, timeout=120)
         assert "gone" in after.stdout, after.stdout
         assert cluster.squeue().strip() == "", "no Slurm job left behind"
         # logs still readable from the controller's copy once the cluster is gone
-        assert "step" in run_cli(["logs", rid], tmp_path, env, timeout=120).stdout
+        assert "step" in installed("logs", rid, timeout=120).stdout
     finally:
         subprocess.run([sky_bin, "api", "stop"], env=env, capture_output=True, timeout=120)
 
@@ -164,13 +191,16 @@ EVAL_FLAGS = [
 ]
 
 
-def _scores_by_a_job_on_the_cluster(mc: "object", rid: str, tmp_path: Path, env: dict[str, str]) -> None:
+def _scores_by_a_job_on_the_cluster(
+    mc: "object", rid: str, tmp_path: Path, llmctl: "Callable[..., subprocess.CompletedProcess[str]]"
+) -> None:
     """``llmctl eval RUN --tasks`` of a Slurm run: a job of its own on the run's cluster (kept up by
-    infra.down=false), attached to the run as attempt 2 and billed, logs lm-eval's scores into the run at
-    the final checkpoint's step; the run stays FINISHED with its training config. The same command with
-    ``--here`` scores on this machine and logs the same values at the same step."""
+        infra.down=false), attached to the run as attempt 2 and billed, logs lm-eval's scores into the run at
+        the final checkpoint's step; the run stays FINISHED with its training config. The same command with
+        ``--here`` scores on this machine and logs the same values at the same step (``llmctl``: the one
+    installed from the wheel, with the eval extra, as the node's)."""
     before = mc.get_run(rid)  # type: ignore[attr-defined]
-    out = run_cli(["eval", rid, *EVAL_FLAGS], tmp_path, env, timeout=420)
+    out = llmctl("eval", rid, *EVAL_FLAGS, timeout=420)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     assert "lm-eval | step 40" in out.stdout and f"logged to run {rid}" in out.stdout, out.stdout[-3000:]
     run = mc.get_run(rid)  # type: ignore[attr-defined]
@@ -194,10 +224,11 @@ def _scores_by_a_job_on_the_cluster(mc: "object", rid: str, tmp_path: Path, env:
     assert mc.download_artifacts(rid, "eval/step-40/lm_eval/samples_python_facts_mc.jsonl", str(tmp_path / "dl"))  # type: ignore[attr-defined]
     assert mc.download_artifacts(rid, "attempts/2/config.yaml", str(tmp_path / "dl"))  # type: ignore[attr-defined]
 
-    here = run_cli(["eval", rid, *EVAL_FLAGS, "--here"], tmp_path, env, timeout=420)
+    here = llmctl("eval", rid, *EVAL_FLAGS, "--here", timeout=420)
     assert here.returncode == 0, here.stdout[-4000:] + here.stderr[-4000:]
     both = {k: [(m.step, m.value) for m in mc.get_metric_history(rid, k)] for k in names}  # type: ignore[attr-defined]
-    assert all(sorted(both[k]) == sorted(job[k] * 2) for k in names), (job, both)
+    differ = {k: (job[k], both[k]) for k in names if sorted(both[k]) != sorted(job[k] * 2)}
+    assert not differ, differ
     assert mc.get_run(rid).data.tags["llmctl.attempt"] == "2", "scoring here is no job on the infra"  # type: ignore[attr-defined]
 
 
@@ -614,3 +645,44 @@ def test_a_recovered_then_crashed_managed_job_ends_failed(
                 os.killpg(proc.pid, signal.SIGTERM)
                 proc.wait(timeout=60)
             log.close()
+
+
+def _pip_find_links() -> list[str]:
+    """Where pip finds wheels on this machine besides PyPI (its config or PIP_FIND_LINKS): the CPU torch."""
+    said = subprocess.run(
+        [sys.executable, "-m", "pip", "config", "get", "global.find-links"], capture_output=True, text=True
+    )
+    dirs = os.environ.get("PIP_FIND_LINKS", "").split() + said.stdout.split()
+    return sorted({d for d in dirs if Path(d).is_dir()})
+
+
+def _wheel_venv(cluster: Cluster, tmp_path: Path) -> tuple[Path, str]:
+    """A fresh venv outside the checkout with llmctl's wheel installed (not editable), the versions of
+    this suite's environment as constraints (torch the CPU build from pip's find-links), through the
+    harness's uv and a package cache the cluster user reads too; and the node install's pip arguments
+    (``infra.pip_args``) that give the nodes the same."""
+    from llmctl.distribution.wheel import wheel_for_nodes
+
+    wheel = wheel_for_nodes(tmp_path / "wheels")
+    shared = cluster.root / "shared-wheel"
+    shared.mkdir(exist_ok=True)
+    frozen = subprocess.run(
+        [sys.executable, "-m", "pip", "list", "--format=freeze", "--exclude-editable"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    constraints = shared / "constraints.txt"
+    constraints.write_text("".join(ln + "\n" for ln in frozen.splitlines() if not ln.startswith("llmctl")))
+    cache = shared / "uv-cache"
+    links = " ".join(f"--find-links {d}" for d in _pip_find_links())
+    pip_args = f"{links} -c {constraints} --cache-dir {cache}".strip()
+    venv, uv = tmp_path / "installed", str(cluster.root / "bin" / "uv")
+    tls = {**os.environ, "UV_NATIVE_TLS": "1", "UV_SYSTEM_CERTS": "1"}
+    subprocess.run([uv, "venv", "--quiet", "--python", sys.executable, str(venv)], check=True, env=tls, timeout=120)
+    want = f"llmctl-train[cloud,eval] @ {wheel.as_uri()}"  # SkyPilot, and lm-eval as the scoring node has it
+    install = [uv, "pip", "install", "--quiet", "--python", str(venv / "bin" / "python"), *pip_args.split(), want]
+    done = subprocess.run(install, capture_output=True, text=True, env=tls, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    subprocess.run(["chown", "-R", f"{USER}:{USER}", str(shared)], check=True)
+    return venv, pip_args

@@ -10,10 +10,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sky_helpers import REMOTE_URI
+from sky_helpers import REMOTE_URI, node_python, version_env
 
 from llmctl.backends.sky import task as sky_task
 from llmctl.config.compose import compose
+from llmctl.distribution.identity import describe
 from workloads.protocol.run_contract import ATTEMPT_ENVS
 
 
@@ -28,7 +29,6 @@ def _task(overrides: list[str], environ: dict[str, str] | None = None, **kwargs:
         tracking_uri=REMOTE_URI,
         experiment_id="7",
         local_config="/tmp/cfg.yaml",
-        workdir=str(sky_task.project_root()),
         environ=environ or {},
         **kwargs,
     )
@@ -71,7 +71,10 @@ def test_task_round_trips_through_skypilot(
     assert task.num_nodes == nodes
     assert task.envs["MLFLOW_TRACKING_URI"] == REMOTE_URI and task.envs["MLFLOW_RUN_ID"] == "abc123"
     assert "~/.llmctl/runs/abc123/config.yaml" in task.file_mounts
-    assert "pip install" in task.setup and '-e ".${LLMCTL_EXTRAS:-}"' in task.setup
+    # the nodes install the controller's llmctl from the wheel the task ships, nothing from a checkout
+    assert task.file_mounts["~/.llmctl/wheels/<llmctl wheel>"] == "<llmctl wheel>"  # built by the launch
+    assert '"$WHEEL${LLMCTL_EXTRAS:-}"' in task.setup and "-e ." not in task.setup and task.workdir is None
+    assert task.envs["LLMCTL_VERSION_LINE"] == describe()
     assert "LLMCTL_EXTRAS" not in task.envs  # llmctl alone: no eval.tasks here
     assert "workloads.pretrain" in task.run
     # and once more through YAML text, as `sky launch task.yaml` would read it
@@ -79,20 +82,31 @@ def test_task_round_trips_through_skypilot(
     assert _only(again.resources).accelerators == acc and again.num_nodes == nodes
 
 
-def test_eval_tasks_install_the_eval_extra_on_the_nodes(sky_home: Path) -> None:
-    """``eval.tasks``: the nodes score checkpoints with lm-eval, so their setup installs ``.[eval]``."""
-    import subprocess
-
-    _, task = _task(["infra=lambda", "eval.tasks=[python_facts_mc]"])
-    assert task.envs["LLMCTL_EXTRAS"] == "[eval]"
-    line = next(ln for ln in task.setup.splitlines() if ln.strip().startswith('"$VENV/bin/pip" install'))
+@pytest.mark.parametrize(
+    "overrides, extras",
+    [
+        (["eval.tasks=[python_facts_mc]"], "[eval]"),
+        (["train.fp8=tensorwise", "checkpoint.dir=s3://b/ck"], "[fp8,s3]"),
+        (
+            ["model=1b", "model.lora.rank=8", "model.lora.quantize_base=nf4", "data.source=gs://b/*.jsonl"],
+            "[gcs,qlora]",
+        ),
+    ],
+)
+def test_the_nodes_install_the_extras_the_config_uses(sky_home: Path, overrides: list[str], extras: str) -> None:
+    """``eval.tasks``: lm-eval scores checkpoints on the nodes; FP8, NF4, s3:// and gs:// need theirs."""
+    _, task = _task(["infra=lambda", *overrides])
+    assert task.envs["LLMCTL_EXTRAS"] == extras
+    lines = [ln.strip() for ln in task.setup.splitlines()]
+    wheel = next(ln for ln in lines if ln.startswith("WHEEL="))
+    install = next(ln for ln in lines if ln.startswith("node_install $LLMCTL_PIP_ARGS"))
     shown = subprocess.run(
-        ["bash", "-c", "echo " + line.split("-e ", 1)[1]],
-        env={"LLMCTL_EXTRAS": "[eval]"},
+        ["bash", "-c", f"{wheel}; echo " + install.split("$LLMCTL_PIP_ARGS ", 1)[1]],
+        env={"LLMCTL_EXTRAS": extras, "HOME": "/h", "LLMCTL_WHEEL": "llmctl_train-1-py3-none-any.whl"},
         capture_output=True,
         text=True,
     )
-    assert shown.stdout.strip() == ".[eval]"
+    assert shown.stdout.strip() == f"/h/.llmctl/wheels/llmctl_train-1-py3-none-any.whl{extras}"
 
 
 def test_autostop_spot_and_managed_are_data(sky_home: Path) -> None:
@@ -115,7 +129,6 @@ def test_bucket_is_a_mount_where_supported_and_a_url_on_runpod(sky_home: Path) -
         tracking_uri=REMOTE_URI,
         experiment_id="1",
         local_config="/tmp/c.yaml",
-        workdir="/tmp",
         environ={},
     )
     import sky
@@ -156,7 +169,6 @@ def test_attempt_and_budget_reach_the_nodes(sky_home: Path) -> None:
         tracking_uri=REMOTE_URI,
         experiment_id="7",
         local_config="/tmp/cfg.yaml",
-        workdir=str(sky_task.project_root()),
         environ={"LLMCTL_ATTEMPT": "9", "LLMCTL_OTHER": "x"},
         attempt_env=attempt,
     )
@@ -167,10 +179,7 @@ def test_attempt_and_budget_reach_the_nodes(sky_home: Path) -> None:
 
 
 def _fake_python(tmp_path: Path) -> Path:
-    fake = tmp_path / "python"
-    fake.write_text('#!/bin/sh\nfor a in "$@"; do printf "%s\\n" "$a"; done\n')
-    fake.chmod(0o755)
-    return fake
+    return node_python(tmp_path / "python", 'for a in "$@"; do printf "%s\\n" "$a"; done')
 
 
 def _node_argv(tmp_path: Path, ips: list[str], rank: int, envs: dict[str, str]) -> list[str]:
@@ -183,12 +192,15 @@ def _node_argv(tmp_path: Path, ips: list[str], rank: int, envs: dict[str, str]) 
         "SKYPILOT_NODE_RANK": str(rank),
         "SKYPILOT_NUM_GPUS_PER_NODE": "8",
         "SKYPILOT_NODE_IPS": "\n".join(ips),
+        **version_env(),
         **{k: v for k, v in envs.items() if k.startswith("LLMCTL_")},
         "LLMCTL_PYTHON": str(_fake_python(tmp_path)),
     }
-    return subprocess.run(
+    said, *argv = subprocess.run(
         ["bash", "-c", sky_task.RUN], env=env, capture_output=True, text=True, check=True
     ).stdout.splitlines()
+    assert said == f"llmctl on node {rank}: {describe()}"  # what the node runs, in the run's log first
+    return argv
 
 
 @pytest.mark.parametrize("rank", [0, 1])
@@ -217,7 +229,6 @@ def test_cpu_nodes_take_process_count_from_config(tmp_path: Path) -> None:
         tracking_uri=REMOTE_URI,
         experiment_id="1",
         local_config="/tmp/c.yaml",
-        workdir="/tmp",
         environ={},
     )
     assert config["envs"]["LLMCTL_NPROC_PER_NODE"] == "2"

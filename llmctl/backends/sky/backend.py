@@ -31,6 +31,7 @@ from llmctl.config.compose import Composed, to_yaml
 from llmctl.config.launcher_checks import resolve_layout
 from llmctl.controller.procs import stop_controller
 from llmctl.controller.workdir import run_dir
+from llmctl.distribution.wheel import wheel_for_nodes
 from llmctl.errors import ConfigError, LaunchError
 from llmctl.plan.devices import Hardware
 from llmctl.plan.job_plan import Plan
@@ -304,7 +305,6 @@ class SkyBackend:
             tracking_uri=uri,
             experiment_id="<experiment-id>",
             local_config="<run-dir>/config.yaml",
-            workdir=str(sky_task.project_root()),
             settings=infra,
         )
         # both modes priced (the estimate lists them), where SkyPilot says the provider sells spot
@@ -382,7 +382,7 @@ class SkyBackend:
             tracking_uri=handle.uri,
             experiment_id=handle.experiment_id,
             local_config=str(rdir / name),
-            workdir=str(sky_task.project_root()),
+            wheel=str(wheel_for_nodes()),
             attempt_env=handle.attempt_env,
             settings=infra,
             job=plan.job,

@@ -6,6 +6,16 @@ NPROC="${LLMCTL_NPROC_PER_NODE:-$SKYPILOT_NUM_GPUS_PER_NODE}"
 MASTER_ADDR="${SKYPILOT_NODE_IPS%%$'\n'*}"
 # this node's own line of the list: where the other nodes reach it (its hostname may resolve elsewhere)
 THIS_ADDR="$(sed -n "$((SKYPILOT_NODE_RANK + 1))p" <<< "$SKYPILOT_NODE_IPS")"
+# the node must run the controller's llmctl, build and all (a shared-filesystem Python, or a venv
+# kept from another launch, may hold another): said in the run's log, refused when it differs
+# (from / : `python -m` puts the working directory first on the path, where an llmctl folder may lie)
+HAVE="$(cd / && "$PY" -m llmctl --version 2>/dev/null || true)"
+echo "llmctl on node ${SKYPILOT_NODE_RANK}: ${HAVE:-none}"
+if [ "$HAVE" != "$LLMCTL_VERSION_LINE" ]; then
+  echo "llmctl: node ${SKYPILOT_NODE_RANK} runs ${HAVE:-no llmctl}, the controller $LLMCTL_VERSION_LINE: not started." \
+    "Fix: give infra.node_python the controller's llmctl, or leave it unset: the nodes then install the controller's wheel" >&2
+  exit 3
+fi
 LLMCTL_CONFIG="$HOME/.llmctl/runs/$LLMCTL_RUN_ID/config.yaml"
 # the contract's run folder (the resolved config.yaml), as on infra=local: every workload gets it
 export LLMCTL_RUN_DIR="$HOME/.llmctl/runs/$LLMCTL_RUN_ID"

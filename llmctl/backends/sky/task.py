@@ -3,9 +3,10 @@
 The dict is what ``sky.Task.from_yaml_config`` loads and what ``llmctl plan`` prints, so the task a
 user reviews is the task that launches. What it reads of ``infra`` is ``SkySettings``
 (``settings.py``), built once by the backend's ``plan``. Node-side behaviour lives in two shell
-scripts: setup (``SETUP``) installs this project (or checks a shared-filesystem Python), run
-(``node_run.sh``, beside this module) starts torchrun from the ``SKYPILOT_*`` environment SkyPilot
-gives every node.
+scripts: setup (``SETUP``) installs the controller's llmctl from the wheel the task ships
+(``llmctl.distribution.wheel``; or checks a shared-filesystem Python), run (``node_run.sh``, beside
+this module) checks the node runs the controller's build and starts torchrun from the ``SKYPILOT_*``
+environment SkyPilot gives every node.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 from llmctl.backends.sky.settings import SkySettings
 from llmctl.config.workload import is_command
+from llmctl.distribution.identity import describe
 from llmctl.errors import ConfigError
 from workloads.protocol.run_contract import ENV_ELASTIC_SHUTDOWN, elastic_shutdown_timeout
 
@@ -28,6 +30,10 @@ REMOTE_PROGRAM = "~/.llmctl/runs/{run_id}/program"
 # eval.include_path (the user's own lm-eval task YAMLs and their data) on every node; the nodes'
 # config names this path instead of the controller's (``node_config``)
 REMOTE_TASKS = "~/.llmctl/runs/{run_id}/eval-tasks"
+# the controller's llmctl as a wheel, where SETUP installs it from (a file mount)
+REMOTE_WHEEL = "~/.llmctl/wheels/{name}"
+# what the plan shows for the wheel, which only a launch builds
+WHEEL_PLACEHOLDER = "<llmctl wheel>"
 # credentials copied from the launching environment into SkyPilot secrets (never envs, never MLflow)
 SECRET_ENVS = (
     "MLFLOW_TRACKING_USERNAME",
@@ -47,14 +53,25 @@ if [ -n "${LLMCTL_PYTHON:-}" ]; then
   "$LLMCTL_PYTHON" -c 'import llmctl, torch, mlflow' \\
     || { echo "llmctl: infra.node_python=$LLMCTL_PYTHON cannot import llmctl/torch/mlflow" >&2; exit 1; }
 else
+  # the controller's llmctl, shipped as a wheel, in a venv of its own; kept while it is that build
   VENV="$HOME/.llmctl/venv"
+  WHEEL="$HOME/.llmctl/wheels/$LLMCTL_WHEEL"
   UV="$(command -v uv || echo "$HOME/.local/bin/uv")"
-  if [ -x "$UV" ]; then
-    [ -x "$VENV/bin/python" ] || "$UV" venv --quiet --python "$(command -v python3)" "$VENV"
-    "$UV" pip install --quiet --python "$VENV/bin/python" $LLMCTL_PIP_ARGS -e ".${LLMCTL_EXTRAS:-}"
-  else
-    [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
-    "$VENV/bin/pip" install --quiet $LLMCTL_PIP_ARGS -e ".${LLMCTL_EXTRAS:-}"
+  node_install() {
+    if [ -x "$UV" ]; then "$UV" pip install --quiet --python "$VENV/bin/python" "$@"
+    else "$VENV/bin/pip" install --quiet "$@"; fi
+  }
+  # from / : `python -m` puts the working directory first on the path, where an llmctl folder may lie
+  installed() { (cd / && "$VENV/bin/python" -m llmctl --version 2>/dev/null) || true; }
+  if [ ! -x "$VENV/bin/python" ]; then
+    if [ -x "$UV" ]; then "$UV" venv --quiet --python "$(command -v python3)" "$VENV"; else python3 -m venv "$VENV"; fi
+  fi
+  if [ "$(installed)" != "$LLMCTL_VERSION_LINE" ]; then
+    node_install $LLMCTL_PIP_ARGS "$WHEEL${LLMCTL_EXTRAS:-}"
+    # the same version number from another build: pip keeps what it has unless told
+    [ "$(installed)" = "$LLMCTL_VERSION_LINE" ] || node_install --no-deps --force-reinstall "$WHEEL"
+  elif [ -n "${LLMCTL_EXTRAS:-}" ]; then
+    node_install $LLMCTL_PIP_ARGS "$WHEEL$LLMCTL_EXTRAS"
   fi
 fi
 """
@@ -146,6 +163,21 @@ def resources(settings: SkySettings) -> dict[str, Any]:
     return res
 
 
+def node_extras(cfg: Mapping[str, Any]) -> list[str]:
+    """The extras the nodes install with llmctl's wheel: what this config uses beyond the base install."""
+    model, train = cfg.get("model") or {}, cfg.get("train") or {}
+    urls = [str((cfg.get("checkpoint") or {}).get("dir") or ""), str((cfg.get("data") or {}).get("source") or "")]
+    wanted = {
+        "eval": bool((cfg.get("eval") or {}).get("tasks")),  # eval.tasks, or a score job: lm-eval on the nodes
+        "qlora": str((model.get("lora") or {}).get("quantize_base") or "none") == "nf4",
+        "fp8": str(train.get("fp8") or "none") != "none",
+        "gpu": str(model.get("loss_kernel") or "") == "liger",
+        "s3": any(u.startswith("s3://") for u in urls),
+        "gcs": any(u.startswith("gs://") for u in urls),
+    }
+    return sorted(name for name, needed in wanted.items() if needed)
+
+
 def secrets_from(environ: Mapping[str, str], tracking_uri: str, named: Sequence[str] = ()) -> dict[str, str]:
     """Credentials present in the launching environment (``named``: a command workload's
     ``workload.secrets`` besides llmctl's own list); a URI with a password is one too."""
@@ -170,7 +202,8 @@ def task_config(
     tracking_uri: str,
     experiment_id: str,
     local_config: str,
-    workdir: str,
+    wheel: str = WHEEL_PLACEHOLDER,
+    version_line: Optional[str] = None,
     environ: Optional[Mapping[str, str]] = None,
     attempt_env: Optional[Mapping[str, str]] = None,
     settings: Optional[SkySettings] = None,
@@ -180,6 +213,8 @@ def task_config(
 ) -> dict[str, Any]:
     """The SkyPilot task as a YAML-style dict (``sky.Task.from_yaml_config`` loads it).
 
+    ``wheel``: the controller's llmctl as a wheel (``llmctl.distribution.wheel``), installed on the nodes;
+    ``version_line``: its ``llmctl --version``, which every node checks it runs before it starts.
     ``attempt_env``: the attempt number and the budget guard's inputs (``RunHandle.attempt_env``).
     ``settings``: the plan's (default: built from ``cfg["infra"]``). ``program_dir``: for
     ``workload=command``, the directory shipped to the nodes (default: the current one). ``job``:
@@ -194,12 +229,15 @@ def task_config(
         "MLFLOW_EXPERIMENT_ID": experiment_id,
         "PYTHONUNBUFFERED": "1",
         "LLMCTL_PIP_ARGS": str(infra.pip_args or ""),
+        "LLMCTL_WHEEL": Path(wheel).name,
+        "LLMCTL_VERSION_LINE": version_line or describe(),
         # torchrun on the nodes gets stops itself (SkyPilot, Slurm): torch >= 2.12 then honours the grace
         ENV_ELASTIC_SHUTDOWN: elastic_shutdown_timeout(grace_s),
     }
     ev = cfg.get("eval") or {}
-    if ev.get("tasks"):  # eval.tasks, or a score job: the nodes score checkpoints with lm-eval
-        envs["LLMCTL_EXTRAS"] = "[eval]"
+    extras = node_extras(cfg)
+    if extras:
+        envs["LLMCTL_EXTRAS"] = f"[{','.join(extras)}]"
     if job == "score":
         envs["LLMCTL_WORKLOAD"] = "score"
         if parallelize:
@@ -211,7 +249,10 @@ def task_config(
         envs["LLMCTL_NPROC_PER_NODE"] = str(nproc_per_node(cfg, infra))
     if infra.node_python:
         envs["LLMCTL_PYTHON"] = str(infra.node_python)
-    file_mounts: dict[str, Any] = {REMOTE_CONFIG.format(run_id=run_id): local_config}
+    file_mounts: dict[str, Any] = {
+        REMOTE_CONFIG.format(run_id=run_id): local_config,
+        REMOTE_WHEEL.format(name=Path(wheel).name): wheel,
+    }
     if ev.get("tasks") and ev.get("include_path"):  # the user's task YAMLs, where the nodes' config says
         file_mounts[REMOTE_TASKS.format(run_id=run_id)] = str(Path(str(ev["include_path"])).expanduser().resolve())
     if is_command(cfg) and job == "train":  # the user's program and its files: the directory llmctl was launched from
@@ -222,7 +263,6 @@ def task_config(
     task: dict[str, Any] = {
         "name": cfg["tracking"]["run_name"] or f"llmctl-{cfg['model']['name']}",
         "num_nodes": int(infra.nodes),
-        "workdir": workdir,
         "resources": resources(infra),
         "envs": envs,
         "file_mounts": file_mounts,
@@ -232,14 +272,3 @@ def task_config(
     if secrets:
         task["secrets"] = secrets
     return task
-
-
-def project_root() -> Path:
-    """The source tree that is synced to the nodes as the workdir (a checkout with pyproject.toml)."""
-    root = Path(__file__).resolve().parents[3]
-    if not (root / "pyproject.toml").is_file() or not (root / "workloads").is_dir():
-        raise ConfigError(
-            f"infra.kind=sky ships this project's source to the nodes, but {root} is not a"
-            " source checkout. Fix: run llmctl from a clone (pip install -e .)"
-        )
-    return root
