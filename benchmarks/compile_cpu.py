@@ -15,8 +15,8 @@ os.environ.setdefault("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")
 
 import torch
 
-from workloads.pretrain.contract.schema import ModelCfg
 from workloads.pretrain.model.transformer import apply_compile, build_model
+from workloads.protocol.schema import ModelCfg
 
 STEPS = 6
 

@@ -48,7 +48,7 @@ def shape() -> str:
 def config(cuda: bool, tiny: bool = False):
     from omegaconf import OmegaConf
 
-    from workloads.pretrain.contract.schema import TrainerCfg
+    from workloads.protocol.schema import TrainerCfg
 
     cfg = OmegaConf.structured(TrainerCfg)
     model = "1b" if cuda else "smoke"

@@ -263,8 +263,8 @@ def _checkpoint(rdir: Path, min_step: int) -> tuple[Optional[int], list[str]]:
     ``min_step`` and load into the model with the trainer's own loader, every weight finite."""
     import torch
 
-    from workloads.pretrain.contract import config
     from workloads.pretrain.evaluate import load_model
+    from workloads.protocol import config
     from workloads.protocol.checkpoint_layout import latest_complete, step_dir
 
     cfg = config.load(str(rdir / "config.yaml"))

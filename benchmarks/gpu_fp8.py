@@ -11,7 +11,7 @@ Two models at a time (bf16 stays, each FP8 recipe is built, measured and freed i
 included), ``ROUNDS`` windows of ``STEPS`` steps alternate between bf16 and the FP8 recipe
 (``gpu_timing.alternate``); tokens/s is the median over windows, the ratio is against the bf16
 windows of the same alternation. TFLOP/s and MFU use FLOPs/token = 6N + 12·L·H·Q·T and the
-**bf16** dense peak (workloads/pretrain/contract/hardware.py), as torchtitan reports FP8 MFU, so FP8's MFU
+**bf16** dense peak (workloads/planner/hardware.py), as torchtitan reports FP8 MFU, so FP8's MFU
 can be read as "fraction of the bf16 roofline". Memory, in GiB: what the contender keeps resident
 (weights, AdamW state) plus the most one timed step adds (the peak is reset after warm-up, so build
 and compile buffers do not count).
@@ -45,7 +45,7 @@ TAG = "gpu_fp8"
 def config(recipe: str):
     from omegaconf import OmegaConf
 
-    from workloads.pretrain.contract.schema import TrainerCfg
+    from workloads.protocol.schema import TrainerCfg
 
     cfg = OmegaConf.structured(TrainerCfg)
     cfg.model = OmegaConf.merge(cfg.model, OmegaConf.load(REPO / "conf/model/1b.yaml"))
@@ -118,7 +118,7 @@ def main() -> int:
     from gpu_timing import alternate
 
     from workloads.pretrain.components.metrics import peak_tflops
-    from workloads.pretrain.contract.shape import flops_per_token
+    from workloads.protocol.shape import flops_per_token
 
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)

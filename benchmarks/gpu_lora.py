@@ -14,7 +14,7 @@ freed): an 8B LoRA and an 8B QLoRA model do not comfortably share one card.
 
 FLOPs per token, as PEFT's peers count LoRA (a frozen weight has no weight-gradient GEMM): 4N for
 the frozen base and LM head, plus 6 per adapter parameter, plus attention's 12·L·H·Q·T; MFU of
-the card's bf16 dense peak (``workloads/pretrain/contract/hardware.py``). Memory: the peak the
+the card's bf16 dense peak (``workloads/planner/hardware.py``). Memory: the peak the
 CUDA allocator saw over the timed steps. The anchor: NeMo AutoModel's Llama 3 8B LoRA on one H100,
 12,473 tokens/s (its published performance summary); the 8B LoRA line says where llmctl stands.
 
@@ -55,7 +55,7 @@ TINY = ["dim=256", "n_layers=2", "n_heads=4", "n_kv_heads=2", "hidden_dim=512", 
 def config(shape: str, qlora: bool, cuda: bool):
     from omegaconf import OmegaConf
 
-    from workloads.pretrain.contract.schema import TrainerCfg
+    from workloads.protocol.schema import TrainerCfg
 
     cfg = OmegaConf.structured(TrainerCfg)
     if shape == "tiny":
@@ -81,7 +81,7 @@ def config(shape: str, qlora: bool, cuda: bool):
 def lora_flops_per_token(model_cfg, seq_len: int) -> int:
     """4N (frozen: forward and input-gradient GEMMs only) + 6 per adapter parameter + attention:
     ``shape.flops_per_token`` counts a LoRA config so itself."""
-    from workloads.pretrain.contract.shape import flops_per_token
+    from workloads.protocol.shape import flops_per_token
 
     assert model_cfg.lora.rank, "a LoRA config (model.lora.rank > 0)"
     return flops_per_token(model_cfg, seq_len)

@@ -44,8 +44,8 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import plain_llama  # noqa: E402
 
 from workloads.pretrain.components.optim import build_optimizer  # noqa: E402
-from workloads.pretrain.contract.shape import num_params  # noqa: E402
 from workloads.pretrain.model.transformer import build_model  # noqa: E402
+from workloads.protocol.shape import num_params  # noqa: E402
 
 THREADS = int(os.environ.get("KERNELS_CPU_THREADS", "1"))
 # shape -> (batch, seq, warmup steps, rounds, steps per window)
@@ -56,7 +56,7 @@ CONTENDERS = ("fused", "plain", "hf")
 def model_cfg(shape: str):
     from omegaconf import OmegaConf
 
-    from workloads.pretrain.contract.schema import ModelCfg
+    from workloads.protocol.schema import ModelCfg
 
     cfg = OmegaConf.merge(OmegaConf.structured(ModelCfg), OmegaConf.load(REPO / f"conf/model/{shape}.yaml"))
     cfg.kernels = "fused"
@@ -66,7 +66,7 @@ def model_cfg(shape: str):
 def train_cfg():
     from omegaconf import OmegaConf
 
-    from workloads.pretrain.contract.schema import TrainCfg
+    from workloads.protocol.schema import TrainCfg
 
     return OmegaConf.to_object(
         OmegaConf.merge(OmegaConf.structured(TrainCfg), OmegaConf.load(REPO / "conf/train/default.yaml"))

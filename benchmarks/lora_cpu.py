@@ -70,7 +70,7 @@ HF_NAMES = {
 
 
 def model_cfg():
-    from workloads.pretrain.contract.schema import ModelCfg
+    from workloads.protocol.schema import ModelCfg
 
     heads = max(DIM // 64, 2)
     return ModelCfg(
@@ -88,7 +88,7 @@ def model_cfg():
 
 
 def lora_cfg(quantize: bool):
-    from workloads.pretrain.contract.schema import LoraCfg, QuantizeBase
+    from workloads.protocol.schema import LoraCfg, QuantizeBase
 
     return LoraCfg(rank=RANK, alpha=ALPHA, quantize_base=QuantizeBase.nf4 if quantize else QuantizeBase.none)
 
@@ -96,7 +96,7 @@ def lora_cfg(quantize: bool):
 def train_cfg():
     from omegaconf import OmegaConf
 
-    from workloads.pretrain.contract.schema import TrainCfg
+    from workloads.protocol.schema import TrainCfg
 
     return OmegaConf.to_object(
         OmegaConf.merge(OmegaConf.structured(TrainCfg), OmegaConf.load(REPO / "conf/train/default.yaml"))
@@ -185,7 +185,7 @@ class Contender:
 
 
 def main() -> int:
-    from workloads.pretrain.contract.shape import num_params
+    from workloads.protocol.shape import num_params
 
     torch.set_num_threads(THREADS)
     cfg = model_cfg()

@@ -43,7 +43,7 @@ def main() -> None:
 
     from oracles.memory_tracker import CASES, TRACKER_PARTS, compare
 
-    from workloads.pretrain.contract.memory_plan import PARTS
+    from workloads.planner.memory_plan import PARTS
 
     warnings.filterwarnings("ignore")
     logging.getLogger("torch.distributed").setLevel(logging.ERROR)  # DTensor's 2-D grad-norm notice

@@ -117,7 +117,7 @@ def run_case(case: dict, device: str) -> dict:
     import torch
     from oracles.memory_tracker import tracked_peak, trainer_cfg
 
-    from workloads.pretrain.contract.memory_plan import plan_memory
+    from workloads.planner.memory_plan import plan_memory
 
     cfg = {**case["cfg"], "model": {**case["cfg"]["model"], "loss_kernel": "chunked", "compile": False}}
     world = case["world_size"]

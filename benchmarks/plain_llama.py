@@ -92,7 +92,7 @@ class PlainLlama(nn.Module):
 
 def from_model_cfg(cfg) -> PlainLlama:
     """The plain model for a workload ``ModelCfg`` (same shape; load the weights separately)."""
-    from workloads.pretrain.contract.shape import hidden_dim
+    from workloads.protocol.shape import hidden_dim
 
     return PlainLlama(
         int(cfg.vocab_size),

@@ -117,7 +117,7 @@ def ours_cfg(name: str, n_layers: int | None = None, **overrides: Any):
     """conf/model/<name>.yaml as a structured ``ModelCfg``, optionally cut to ``n_layers``."""
     from omegaconf import OmegaConf
 
-    from workloads.pretrain.contract.schema import ModelCfg
+    from workloads.protocol.schema import ModelCfg
 
     cfg = OmegaConf.merge(OmegaConf.structured(ModelCfg), OmegaConf.load(REPO / f"conf/model/{name}.yaml"))
     if n_layers is not None:
@@ -138,8 +138,8 @@ def ours_side(
 ) -> Side:
     """llmctl: ``model.kernels=fused`` (SDPA, fused linear-CE), per-block ``apply_compile``, and for
     ``fsdp`` the trainer's own ``parallelize.apply_fsdp`` (bf16 params, fp32 reduce) on 1 rank."""
-    from workloads.pretrain.contract.shape import flops_per_token
     from workloads.pretrain.model.transformer import apply_compile, build_model
+    from workloads.protocol.shape import flops_per_token
 
     check_settings(precision)
     cfg.kernels = "fused"

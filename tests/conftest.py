@@ -39,7 +39,7 @@ def _split_cores_between_workers() -> None:
     took 49-65 s with 2 threads each on a 2-core machine, 27 s with 1 each (alone: 23 s). The trainer
     and torch both honour an explicit ``OMP_NUM_THREADS``; a value the caller set is kept.
     """
-    from workloads.pretrain.contract.hardware import cpu_threads  # stdlib only
+    from workloads.planner.hardware import cpu_threads  # stdlib only
 
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1 and "OMP_NUM_THREADS" not in os.environ:

@@ -40,7 +40,7 @@ from llmctl.errors import ConfigError, LaunchError
 from llmctl.plan.devices import local_gpu_count, this_machine
 from llmctl.plan.job_plan import Plan
 from llmctl.tracking.mlflow_run import RunHandle
-from workloads.pretrain.contract.hardware import cpu_threads
+from workloads.planner.hardware import cpu_threads
 from workloads.protocol.run_contract import ENV_ELASTIC_SHUTDOWN, elastic_shutdown_timeout
 
 CONFIG_PLACEHOLDER = "<run-dir>/config.yaml"

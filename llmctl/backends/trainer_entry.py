@@ -1,6 +1,6 @@
 """One of the trainer's single-process entry points (``python -m workloads.pretrain.<entry>``) run
 on this machine with a resolved config: ``plan --dry-run`` and ``data prepare``. A process of its
-own, because llmctl imports only the trainer's stdlib contract, never its torch modules."""
+own, because llmctl imports only the workloads' stdlib protocol and planner, never the trainer's torch modules."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Checks composition cannot express, on the plain resolved dict, before anything is created.
 
 The trainer's own rules (value ranges, mesh layout) live with the trainer
-(``workloads.pretrain.contract.validate``) so it applies them under plain torchrun too; llmctl runs the same
+(``workloads.protocol.validate``) so it applies them under plain torchrun too; llmctl runs the same
 functions, on the dict converted once by the trainer's ``config.typed``, and adds the launcher's
 (``infra``). Either way a mistake is a ``ConfigError`` naming the key and the fix.
 """
@@ -12,8 +12,8 @@ from typing import Any
 
 from llmctl.config import workload
 from llmctl.errors import ConfigError
-from workloads.pretrain.contract import validate as trainer
-from workloads.pretrain.contract.config import typed
+from workloads.protocol import validate as trainer
+from workloads.protocol.config import typed
 
 
 def validate(cfg: dict[str, Any]) -> None:
@@ -40,7 +40,7 @@ def check_hardware(cfg: dict[str, Any], hardware: Any) -> None:
     matmuls need an FP8 GPU and ``model.loss_kernel=liger`` a GPU, refused here rather than after a
     cluster is up (the trainer checks the real device again when it starts; a GPU whose name llmctl
     does not know is left to that check)."""
-    from workloads.pretrain.contract.hardware import capability_for, fp8_refusal
+    from workloads.planner.hardware import capability_for, fp8_refusal
 
     tc = typed(cfg)
     recipe = tc.train.fp8.value
@@ -57,7 +57,7 @@ def check_hardware(cfg: dict[str, Any], hardware: Any) -> None:
 
 def pretrained(cfg: dict[str, Any]) -> dict[str, Any]:
     """``model.init_from``: the shape (and tokenizer) are the checkpoint's, as the trainer will see them."""
-    from workloads.pretrain.contract import hf_config
+    from workloads.protocol import hf_config
 
     try:
         return hf_config.resolve(cfg)

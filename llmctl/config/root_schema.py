@@ -1,6 +1,6 @@
 """Typed schema of every config key: the trainer's sections plus the launcher's own.
 
-The trainer owns its contract (``workloads.pretrain.contract.schema``: model, data, train, parallel,
+The trainer's keys live in the protocol (``workloads.protocol.schema``: model, data, train, parallel,
 checkpoint, eval); llmctl adds where the job runs (``infra``) and where it is tracked
 (``tracking``). Stdlib only, so the CLI reads it without importing Hydra. Hydra validates composed
 configs against ``RootCfg`` (registered in a ConfigStore by ``llmctl.config.compose``).
@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from typing import Any, Dict, List, Optional
 
-from workloads.pretrain.contract.schema import (  # noqa: F401 - the enums are looked up by name (config._field_type_name)
+from workloads.protocol.schema import (  # noqa: F401 - the enums are looked up by name (config._field_type_name)
     LAUNCHER_SECTIONS,
     ActivationCheckpointing,
     Arch,
@@ -107,7 +107,7 @@ class WorkloadCfg:
 
 @dataclass
 class RootCfg(TrainerCfg):
-    """The trainer's sections, then the launcher's (``workloads.pretrain.contract.schema.LAUNCHER_SECTIONS``)."""
+    """The trainer's sections, then the launcher's (``workloads.protocol.schema.LAUNCHER_SECTIONS``)."""
 
     infra: InfraCfg = field(default_factory=InfraCfg)
     tracking: TrackingCfg = field(default_factory=TrackingCfg)

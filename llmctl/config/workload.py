@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from llmctl.errors import ConfigError
-from workloads.command.contract import KIND_COMMAND, KIND_PRETRAIN, BadWorkload, check, is_command
+from workloads.protocol.command import KIND_COMMAND, KIND_PRETRAIN, BadWorkload, check, is_command
 
 COMMAND_SECTIONS = ("workload", "infra", "tracking", "checkpoint")
 # names of variables that hold credentials: refused in ``workload.env`` (they would become params)

@@ -19,8 +19,8 @@ Throughput (and overhead, val time) come from the best evidence, which the estim
 
 Pure arithmetic on plain values: the hardware and the catalog offers come with the plan (each
 backend describes what it runs on), the measured history from ``history``; ``planner`` gathers
-them. The model's arithmetic is the trainer's (``workloads.pretrain.contract.shape``, on the config
-as the trainer types it: ``contract.config.typed``). Stdlib only.
+them. The model's arithmetic is the trainer's (``workloads.protocol.shape``, on the config
+as the trainer types it: ``protocol.config.typed``). Stdlib only.
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ from typing import Any, Mapping, Optional
 
 from llmctl.cost.work import Work, regime, work_per_token
 from llmctl.plan.devices import Hardware
-from workloads.pretrain.contract.config import typed
-from workloads.pretrain.contract.hardware import peak_for
-from workloads.pretrain.contract.shape import flops_per_token, hidden_dim, num_params
+from workloads.planner.hardware import peak_for
+from workloads.protocol.config import typed
+from workloads.protocol.shape import flops_per_token, hidden_dim, num_params
 
 MFU_PRIOR = 0.40  # what well-tuned open trainers reach on dense LLMs; the sources are in docs/cost.md
 UNKNOWN_GPU_TFLOPS = 100.0  # a GPU missing from the peak table: a deliberately modest guess
@@ -454,7 +454,7 @@ def estimate(
 def command_key(cfg: Mapping[str, Any]) -> str:
     """What makes two command runs' wall times comparable (tag ``llmctl.shape``): the program with
     its arguments (``workload.args`` included: a sweep's trials differ) and the processes per node."""
-    from workloads.command.contract import program
+    from workloads.protocol.command import program
 
     wl = cfg["workload"]
     return "command:" + " ".join(program(wl)) + f" torchrun={bool(wl.get('torchrun'))}"
@@ -471,7 +471,7 @@ def command_estimate(
     """The estimate of a command workload: ``workload.hours`` if given, else ``measured`` (run id,
     billed wall seconds of an earlier FINISHED run of the same command on this hardware), else
     unknown (the price per hour stands alone)."""
-    from workloads.command.contract import program
+    from workloads.protocol.command import program
 
     hours = cfg["workload"].get("hours")
     if hours is not None:

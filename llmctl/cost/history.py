@@ -120,8 +120,8 @@ def _rank_same(cfg: Mapping[str, Any]) -> Any:
 def _rank_other(cfg: Mapping[str, Any], shape: str) -> Any:
     """Same dtype, kernels, tp and ac first (the shape key after ``-T<seq>-``), then the closest FLOPs
     per token (matmul efficiency grows with size), then the same nodes, then the newest."""
-    from workloads.pretrain.contract.config import typed
-    from workloads.pretrain.contract.shape import flops_per_token
+    from workloads.protocol.config import typed
+    from workloads.protocol.shape import flops_per_token
 
     fpt = flops_per_token(typed(cfg).model, int(cfg["train"]["seq_len"]))
     regime = shape.split("-", 8)[-1]

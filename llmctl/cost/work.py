@@ -2,7 +2,7 @@
 FP8 takes off, in bf16-equivalent FLOPs (the time a token takes x the FLOP/s the device sustains).
 
     model      = 6·N + 12·L·H·Q·T              MFU's numerator; recompute and FP8 do not change it
-    hardware   = model + recompute(ac)         full: each block's forward again, but w2 (contract.shape)
+    hardware   = model + recompute(ac)         full: each block's forward again, but w2 (protocol.shape)
     effective  = (hardware - fp8) + fp8 / s    fp8: the FLOPs of the linears train.fp8 converts
     x (1 + SELECTIVE_AC_TIME)                  ac=selective or full: the ops between matmuls again
 
@@ -18,8 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
-from workloads.pretrain.contract.config import typed
-from workloads.pretrain.contract.shape import (
+from workloads.protocol.config import typed
+from workloads.protocol.shape import (
     flops_per_token,
     forward_flops_per_token,
     fp8_flops_per_token,

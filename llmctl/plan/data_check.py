@@ -8,7 +8,7 @@ A launch must not read terabytes to start, so this reads what is cheap and decis
   listing that fails *here* (no credentials on this machine, no ``s3fs``) is not a refusal, since the
   nodes may hold what this machine lacks; one line says the check was skipped.
 - **Records**, of local ``.jsonl`` (and ``.jsonl.gz``) files: the first ``RECORDS_PER_FILE`` records
-  of each, at most ``BYTES_BUDGET`` bytes in all, parsed by ``workloads.pretrain.contract.records``,
+  of each, at most ``BYTES_BUDGET`` bytes in all, parsed by ``workloads.protocol.records``,
   the same functions the trainer's readers parse every record with (so a record refused here and one
   refused mid-build read alike). A bad record further in is still found, by the trainer, with the
   same message. ``.parquet`` needs pyarrow (the trainer's dependency): listed only.
@@ -34,7 +34,8 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from llmctl.errors import ConfigError, LaunchError
-from workloads.pretrain.contract import data_split, records
+from workloads.planner import data_split
+from workloads.protocol import records
 
 RECORDS_PER_FILE = 1000
 BYTES_BUDGET = 64 << 20  # read at most this much to check records, over all files

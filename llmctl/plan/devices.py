@@ -2,7 +2,7 @@
 
 Backends describe their hardware with ``Hardware`` when they plan; the cost estimate prices it and
 tags runs with it (``llmctl.accelerator``), and never asks a backend. Peak FLOP/s per device are
-the trainer's facts (``workloads.pretrain.contract.hardware``).
+the trainer's facts (``workloads.planner.hardware``).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import subprocess
 from dataclasses import dataclass
 from typing import Optional
 
-from workloads.pretrain.contract.hardware import cpu_cores
+from workloads.planner.hardware import cpu_cores
 
 
 @dataclass(frozen=True)

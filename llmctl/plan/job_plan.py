@@ -19,7 +19,7 @@ def kernel_lines(cfg: dict[str, Any], gpu: bool) -> list[str]:
     """The compute dtype, loss kernel and attention the trainer will run, from the config and the
     target alone (the plan imports no torch): what ``train.dtype=auto`` and ``model.loss_kernel``
     resolve to. The trainer's first lines name the kernels it actually got."""
-    from workloads.pretrain.contract.config import typed
+    from workloads.protocol.config import typed
 
     tc = typed(cfg)
     m, dtype = tc.model, tc.train.dtype
@@ -53,11 +53,11 @@ def count(n: int) -> str:
 
 
 def lora_lines(cfg: dict[str, Any], gpu: bool) -> list[str]:
-    """What a LoRA run trains and what it freezes, from the config alone (``contract.shape``, the
+    """What a LoRA run trains and what it freezes, from the config alone (``protocol.shape``, the
     counts the trainer's own LoRA line prints once the model exists): a user sizing an adapter sees
     its parameters and the NF4 base's bytes before paying. None without ``model.lora.rank``."""
-    from workloads.pretrain.contract import shape
-    from workloads.pretrain.contract.config import typed
+    from workloads.protocol import shape
+    from workloads.protocol.config import typed
 
     m = typed(cfg).model
     if not m.lora.rank:
@@ -117,7 +117,7 @@ class Plan:
             f"processes:   {self.nodes} node(s) x {self.nproc_per_node} = {self.world_size} on {self.device}",
         ]
         if is_command(self.cfg):
-            from workloads.command.contract import program
+            from workloads.protocol.command import program
 
             wl = self.cfg["workload"]
             how = "under torchrun, one per process" if wl.get("torchrun") else "one per node"

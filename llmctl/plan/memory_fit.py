@@ -1,6 +1,6 @@
 """Will it fit? The workload's memory plan against the device's memory, and the cheapest fix if not.
 
-The per-device estimate is the trainer's own (``workloads.pretrain.contract.memory_plan``, stdlib only, held
+The per-device estimate is the trainer's own (``workloads.planner.memory_plan``, stdlib only, held
 against torch's memory tracker by tests/trainer/test_memory_plan.py); the device's memory comes from SkyPilot's catalog
 (``device_memory``) for cloud GPUs (on Slurm, the same GPU name in the clouds' catalogs), ``nvidia-smi`` for
 local GPUs, and this machine's RAM shared by its processes on CPU, unless ``infra.device_memory_gib`` says.
@@ -39,7 +39,7 @@ _SYNC_EACH_COST = 0.02  # a reduce-scatter per micro-batch instead of per step, 
 class MemoryFit:
     """The plan per device, the device's usable memory (None: unknown) and a fix when it does not fit."""
 
-    plan: Any  # workloads.pretrain.contract.memory_plan.MemoryPlan
+    plan: Any  # workloads.planner.memory_plan.MemoryPlan
     device_bytes: Optional[int]
     device_label: str
     fix: list[str] = field(default_factory=list)  # overrides that make it fit
@@ -153,8 +153,8 @@ def check(plan: Any) -> MemoryFit:
 
     Resolves ``parallel.grad_sync=auto`` in ``plan.cfg`` (what the trainer is given): ``step``, one
     reduction per optimizer step, unless only reducing after each micro-batch fits."""
-    from workloads.pretrain.contract.config import typed
-    from workloads.pretrain.contract.memory_plan import plan_memory
+    from workloads.planner.memory_plan import plan_memory
+    from workloads.protocol.config import typed
 
     device = _device_type(plan)
     auto = str(plan.cfg["parallel"].get("grad_sync", "auto")) == "auto"
@@ -180,8 +180,8 @@ def _candidates(cfg: dict[str, Any], world: int, gpus_per_node: int):
     import copy
     import itertools
 
-    from workloads.pretrain.contract.config import typed
-    from workloads.pretrain.contract.validate import ConfigError, resolve_layout
+    from workloads.protocol.config import typed
+    from workloads.protocol.validate import ConfigError, resolve_layout
 
     train, par, model = cfg["train"], cfg["parallel"], cfg["model"]
     ac_now = str(par["ac"])
@@ -233,8 +233,8 @@ def cheapest_fix(
     cfg: dict[str, Any], world: int, device: str, usable: int, gpus_per_node: int
 ) -> Optional[tuple[list[str], Any]]:
     """(overrides, plan) of the cheapest change that brings the plan under ``usable`` bytes."""
-    from workloads.pretrain.contract.config import typed
-    from workloads.pretrain.contract.memory_plan import plan_memory
+    from workloads.planner.memory_plan import plan_memory
+    from workloads.protocol.config import typed
 
     best = None
     for cost, overrides, candidate in _candidates(cfg, world, gpus_per_node):
@@ -249,7 +249,7 @@ def cheapest_fix(
 def dry_run(plan: Any) -> str:
     """``plan --dry-run``: the trainer's model built on meta and parallelised at the plan's world
     size under a fake process group (``python -m workloads.pretrain.dry_run``, a process of its own:
-    llmctl imports only the trainer's contract), against the memory plan."""
+    llmctl imports only the protocol and the planner), against the memory plan."""
     from llmctl.backends.trainer_entry import run_trainer_entry
 
     r = json.loads(run_trainer_entry("dry_run", plan.cfg, "--world-size", str(plan.world_size)).splitlines()[-1])

@@ -2,7 +2,7 @@
 
 The request is checked before anything is written (one line, exit 3): ``--limit`` below 1, a bad
 ``--batch-size``, an unknown task, a task that reads the Hugging Face Hub where the Hub cannot be
-reached (``workloads.pretrain.contract.lm_eval_tasks.check_tasks``: the same check ``launch eval.tasks=...`` runs).
+reached (``llmctl.plan.task_check.check_tasks``: the same check ``launch eval.tasks=...`` runs).
 Then the checkpoint is exported to Hugging Face format in the eval's scratch directory (``--hf DIR``
 skips that: an export already made), ``python -m workloads.pretrain.harness`` scores it in a
 process of its own, and the result goes into the run the checkpoint belongs to:
@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from llmctl.errors import ConfigError, LaunchError
-from workloads.pretrain.contract.lm_eval_tasks import check_tasks, harness_command
-from workloads.pretrain.contract.lm_eval_tasks import log_scores as write_scores
+from llmctl.plan.task_check import check_tasks
+from workloads.protocol.lm_eval_results import harness_command
 
 
 @dataclass
@@ -92,11 +92,11 @@ def score(t: Any, request: TaskRequest, hf: Optional[str], echo: Callable[[str],
         r.limit,
         r.batch_size,
         r.parallelize,
+        log_to=(t.run_id, step) if t.run_id else None,  # the harness writes the scores into the run
     )
+    env = {**ev._env(1), "MLFLOW_TRACKING_URI": t.uri}
     with open(t.workdir / "lm_eval.log", "w") as log:
-        proc = subprocess.Popen(
-            cmd, env=ev._env(1), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
-        )
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
         assert proc.stdout is not None
         for line in proc.stdout:
             log.write(line)
@@ -106,19 +106,9 @@ def score(t: Any, request: TaskRequest, hf: Optional[str], echo: Callable[[str],
     if code != 0 or not out.is_file():
         raise LaunchError(f"lm-eval exited with code {code} (log: {t.workdir / 'lm_eval.log'})")
     result = json.loads(out.read_text())
-    if t.run_id:
-        log_scores(t.uri, t.run_id, result, step, samples)
     if not hf:  # the scored export is scratch: `llmctl export` writes one to keep
         shutil.rmtree(hf_dir, ignore_errors=True)
     return result, step
-
-
-def log_scores(uri: str, run_id: str, result: dict[str, Any], step: int, samples: Optional[Path]) -> None:
-    """Scores at ``step``, versions as params, results and per-sample logs as artifacts (the
-    contract's ``log_scores``: the one writer every place that scores uses)."""
-    from llmctl.tracking.mlflow_run import client
-
-    write_scores(client(uri), run_id, result, step, samples)
 
 
 # ----------------------------------------------------------------------------- on the run's infra
@@ -130,10 +120,12 @@ def on_infra(t: Any) -> bool:
 
 
 def job_config(t: Any, request: TaskRequest, step: Optional[int]) -> dict[str, Any]:
-    """The run's config (with the eval's overrides: ``infra.accelerators=H100:1`` to score on a smaller
-    node) as the score job needs it: the request in ``eval.*``, the checkpoint ``step`` pinned (None: the
+    """The run's config (with the eval's overrides: ``infra.accelerators=A10G:1`` to score on another
+    GPU) as the score job needs it: the request in ``eval.*``, the checkpoint ``step`` pinned (None: the
     node takes the newest), one node, a cluster job (a managed run's too, torn down after), the default
-    mesh (the job is one process: the training's mesh need not fit one node)."""
+    mesh (the job is one process: the training's mesh need not fit one node), and one GPU of the run's
+    kind unless ``--parallelize`` spreads the model over a node's (a new cluster is not rented at the
+    training's 8 GPUs to score on one; the run's cluster, while it is up, is reused as it is)."""
     cfg, r = dict(t.cfg), request
     include = str(Path(r.include_path).expanduser().resolve()) if r.include_path else None
     cfg["eval"] = {
@@ -147,6 +139,11 @@ def job_config(t: Any, request: TaskRequest, step: Optional[int]) -> dict[str, A
         "every": None,
     }
     infra = {**cfg["infra"], "nodes": 1, "managed": False}
+    gpu = str(infra.get("accelerators") or "")
+    if gpu and not r.parallelize:
+        infra["accelerators"] = f"{gpu.partition(':')[0]}:1"
+        if infra.get("nproc_per_node"):
+            infra["nproc_per_node"] = 1
     if cfg["infra"].get("managed"):  # its cluster was the jobs controller's: this one goes when the job ends
         infra["down"] = True
     cfg["infra"] = infra

@@ -33,7 +33,7 @@ from typing import Any, Callable, Optional
 from llmctl.errors import ConfigError, LaunchError
 from llmctl.tracking.logged_models import URI_PREFIX
 from llmctl.tracking.logged_models import resolve as resolve_model
-from workloads.pretrain.contract.hardware import cpu_threads
+from workloads.planner.hardware import cpu_threads
 from workloads.protocol.run_contract import EXPORT_DTYPES, EXPORT_INFO
 
 # ``data.*`` overrides of an existing run would change how its tokenizer was built; for eval they

@@ -13,9 +13,9 @@ import tempfile
 from typing import Any, Callable, Optional
 
 from llmctl.errors import ConfigError
-from workloads.pretrain.contract import schedule
-from workloads.pretrain.contract.config import typed
+from workloads.planner import schedule
 from workloads.protocol.checkpoint_layout import latest_complete
+from workloads.protocol.config import typed
 
 # groups whose sections are re-derived when changed; experiment/model cannot change under a checkpoint
 RESECTION = {"infra": ("infra", "parallel"), "parallel": ("parallel",), "data": ("data",), "train": ("train",)}

@@ -31,7 +31,7 @@ from typing import Any, Optional
 from llmctl.controller.procs import Interrupted, raise_interrupted, same_process
 from llmctl.errors import ConfigError, LaunchError
 from llmctl.sweep import state
-from workloads.pretrain.contract.hardware import cpu_threads
+from workloads.planner.hardware import cpu_threads
 
 POLL_S = 0.5
 STOP_GRACE_S = 45.0  # the local backend's own stop escalation takes up to ~25 s

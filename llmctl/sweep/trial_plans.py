@@ -15,7 +15,7 @@ from llmctl.errors import ConfigError
 from llmctl.plan.devices import local_gpu_count
 from llmctl.sweep import table
 from llmctl.tracking.mlflow_run import redact
-from workloads.pretrain.contract.hardware import cpu_cores
+from workloads.planner.hardware import cpu_cores
 
 
 def default_max_parallel() -> int:

@@ -395,7 +395,7 @@ def _against_estimate(mc: Any, handle: RunHandle, elapsed_s: float) -> str:
     """`` (estimated 89 s)``, or `` (estimated 89 s: 2.4x slower)``; "" without an estimate. The plan's
     estimate leaves in-training lm-eval scoring out (``plan`` says so): its time (the trainer's
     ``TASKS_TIME`` metric) is set apart and named, not counted as slowness."""
-    from workloads.pretrain.contract.lm_eval_tasks import TASKS_TIME
+    from workloads.protocol.lm_eval_results import TASKS_TIME
 
     try:
         est_s = float(mc.get_run(handle.run_id).data.tags["time/estimate_h"]) * 3600

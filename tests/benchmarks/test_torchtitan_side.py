@@ -150,7 +150,7 @@ def test_both_sides_count_the_same_flops(titan: str, shape: str, layers: int | N
     else:
         ours_name, flavor = ts.SHAPES[shape]
         ours, theirs = ts.ours_cfg(ours_name, layers), ts.titan_config(flavor, layers)
-    from workloads.pretrain.contract.shape import flops_per_token
+    from workloads.protocol.shape import flops_per_token
 
     assert flops_per_token(ours, seq) == ts.titan_flops(theirs, seq)
 

@@ -242,7 +242,7 @@ def _doc_default(text: str, hint):
 
 def _schema_fields() -> dict:
     """{"section.key": (type hint, default)} of every leaf of llmctl's root schema (the trainer's
-    sections, ``workloads.pretrain.contract.schema``, plus ``infra`` and ``tracking``)."""
+    sections, ``workloads.protocol.schema``, plus ``infra`` and ``tracking``)."""
     import typing
     from dataclasses import MISSING, fields, is_dataclass
 

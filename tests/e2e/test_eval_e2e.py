@@ -83,8 +83,8 @@ def test_export_loads_in_transformers_and_accelerate_eval_matches(trained) -> No
     import torch
     import transformers
 
-    from workloads.pretrain.contract.config import load as load_config
     from workloads.pretrain.evaluate import load_model
+    from workloads.protocol.config import load as load_config
 
     cwd, env, uri, run_id = trained
     out = run_cli(["export", run_id, "--format", "hf", "--dtype", "fp32", "--out", str(cwd / "hf")], cwd, env)

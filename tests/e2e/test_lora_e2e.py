@@ -193,8 +193,8 @@ def _llmctl_logits(cwd: Path, rid: str, x: torch.Tensor, monkeypatch) -> torch.T
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
-    from workloads.pretrain.contract.config import load
     from workloads.pretrain.train import init_distributed, load_pretrained
+    from workloads.protocol.config import load
 
     for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
         monkeypatch.delenv(var, raising=False)

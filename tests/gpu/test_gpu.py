@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parents[2]
 def _model_cfg(name: str = "tiny", **fields):
     from omegaconf import OmegaConf
 
-    from workloads.pretrain.contract.schema import ModelCfg
+    from workloads.protocol.schema import ModelCfg
 
     cfg = OmegaConf.merge(OmegaConf.structured(ModelCfg), OmegaConf.load(REPO / f"conf/model/{name}.yaml"))
     return OmegaConf.to_object(OmegaConf.merge(cfg, fields))  # a ModelCfg, as the trainer reads it
@@ -84,9 +84,9 @@ def test_bf16_fsdp_tracks_fp32(single_rank_group) -> None:
     from torch.distributed.tensor import DTensor
 
     from workloads.pretrain.components.optim import build_optimizer
-    from workloads.pretrain.contract.schema import TrainCfg
     from workloads.pretrain.model.transformer import build_model
     from workloads.pretrain.parallel.parallelize import apply_fsdp
+    from workloads.protocol.schema import TrainCfg
 
     torch.backends.cuda.matmul.allow_tf32 = False
     cfg = _model_cfg("tiny", dim=256, n_layers=4, n_heads=8, n_kv_heads=4)
@@ -216,7 +216,7 @@ def _trainer(tmp_path: Path, name: str, cache: Path, model: str, **overrides) ->
     """Run ``python -m workloads.pretrain`` on a written config; the loss file and stdout."""
     from omegaconf import OmegaConf
 
-    from workloads.pretrain.contract.schema import TrainerCfg
+    from workloads.protocol.schema import TrainerCfg
 
     cfg = OmegaConf.structured(TrainerCfg)
     cfg.model = OmegaConf.merge(cfg.model, OmegaConf.load(REPO / f"conf/model/{model}.yaml"))
@@ -259,15 +259,13 @@ def test_mfu_is_the_models_flops_over_the_devices_peak(tmp_path: Path, cache_dir
     that peak (over 1%: a unit slip of 10^3 lands far outside, under 100%: no double counting)."""
     from omegaconf import OmegaConf
 
-    from workloads.pretrain.contract.hardware import peak_for
-    from workloads.pretrain.contract.schema import ModelCfg
-    from workloads.pretrain.contract.shape import flops_per_token
+    from workloads.planner.hardware import peak_for
+    from workloads.protocol.schema import ModelCfg
+    from workloads.protocol.shape import flops_per_token
 
     peak = peak_for(torch.cuda.get_device_name(0), "bf16")
     if peak is None:
-        pytest.skip(
-            f"no peak TFLOP/s known for {torch.cuda.get_device_name(0)} (workloads/pretrain/contract/hardware.py)"
-        )
+        pytest.skip(f"no peak TFLOP/s known for {torch.cuda.get_device_name(0)} (workloads/planner/hardware.py)")
     run = _trainer(
         tmp_path, "mfu", cache_dir, "125m", **{**SMALL, "train.steps": 30, "train.val_every": 0, "train.dtype": "bf16"}
     )
@@ -299,7 +297,7 @@ def test_fp8_loss_tracks_bf16_over_300_steps(tmp_path: Path, cache_dir: Path) ->
     inside 2%, while a broken cast (wrong scale, e5m2 forward, unscaled gradients) moves the loss by
     tens of percent or stops it falling. The loss must also fall by at least 2 nats, so both sides
     are compared on a real learning curve."""
-    from workloads.pretrain.contract.hardware import FP8_MIN_CAPABILITY
+    from workloads.planner.hardware import FP8_MIN_CAPABILITY
 
     if torch.cuda.get_device_capability(0) < FP8_MIN_CAPABILITY:
         pytest.skip(f"{torch.cuda.get_device_name(0)} has no FP8 tensor cores (compute capability < 8.9)")

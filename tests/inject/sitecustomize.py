@@ -165,7 +165,7 @@ for armed, module, patch in (
     (RAISE_ON, "llmctl.backends.local", _patch_echo),
     (CTRL_C_AFTER_OPEN, "llmctl.cost.ledger", _patch_open_attempt),
     (NO_BUILTIN_TASK_INDEX, "lm_eval.tasks", _patch_task_manager),
-    (NO_SHIPPED_TASK_INDEX, "workloads.pretrain.contract.lm_eval_index", _patch_shipped_index),
+    (NO_SHIPPED_TASK_INDEX, "workloads.planner.lm_eval_index", _patch_shipped_index),
     (FAIL_AT_STEP, "workloads.pretrain.train", _patch_fail_at_step),
     (EXIT_PAUSE_S, "workloads.pretrain.train", _patch_exit_pause),
     (LOSS_FILE, "workloads.pretrain.components.metrics", _patch_loss_file),

@@ -15,8 +15,8 @@ from llmctl.cost import history
 from llmctl.cost.estimate import shape_key
 from llmctl.plan.make import estimate_for as for_plan
 from llmctl.plan.make import make_plan
-from workloads.pretrain.contract.config import typed
-from workloads.pretrain.contract.shape import flops_per_token, num_params
+from workloads.protocol.config import typed
+from workloads.protocol.shape import flops_per_token, num_params
 
 ROOT = Path(__file__).resolve().parents[2]
 REMOTE_URI = "http://mlflow.example:5000"

@@ -12,8 +12,8 @@ from helpers import run_cli
 from llmctl.config.compose import compose
 from llmctl.cost.estimate import Estimate, Measured, estimate, measured_throughput, shape_key
 from llmctl.plan.devices import Hardware
-from workloads.pretrain.contract.config import typed
-from workloads.pretrain.contract.shape import flops_per_token, hidden_dim
+from workloads.protocol.config import typed
+from workloads.protocol.shape import flops_per_token, hidden_dim
 
 H100 = Hardware("H100:8", "H100", 8, 1)
 EIGHT_B = ["model=8b", "train.seq_len=8192", "train.batch_size=64", "train.steps=2000", "train.dtype=bf16"]

@@ -125,7 +125,7 @@ def test_every_backend_implements_the_whole_interface() -> None:
 
 
 # a user program's workload (``workload=command``): what llmctl and its node-side guard share
-COMMAND_CONTRACT = "workloads.command.contract"
+COMMAND_CONTRACT = "workloads.protocol.command"
 # what every workload speaks with its launcher, owned by none of them
 PROTOCOL = "workloads.protocol"
 
@@ -136,14 +136,23 @@ def _foreign(imports: set[str], allowed: tuple[str, ...] = ()) -> list[str]:
 
 
 def test_the_protocol_is_stdlib_and_its_own() -> None:
-    """Every workload and llmctl import the protocol: nothing heavy, no workload's code."""
+    """Every workload and llmctl import the protocol: nothing heavy, no workload's code (omegaconf:
+    ``config.py`` reads a YAML and its overrides with it when called, as the trainer does)."""
     found = set().union(*_imports_of(PROTOCOL).values())
     assert {"os", "fsspec"} <= found, "the scan sees the protocol's imports"
-    assert _foreign(found, ("__future__", "fsspec", PROTOCOL)) == []
+    assert _foreign(found, ("__future__", "fsspec", "omegaconf", PROTOCOL)) == []
+
+
+def test_the_planner_is_stdlib_and_reads_only_the_protocol() -> None:
+    """``llmctl plan`` and the trainer both import the planner: the standard library and the protocol
+    (lm-eval's task index, when a request is checked)."""
+    found = set().union(*_imports_of("workloads.planner").values())
+    assert {"math", PROTOCOL + ".schema"} <= found, "the scan sees the planner's imports"
+    assert _foreign(found, ("__future__", "lm_eval", PROTOCOL, "workloads.planner")) == []
 
 
 def test_the_command_contract_is_stdlib() -> None:
-    """``workloads/command/contract.py`` reaches every ``llmctl plan``: the standard library only."""
+    """``workloads/protocol/command.py`` reaches every ``llmctl plan``: the standard library only."""
     found = _imports_of(COMMAND_CONTRACT)[COMMAND_CONTRACT]
     assert found and _foreign(found, ("__future__",)) == [], found
 
@@ -154,7 +163,7 @@ def test_the_stdlib_check_can_fail() -> None:
 
 @pytest.mark.parametrize(
     "module",
-    sorted(_imports_of("workloads.pretrain.contract"))
+    sorted(_imports_of("workloads.planner"))
     + sorted(_imports_of(PROTOCOL))
     + ["llmctl.cli", "llmctl.config.root_schema"],
 )

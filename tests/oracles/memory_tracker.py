@@ -66,7 +66,7 @@ def trainer_cfg(cfg: Any):
     ``schema.TrainerCfg``'s defaults under ``cfg`` (a nested dict, an OmegaConf config or a
     ``TrainerCfg``); a launcher's sections (``infra``, ``tracking``) are dropped. What
     ``Transformer`` and ``parallelize`` read."""
-    from workloads.pretrain.contract.config import typed
+    from workloads.protocol.config import typed
 
     return typed(cfg)
 
@@ -434,7 +434,7 @@ CASES = [
 
 def compare(case: dict[str, Any]) -> tuple[Any, dict[str, Any], float]:
     """(plan, tracker's peak, relative error of the plan's total) for one of ``CASES``, on CPU."""
-    from workloads.pretrain.contract.memory_plan import plan_memory
+    from workloads.planner.memory_plan import plan_memory
 
     plan = plan_memory(trainer_cfg(case["cfg"]), case["world_size"], device="cpu")
     tracked = tracked_peak(case["cfg"], case["world_size"], device="cpu")

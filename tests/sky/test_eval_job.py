@@ -39,6 +39,19 @@ def test_the_job_scores_the_request_on_one_node_as_a_cluster_job(tmp_path: Path)
     assert benchmark_scores.on_infra(t) and not benchmark_scores.on_infra(_target([], tmp_path))
 
 
+def test_the_job_rents_one_gpu_unless_it_spreads_the_model() -> None:
+    """A run trained on 8 GPUs per node is scored on one of the same kind (one process scores); with
+    ``--parallelize`` lm-eval spreads the model over the node's GPUs, so the job keeps them all."""
+    t = _target(["infra=aws", "infra.accelerators=H100:8"], Path("/tmp"))
+    one = benchmark_scores.TaskRequest(["python_facts_mc"], None, None, None, "1", False)
+    spread = benchmark_scores.TaskRequest(["python_facts_mc"], None, None, None, "1", True)
+    assert benchmark_scores.job_config(t, one, None)["infra"]["accelerators"] == "H100:1"
+    assert benchmark_scores.job_config(t, spread, None)["infra"]["accelerators"] == "H100:8"
+    assert t.cfg["infra"]["accelerators"] == "H100:8", "the run's own config is left as it was"
+    cpu = benchmark_scores.job_config(_target(["infra=slurm", "infra.accelerators=null"], Path("/tmp")), one, None)
+    assert not cpu["infra"].get("accelerators")  # a CPU run's job asks for no GPU
+
+
 def _refused(tmp_path: Path, env: dict[str, str], status: str, ckpt: str) -> tuple[str, str]:
     """A Slurm run (its config as launch logs it) in ``status`` scored with --tasks: must exit 3 with one
     line, open no attempt and launch nothing. (the run id, the line)."""

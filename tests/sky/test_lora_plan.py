@@ -88,8 +88,8 @@ def test_a_small_models_adapter_is_counted_exactly(sky_env: dict[str, str], tmp_
     """Below a million the plan prints the counts themselves (was ``0.0M ... of 0.00B``), the ones
     the built model has (``contract.shape``'s counts, held against ``lora.apply`` in test_lora_counts.py)."""
     from llmctl.config.compose import compose
-    from workloads.pretrain.contract import shape
-    from workloads.pretrain.contract.config import typed
+    from workloads.protocol import shape
+    from workloads.protocol.config import typed
 
     out = run_cli(["plan", "model=tiny", "model.lora.rank=4"], tmp_path, sky_env)
     assert out.returncode == 0, out.stderr

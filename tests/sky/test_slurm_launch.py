@@ -84,14 +84,14 @@ def test_launch_status_logs_down_on_real_slurm(
     tracking_server: str, cluster: Cluster, tmp_path: Path, cli_env: dict[str, str]
 ) -> None:
     """What a user installs, not this checkout: llmctl's wheel in a venv of its own, run from a
-    directory outside the checkout, launches here (FINISHED) and on Slurm, where the nodes install
-    the wheel the controller ships (no infra.node_python) and the run's log shows the node runs the
-    controller's build; then ``status``, ``logs``, lm-eval scores by a job on the cluster (its node
-    adds the eval extra to the same build) and ``down``."""
+    directory outside the checkout, launches here (FINISHED) and on Slurm, whose node runs that
+    installed llmctl (the cluster's shared filesystem: infra.node_python) and says so in the run's log
+    (the build check passed); then ``status``, ``logs``, lm-eval scores by a job on the cluster and
+    ``down``, all from the installed package."""
     from llmctl.distribution.identity import describe
 
     build = describe()  # this checkout's, before anything else runs
-    venv, pip_args = _wheel_venv(cluster, tmp_path)
+    venv = _wheel_venv(cluster, tmp_path)
     wheel_env = {k: v for k, v in cli_env.items() if k != "PYTHONPATH"}
     wheel_env.update(PATH=f"{venv / 'bin'}:{wheel_env['PATH']}", VIRTUAL_ENV=str(venv))
 
@@ -128,7 +128,7 @@ def test_launch_status_logs_down_on_real_slurm(
             "experiment=smoke",
             f"infra.region={CLUSTER}",
             f"infra.zone={PARTITION}",
-            f"infra.pip_args={pip_args}",
+            f"infra.node_python={venv / 'bin' / 'python'}",  # the nodes run the installed wheel
             "infra.cpus=1",
             "infra.memory=2",
             "infra.down=false",
@@ -198,7 +198,7 @@ def _scores_by_a_job_on_the_cluster(
         infra.down=false), attached to the run as attempt 2 and billed, logs lm-eval's scores into the run at
         the final checkpoint's step; the run stays FINISHED with its training config. The same command with
         ``--here`` scores on this machine and logs the same values at the same step (``llmctl``: the one
-    installed from the wheel, with the eval extra, as the node's)."""
+    installed from the wheel, as the node's)."""
     before = mc.get_run(rid)  # type: ignore[attr-defined]
     out = llmctl("eval", rid, *EVAL_FLAGS, timeout=420)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
@@ -647,42 +647,22 @@ def test_a_recovered_then_crashed_managed_job_ends_failed(
             log.close()
 
 
-def _pip_find_links() -> list[str]:
-    """Where pip finds wheels on this machine besides PyPI (its config or PIP_FIND_LINKS): the CPU torch."""
-    said = subprocess.run(
-        [sys.executable, "-m", "pip", "config", "get", "global.find-links"], capture_output=True, text=True
-    )
-    dirs = os.environ.get("PIP_FIND_LINKS", "").split() + said.stdout.split()
-    return sorted({d for d in dirs if Path(d).is_dir()})
+def _wheel_venv(cluster: Cluster, tmp_path: Path) -> Path:
+    """A fresh venv outside the checkout, in the cluster's shared directory (the node's Python too),
+    with llmctl's wheel installed (not editable, ``pip install --no-deps``). Its dependencies are this
+    suite's environment's, through a path entry (not its .pth files: this checkout's editable llmctl
+    stays out), so nothing is downloaded: what differs from the checkout is llmctl alone. How a node
+    installs the shipped wheel itself is tests/sky/test_node_setup.py's."""
+    import sysconfig
 
-
-def _wheel_venv(cluster: Cluster, tmp_path: Path) -> tuple[Path, str]:
-    """A fresh venv outside the checkout with llmctl's wheel installed (not editable), the versions of
-    this suite's environment as constraints (torch the CPU build from pip's find-links), through the
-    harness's uv and a package cache the cluster user reads too; and the node install's pip arguments
-    (``infra.pip_args``) that give the nodes the same."""
     from llmctl.distribution.wheel import wheel_for_nodes
 
     wheel = wheel_for_nodes(tmp_path / "wheels")
-    shared = cluster.root / "shared-wheel"
-    shared.mkdir(exist_ok=True)
-    frozen = subprocess.run(
-        [sys.executable, "-m", "pip", "list", "--format=freeze", "--exclude-editable"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    constraints = shared / "constraints.txt"
-    constraints.write_text("".join(ln + "\n" for ln in frozen.splitlines() if not ln.startswith("llmctl")))
-    cache = shared / "uv-cache"
-    links = " ".join(f"--find-links {d}" for d in _pip_find_links())
-    pip_args = f"{links} -c {constraints} --cache-dir {cache}".strip()
-    venv, uv = tmp_path / "installed", str(cluster.root / "bin" / "uv")
-    tls = {**os.environ, "UV_NATIVE_TLS": "1", "UV_SYSTEM_CERTS": "1"}
-    subprocess.run([uv, "venv", "--quiet", "--python", sys.executable, str(venv)], check=True, env=tls, timeout=120)
-    want = f"llmctl-train[cloud,eval] @ {wheel.as_uri()}"  # SkyPilot, and lm-eval as the scoring node has it
-    install = [uv, "pip", "install", "--quiet", "--python", str(venv / "bin" / "python"), *pip_args.split(), want]
-    done = subprocess.run(install, capture_output=True, text=True, env=tls, timeout=900)
+    venv = cluster.root / "installed"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+    site = next((venv / "lib").glob("python3*/site-packages"))
+    (site / "suite_dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", "--no-deps", str(wheel)]
+    done = subprocess.run(pip, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    subprocess.run(["chown", "-R", f"{USER}:{USER}", str(shared)], check=True)
-    return venv, pip_args
+    return venv

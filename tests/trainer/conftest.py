@@ -19,7 +19,7 @@ def tiny_cfg(**dotlist):
     conf/model/tiny.yaml, a short schedule, and ``key=value`` overrides."""
     from omegaconf import OmegaConf
 
-    from workloads.pretrain.contract.schema import TrainerCfg
+    from workloads.protocol.schema import TrainerCfg
 
     cfg = OmegaConf.structured(TrainerCfg)
     cfg.model = OmegaConf.merge(cfg.model, OmegaConf.load(REPO / "conf/model/tiny.yaml"))

@@ -11,10 +11,10 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from workloads.pretrain.components.optim import build_optimizer
-from workloads.pretrain.contract.schema import TrainerCfg
 from workloads.pretrain.parallel import fp8
 from workloads.pretrain.parallel.parallelize import ParallelDims
 from workloads.pretrain.train import DistEnv, init_sharded
+from workloads.protocol.schema import TrainerCfg
 
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()

@@ -11,9 +11,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from workloads.pretrain.contract.config import load
 from workloads.pretrain.parallel.parallelize import local_loss, loss_context
 from workloads.pretrain.train import init_distributed, load_pretrained
+from workloads.protocol.config import load
 
 
 def main(batch: str, jobs: str, overrides: list[str]) -> None:

@@ -23,8 +23,8 @@ def main(out_dir: str, overrides: list[str]) -> None:
     import torch
     from torch.distributed.tensor import DTensor
 
-    from workloads.pretrain.contract.config import load
     from workloads.pretrain.train import init_distributed, init_sharded
+    from workloads.protocol.config import load
 
     cfg = load(None, overrides)
     env = init_distributed(cfg)

@@ -58,8 +58,8 @@ def loss_and_grads(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, dim
 
 
 def run_job(overrides: list[str], x: torch.Tensor, y: torch.Tensor) -> dict:
-    from workloads.pretrain.contract.config import load
     from workloads.pretrain.train import init_distributed, load_pretrained
+    from workloads.protocol.config import load
 
     cfg = load(None, overrides)
     env = init_distributed(cfg)

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from workloads.pretrain.contract.schema import DataCfg
 from workloads.pretrain.data import Sampler, cache_key, load_texts, prepare_corpus, val_batches
+from workloads.protocol.schema import DataCfg
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -66,7 +66,7 @@ def test_concurrent_builders_build_once(tmp_path):
     """Two processes starting together (as two ranks do): one builds, the other waits and loads."""
     script = textwrap.dedent(f"""
         import hashlib
-        from workloads.pretrain.contract.schema import DataCfg
+        from workloads.protocol.schema import DataCfg
         from workloads.pretrain.data import prepare_corpus
         c = prepare_corpus(DataCfg(vocab_size=300, cache_dir={str(tmp_path)!r}))
         print(c.cache_hit, hashlib.sha256(c.tokens.tobytes()).hexdigest())

@@ -100,7 +100,7 @@ def test_two_rank_fsdp_checkpoint_evaluates_the_same_in_one_and_two_processes(
     assert results[1]["samples"][0]["greedy_ids"] == results[2]["samples"][0]["greedy_ids"]
 
     transformers = pytest.importorskip("transformers")
-    from workloads.pretrain.contract.config import load
+    from workloads.protocol.config import load
 
     hf_dir = tmp_path / "hf"
     cmd = [sys.executable, "-m", "workloads.pretrain.evaluate", "--config", str(cfg), "--export-hf", str(hf_dir)]

@@ -211,8 +211,8 @@ SHIPPED = {"llama-bf16-shards": {"dtype": "bf16", "max_shard_size": 40_000}}
 
 
 def _build(fields: dict[str, Any], seed: int = 0) -> tuple[torch.nn.Module, Any]:
-    from workloads.pretrain.contract.config import typed
     from workloads.pretrain.model.transformer import build_model
+    from workloads.protocol.config import typed
 
     torch.manual_seed(seed)
     cfg = typed({"model": fields}).model

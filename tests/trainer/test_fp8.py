@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from workloads.pretrain.contract.hardware import capability_for, fp8_refusal
-from workloads.pretrain.contract.validate import ConfigError, resolve_layout, validate
+from workloads.planner.hardware import capability_for, fp8_refusal
 from workloads.pretrain.parallel import fp8
+from workloads.protocol.validate import ConfigError, resolve_layout, validate
 
 
 @pytest.mark.parametrize(

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from workloads.pretrain.checkpoint.hf_export import export
-from workloads.pretrain.contract.schema import ModelCfg, RopeLayout
 from workloads.pretrain.model.generate import generate
 from workloads.pretrain.model.transformer import build_model
+from workloads.protocol.schema import ModelCfg, RopeLayout
 
 
 def _model(tie: bool = False, kv_heads: int = 2, seed: int = 0, rope_layout: str = "interleaved") -> torch.nn.Module:
@@ -225,7 +225,7 @@ def test_hf_export_needs_no_transformers(tmp_path: Path) -> None:
     (poisoned / "__init__.py").write_text("raise ImportError('export imported transformers')\n")
     tok_file = _tokenizer(tmp_path)
     code = (
-        "import sys, torch; from workloads.pretrain.contract.schema import ModelCfg;"
+        "import sys, torch; from workloads.protocol.schema import ModelCfg;"
         "from workloads.pretrain.model.transformer import build_model; "
         "from workloads.pretrain.checkpoint.hf_export import export;"
         "cfg = ModelCfg(name='t', dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=300, max_seq_len=96);"

@@ -106,7 +106,7 @@ def _close(got: dict, path: Path) -> None:
 
 
 def test_config_json_sets_the_shape(checkpoints: dict[str, Path]) -> None:
-    from workloads.pretrain.contract.config import load
+    from workloads.protocol.config import load
 
     llama = load(None, OVERRIDES + [f"model.init_from={checkpoints['llama-tied']}"]).model
     assert (llama.dim, llama.n_layers, llama.n_heads, llama.n_kv_heads, llama.vocab_size, llama.hidden_dim) == (
@@ -132,8 +132,8 @@ def test_config_json_sets_the_shape(checkpoints: dict[str, Path]) -> None:
 def test_one_process_computes_what_transformers_computes(
     checkpoints: dict[str, Path], name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from workloads.pretrain.contract.config import load
     from workloads.pretrain.train import init_distributed, load_pretrained
+    from workloads.protocol.config import load
 
     for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
         monkeypatch.delenv(var, raising=False)
@@ -178,8 +178,8 @@ def test_sharded_layouts_compute_what_transformers_computes(
 
 
 def test_a_checkpoint_that_does_not_fit_is_refused(checkpoints: dict[str, Path], tmp_path: Path) -> None:
-    from workloads.pretrain.contract.config import load
-    from workloads.pretrain.contract.validate import ConfigError
+    from workloads.protocol.config import load
+    from workloads.protocol.validate import ConfigError
 
     bad = tmp_path / "mistral"
     bad.mkdir()
@@ -207,9 +207,9 @@ def test_launch_fine_tunes_exports_and_transformers_agrees(
     from mlflow.tracking import MlflowClient
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    from workloads.pretrain.contract.config import load
     from workloads.pretrain.data import Sampler, prepare_corpus
     from workloads.pretrain.evaluate import load_model
+    from workloads.protocol.config import load
 
     ckpt = checkpoints["llama-tied"]
     loss_file = tmp_path / "losses.jsonl"
@@ -320,8 +320,8 @@ def test_presets_are_the_published_models(preset: str, published: int) -> None:
     from omegaconf import OmegaConf
 
     from workloads.pretrain.checkpoint.hf_export import hf_config
-    from workloads.pretrain.contract.schema import ModelCfg
-    from workloads.pretrain.contract.shape import num_params
+    from workloads.protocol.schema import ModelCfg
+    from workloads.protocol.shape import num_params
 
     cfg = OmegaConf.to_object(
         OmegaConf.merge(OmegaConf.structured(ModelCfg), OmegaConf.load(REPO / "conf" / "model" / f"{preset}.yaml"))

@@ -1,6 +1,6 @@
 """The summary of lm-eval's built-in tasks that llmctl ships (``lm_eval_index.SHIPPED``) is lm-eval's
 own index of the installed lm-eval (the version the project pins), summarised: lm-eval is the oracle.
-After a change of the pin this fails until ``python -m workloads.pretrain.contract.lm_eval_index``
+After a change of the pin this fails until ``python -m workloads.planner.lm_eval_index``
 ships the new one."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("lm_eval.tasks", reason="lm-eval (the eval extra) is the harness")
 
-from workloads.pretrain.contract import lm_eval_index
+from workloads.planner import lm_eval_index
 
 
 def test_the_shipped_summary_is_lm_evals_own_index() -> None:

@@ -55,8 +55,8 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def _load(path: Path, *overrides: str):
-    from workloads.pretrain.contract.config import load
     from workloads.pretrain.train import init_distributed, load_pretrained
+    from workloads.protocol.config import load
 
     cfg = load(None, OVERRIDES + [f"model.init_from={path}", *overrides])
     return cfg, load_pretrained(cfg, init_distributed(cfg))
@@ -97,8 +97,8 @@ def _full(model: torch.nn.Module, which=lambda name: True) -> dict[str, torch.Te
 
 @pytest.mark.parametrize("targets", [ALL, ["wq", "wv"]], ids=["attention+mlp", "q+v"])
 def test_loss_and_adapter_gradients_are_pefts(checkpoints, one_process, targets: list[str]) -> None:
-    from workloads.pretrain.contract.shape import lora_params
     from workloads.pretrain.model.lora import is_adapter, trainable_parameters
+    from workloads.protocol.shape import lora_params
 
     cfg, model = _load(
         checkpoints["llama"], "model.lora.rank=4", "model.lora.alpha=8", f"model.lora.targets=[{','.join(targets)}]"
@@ -124,9 +124,9 @@ def test_loss_and_adapter_gradients_are_pefts(checkpoints, one_process, targets:
 def test_adapters_keep_the_base_names_and_merge_into_one_weight(make_tiny_cfg) -> None:
     """On a materialised model (no mesh): adapters under each target's own name, only they train,
     and ``merged_weight`` is the one matrix that computes base plus adapters."""
-    from workloads.pretrain.contract.schema import LoraCfg
     from workloads.pretrain.model import lora
     from workloads.pretrain.model.transformer import build_model
+    from workloads.protocol.schema import LoraCfg
 
     cfg = make_tiny_cfg().model
     torch.manual_seed(0)
@@ -166,10 +166,10 @@ def test_step_zero_is_the_base_model(checkpoints, one_process) -> None:
 
 def test_qlora_computes_the_dequantized_base_and_trains_only_adapters(checkpoints, one_process) -> None:
     from workloads.pretrain.components.optim import build_optimizer
-    from workloads.pretrain.contract.shape import lora_params
     from workloads.pretrain.model import nf4
     from workloads.pretrain.model.init_weights import canonical_name
     from workloads.pretrain.model.lora import trainable_parameters
+    from workloads.protocol.shape import lora_params
 
     x, y = _batch()
     path = checkpoints["llama-256"]
@@ -316,8 +316,8 @@ def test_the_trainer_trains_adapters_alike_on_every_layout(workload, cache_dir, 
     ids=["rank", "alpha", "dropout", "targets", "nf4-rank0", "nf4-groups", "nf4-tp", "dropout-ac", "fp8"],
 )
 def test_what_cannot_run_is_refused_naming_the_key(overrides: list[str], needle: str) -> None:
-    from workloads.pretrain.contract.config import load
-    from workloads.pretrain.contract.validate import ConfigError
+    from workloads.protocol.config import load
+    from workloads.protocol.validate import ConfigError
 
     with pytest.raises(ConfigError) as err:
         load(None, overrides)
@@ -325,8 +325,8 @@ def test_what_cannot_run_is_refused_naming_the_key(overrides: list[str], needle:
 
 
 def test_fsdp_must_split_whole_nf4_groups() -> None:
-    from workloads.pretrain.contract.config import load
-    from workloads.pretrain.contract.validate import ConfigError, resolve_layout
+    from workloads.protocol.config import load
+    from workloads.protocol.validate import ConfigError, resolve_layout
 
     cfg = load(None, ["model.lora.rank=4", "model.lora.quantize_base=nf4", "model.dim=256", "model.hidden_dim=512"])
     assert resolve_layout(cfg, 4)["dp_shard"] == 4  # q, k, v, o: 4 groups of 64 x 256 weights; MLP: 8
@@ -347,8 +347,8 @@ def test_llmctl_composes_the_lora_keys() -> None:
     ModelCfg and its enums); a bad value is refused naming the key and what it accepts."""
     from llmctl.config.compose import compose
     from llmctl.errors import ConfigError
-    from workloads.pretrain.contract.config import typed
-    from workloads.pretrain.contract.schema import LoraCfg, QuantizeBase
+    from workloads.protocol.config import typed
+    from workloads.protocol.schema import LoraCfg, QuantizeBase
 
     cfg = compose(["experiment=smoke", "model.lora.rank=8", "model.lora.targets=[wq,wv]"]).cfg
     want = {"rank": 8, "alpha": 16.0, "dropout": 0.0, "targets": ["wq", "wv"], "quantize_base": "none"}

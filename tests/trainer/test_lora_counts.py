@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from workloads.pretrain.contract import shape
-from workloads.pretrain.contract.config import typed
 from workloads.pretrain.model import lora, nf4
 from workloads.pretrain.model.transformer import build_model
+from workloads.protocol import shape
+from workloads.protocol.config import typed
 
 # NF4 quantizes whole groups of 64 x 256 weights: every linear here holds whole groups
 BASE = dict(name="t", dim=256, hidden_dim=512, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=512, max_seq_len=64)

@@ -154,7 +154,7 @@ def test_qlora_merges_into_the_dequantized_base(bases, one_process, tmp_path: Pa
 def test_a_run_without_lora_has_no_peft_export(tmp_path: Path) -> None:
     from workloads.pretrain.checkpoint.lora_export import export_peft
     from workloads.pretrain.checkpoint.tensor_source import StateDictSource
-    from workloads.pretrain.contract.config import load
+    from workloads.protocol.config import load
 
     cfg = load(None, [])
     with pytest.raises(ValueError, match=r"model.lora.rank=0"):

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from workloads.pretrain.contract.validate import ConfigError, validate
 from workloads.pretrain.model import transformer
 from workloads.protocol.run_contract import EXIT_CONFIG
+from workloads.protocol.validate import ConfigError, validate
 
 
 def test_auto_and_chunked_resolve_to_chunked_off_cuda() -> None:

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 from oracles.memory_tracker import CASES
 
-from workloads.pretrain.contract.config import typed
-from workloads.pretrain.contract.memory_plan import PARTS, MemoryPlan, plan_memory
+from workloads.planner.memory_plan import PARTS, MemoryPlan, plan_memory
+from workloads.protocol.config import typed
 
 REPO = Path(__file__).resolve().parents[2]
 TOLERANCE = 0.15
@@ -60,8 +60,8 @@ def test_cases_cover_the_layouts_and_modes():
 def test_plan_module_imports_no_torch():
     """llmctl imports the plan in its fast CLI: no torch, no numpy, not even indirectly."""
     code = (
-        "import sys, workloads.pretrain.contract.memory_plan as m; "
-        "from workloads.pretrain.contract.config import typed; "
+        "import sys, workloads.planner.memory_plan as m; "
+        "from workloads.protocol.config import typed; "
         "m.plan_memory(typed({'model': {'dim': 256}, 'train': {'batch_size': 8}, 'parallel': {}}), 8).describe(); "
         "print(sorted(k for k in sys.modules if k.split('.')[0] in ('torch', 'numpy', 'omegaconf')))"
     )
@@ -74,7 +74,7 @@ def test_config_forms_agree():
     ``typed`` (defaults fill gaps), so they plan the same."""
     from omegaconf import OmegaConf
 
-    from workloads.pretrain.contract.schema import TrainerCfg
+    from workloads.protocol.schema import TrainerCfg
 
     cfg = CASES[-1]["cfg"]
     structured = OmegaConf.merge(OmegaConf.structured(TrainerCfg), cfg)
@@ -89,8 +89,8 @@ def test_config_forms_agree():
 def test_parameter_shards_match_the_model_count():
     """World 1: fp32 parameters are 4 bytes x shape.num_params (+ the RoPE tables); FSDP over 8
     ranks keeps an eighth (rounded up per parameter), AdamW twice that."""
-    from workloads.pretrain.contract.schema import ModelCfg
-    from workloads.pretrain.contract.shape import num_params
+    from workloads.protocol.schema import ModelCfg
+    from workloads.protocol.shape import num_params
 
     model = {"dim": 512, "n_layers": 4, "n_heads": 8, "n_kv_heads": 2, "vocab_size": 8000, "max_seq_len": 1024}
     cfg = {"model": model, "train": {"batch_size": 8, "seq_len": 256}, "parallel": {}}

@@ -13,10 +13,10 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from workloads.pretrain.contract.config import typed
-from workloads.pretrain.contract.schema import ModelCfg
-from workloads.pretrain.contract.shape import ffn_hidden_dim, flops_per_token, num_params
 from workloads.pretrain.model.transformer import Transformer, build_model
+from workloads.protocol.config import typed
+from workloads.protocol.schema import ModelCfg
+from workloads.protocol.shape import ffn_hidden_dim, flops_per_token, num_params
 
 VOCAB = 512
 CONF = Path(__file__).resolve().parents[2] / "conf"

@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 
+from workloads.planner.hardware import cpu_threads
 from workloads.pretrain.components.metrics import MetricSink, format_train_line, peak_memory_gib, peak_tflops
 from workloads.pretrain.components.optim import build_optimizer, lr_factor
-from workloads.pretrain.contract.hardware import cpu_threads
-from workloads.pretrain.contract.schema import Schedule, TrainCfg
+from workloads.protocol.schema import Schedule, TrainCfg
 
 
 @pytest.mark.parametrize("schedule", ["cosine", "linear", "constant"])
@@ -82,7 +82,7 @@ def test_launcher_thread_shares_follow_the_affinity_mask_not_the_host(monkeypatc
 
 
 def test_peak_table_resolves_real_device_names():
-    from workloads.pretrain.contract.hardware import PEAK_TFLOPS
+    from workloads.planner.hardware import PEAK_TFLOPS
 
     def lookup(name):
         return next(bf16 for key, bf16, _ in PEAK_TFLOPS if key.lower() in name.lower())
@@ -144,8 +144,8 @@ def _train(**kw):
 
 
 def test_extension_pins_a_decayed_cosine_and_lets_a_stable_wsd_extend():
-    from workloads.pretrain.contract.schedule import extension
-    from workloads.pretrain.contract.schedule import lr_factor as f
+    from workloads.planner.schedule import extension
+    from workloads.planner.schedule import lr_factor as f
 
     pin, said = extension(_train(steps=20), _train(steps=60), 20)  # the issue's case: no jump to 7.5e-4
     assert pin == 20 and "keeps its horizon of 20" in said and "train.schedule_steps=60" in said
@@ -166,8 +166,8 @@ def test_extension_pins_a_decayed_cosine_and_lets_a_stable_wsd_extend():
 def test_extension_with_fewer_steps_says_the_decay_is_cut_short():
     """Resuming with fewer steps keeps the horizon too, and says what that means for a shorter run
     (it ends before its decay), not the longer run's "after step N it stays at" line."""
-    from workloads.pretrain.contract.schedule import extension
-    from workloads.pretrain.contract.schedule import lr_factor as f
+    from workloads.planner.schedule import extension
+    from workloads.planner.schedule import lr_factor as f
 
     pin, said = extension(_train(steps=40), _train(steps=30), 20)
     assert pin == 40 and "train.steps 40 -> 30" in said

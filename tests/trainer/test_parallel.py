@@ -111,8 +111,8 @@ def test_tp_with_compile_trains_or_is_refused(reference, workload, tmp_path):
 
 def test_tp_compile_refusal_names_the_keys_and_the_fix(workload):
     """The refusal itself, on any installed torch: the version it is given decides."""
-    from workloads.pretrain.contract.validate import ConfigError
     from workloads.pretrain.parallel.parallelize import check_tp_compile
+    from workloads.protocol.validate import ConfigError
 
     cfg = workload.cfg(**{"parallel.tp": 2, "parallel.dp_shard": 1, "model.compile": True})
     with pytest.raises(ConfigError, match=r"'model.compile'.*parallel.tp=2.*Fix: model.compile=false"):

@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from workloads.pretrain.contract.schema import DataCfg
 from workloads.pretrain.data import EOT, list_source_files, prepare_corpus
 from workloads.pretrain.prepare import prepare
+from workloads.protocol.schema import DataCfg
 
 REPO = Path(__file__).resolve().parents[2]
 DOCS = [

@@ -8,17 +8,17 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from workloads.pretrain.contract.config import typed
-from workloads.pretrain.contract.schema import ModelCfg
-from workloads.pretrain.contract.shape import (
+from workloads.pretrain.model.transformer import Transformer, build_model
+from workloads.pretrain.parallel.parallelize import apply_ac
+from workloads.protocol.config import typed
+from workloads.protocol.schema import ModelCfg
+from workloads.protocol.shape import (
     fp8_flops_per_token,
     fp8_linear_params,
     lora_params,
     num_params,
     recompute_flops_per_token,
 )
-from workloads.pretrain.model.transformer import Transformer, build_model
-from workloads.pretrain.parallel.parallelize import apply_ac
 
 B, T, VOCAB = 2, 32, 512
 
@@ -76,8 +76,8 @@ def test_lora_flops_per_token_are_what_torch_runs() -> None:
     for the one thing the count leaves out, as LoRA's peers do: layer 0's q/k/v take the frozen
     embedding's output, which needs no gradient, so their input-gradient GEMMs (base and adapter
     A) never run."""
-    from workloads.pretrain.contract.shape import flops_per_token
     from workloads.pretrain.model import lora
+    from workloads.protocol.shape import flops_per_token
 
     cfg = _model_cfg(kernels="reference", lora={"rank": 4})
     torch.manual_seed(0)

@@ -174,9 +174,9 @@ def test_a_template_whose_turns_cannot_be_located_is_a_config_error(
     marking 'rld<|eot_id|>' of an answer 'hello world'."""
     import shutil
 
-    from workloads.pretrain.contract.schema import DataCfg
-    from workloads.pretrain.contract.validate import ConfigError
     from workloads.pretrain.data import prepare_corpus
+    from workloads.protocol.schema import DataCfg
+    from workloads.protocol.validate import ConfigError
 
     bad = tmp_path / "tok"
     shutil.copytree(tokenizer_dir, bad)

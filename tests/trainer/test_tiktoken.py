@@ -62,9 +62,9 @@ def test_corpus_built_with_a_tiktoken_file(tiktoken_bpe, tmp_path: Path) -> None
     """Each document of the cached corpus is <|begin_of_text|> + tiktoken's ids + <|end_of_text|>."""
     from dataclasses import replace
 
-    from workloads.pretrain.contract.schema import DataCfg
     from workloads.pretrain.data import prepare_corpus
     from workloads.pretrain.data.sources import builtin_pydoc_texts
+    from workloads.protocol.schema import DataCfg
 
     path, enc = tiktoken_bpe
     data = DataCfg(name="pydoc", source="builtin:pydoc", vocab_size=0, cache_dir=str(tmp_path), tokenizer=str(path))

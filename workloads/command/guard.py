@@ -38,7 +38,7 @@ from typing import Any, Optional
 
 import psutil
 
-from workloads.command.contract import (
+from workloads.protocol.command import (
     ENV_CHECKPOINT_DIR,
     ENV_EXIT_DIR,
     ENV_RESUME,
@@ -104,7 +104,7 @@ class Guard:
         if not self.workload.get("torchrun"):
             return [sys.executable, *words[1:]] if words[0] in PYTHONS else words
         target = python_target(words)
-        assert target is not None  # llmctl refused it before launch (contract.check)
+        assert target is not None  # llmctl refused it before launch (protocol.command.check)
         nodes = ["--standalone", "--nnodes=1"] if self.nnodes == 1 else [f"--nnodes={self.nnodes}"]
         if self.nnodes > 1:
             nodes += [f"--node_rank={self.node_rank}", "--rdzv_backend=c10d", f"--rdzv_endpoint={self.rdzv}"]

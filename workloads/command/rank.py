@@ -23,7 +23,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from workloads.command.contract import ENV_EXIT_DIR
+from workloads.protocol.command import ENV_EXIT_DIR
 from workloads.protocol.run_contract import EXIT_PREEMPTED
 
 STOPS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)

@@ -5,7 +5,7 @@ What it proves before anyone pays: the layout is valid for the model (TP divides
 mesh builds, FSDP2 shards every parameter) and how many parameters and bytes each rank holds.
 No weights are materialised: 70B at world 64 takes about a second and a few hundred MB.
 ``llmctl plan --dry-run`` runs ``python -m workloads.pretrain.dry_run --world-size N --config
-run.yaml`` (a process of its own: llmctl imports only the trainer's contract) and prints its JSON
+run.yaml`` (a process of its own: llmctl imports only the protocol and the planner) and prints its JSON
 beside the memory plan.
 """
 
@@ -26,10 +26,10 @@ def sharded_params(cfg: Mapping[str, Any], world_size: int) -> dict[str, Any]:
     import torch
     from torch.distributed.tensor import DTensor
 
-    from workloads.pretrain.contract.config import typed
     from workloads.pretrain.model.transformer import Transformer
     from workloads.pretrain.parallel.fake_world import fake_process_group
     from workloads.pretrain.parallel.parallelize import ParallelDims, parallelize
+    from workloads.protocol.config import typed
 
     t0 = time.perf_counter()
     cfg = typed(cfg)
@@ -56,8 +56,8 @@ def sharded_params(cfg: Mapping[str, Any], world_size: int) -> dict[str, Any]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from workloads.pretrain.contract.config import parse_args
-    from workloads.pretrain.contract.validate import ConfigError
+    from workloads.protocol.config import parse_args
+    from workloads.protocol.validate import ConfigError
 
     parser = argparse.ArgumentParser(prog="python -m workloads.pretrain.dry_run", description=__doc__.splitlines()[0])
     parser.add_argument("--world-size", type=int, required=True, help="processes the job will run")

@@ -49,9 +49,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 
-from workloads.pretrain.contract.config import parse_args
-from workloads.pretrain.contract.hardware import cpu_threads
-from workloads.pretrain.contract.schema import ModelCfg, TrainerCfg
+from workloads.planner.hardware import cpu_threads
 from workloads.pretrain.data import EOT, Corpus, Windows, load_texts, prepare_corpus, val_batches
 from workloads.pretrain.model.losses import IGNORE_INDEX
 from workloads.pretrain.model.transformer import Transformer, build_model
@@ -63,7 +61,9 @@ from workloads.protocol.checkpoint_layout import (
     split_step_dir,
     step_dir,
 )
+from workloads.protocol.config import parse_args
 from workloads.protocol.run_contract import EXPORT_DTYPES, EXPORT_INFO
+from workloads.protocol.schema import ModelCfg, TrainerCfg
 
 # ----------------------------------------------------------------------------- checkpoint
 

@@ -17,8 +17,10 @@ trainer's model to write it. The trainer's forward equals transformers' on the e
 (tests/trainer/test_generate_export.py), so the scores are the checkpoint's.
 
 The checks ``llmctl eval`` and ``llmctl launch eval.tasks=...`` run before anything is created
-and the metric names live in the contract (``contract/lm_eval_tasks.py``): the trainer and the
-controller read one definition. Imports nothing from llmctl.
+and the metric names live in the protocol (``workloads/protocol/lm_eval_results.py``): the trainer and
+the controller read one definition. ``--run-id RUN --step N`` logs the result into that MLflow run
+(``log_scores``, the one writer every place that scores uses: llmctl asks the harness, the trainer
+calls it). Imports nothing from llmctl.
 """
 
 from __future__ import annotations
@@ -26,10 +28,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any, Optional
 
-from workloads.pretrain.contract.lm_eval_tasks import scores_of
+from workloads.protocol.lm_eval_results import TAG_LAST_STEP, scores_of, version_params
 
 
 def task_manager(tasks: list[str], include_path: Optional[str]) -> Any:
@@ -39,7 +42,7 @@ def task_manager(tasks: list[str], include_path: Optional[str]) -> Any:
     the same YAMLs either way."""
     from lm_eval.tasks import TaskManager
 
-    from workloads.pretrain.contract.lm_eval_index import complete, summarize
+    from workloads.planner.lm_eval_index import complete, summarize
 
     if include_path:
         local = TaskManager(include_path=include_path, include_defaults=False)
@@ -107,6 +110,41 @@ def _write_samples(samples: dict[str, list[dict[str, Any]]], root: Path) -> None
         (root / f"samples_{task}_llmctl.jsonl").replace(root / f"samples_{task}.jsonl")
 
 
+def log_scores(
+    client: Any, run_id: str, result: dict[str, Any], step: int, samples: Optional[Path], metrics: bool = True
+) -> None:
+    """The harness's result into the run (an MLflow client's calls; mlflow is the caller's): the scores
+    at ``step`` (``metrics=False``: the caller's metric sink logs them), the versions as params, the
+    results and per-sample logs as artifacts ``eval/step-N/lm_eval/``. One writer of these for every
+    place that scores: ``llmctl eval --tasks`` here, its job on the run's infra, ``eval.tasks`` in training.
+
+    A param cannot change: when a later lm-eval (or task) version scores the run, its version goes to
+    a ``<param>.step-N`` tag instead; a param logged meanwhile by a concurrent scoring of the same
+    value is not an error."""
+    from mlflow.entities import Metric, Param
+
+    if metrics:
+        ts = int(time.time() * 1000)
+        points = [Metric(k, float(v), ts, step) for k, v in result["scores"].items()]
+        for i in range(0, len(points), 1000):
+            client.log_batch(run_id, metrics=points[i : i + 1000])
+    params = version_params(result)
+    logged = client.get_run(run_id).data.params
+    new = [Param(k, str(v)) for k, v in params.items() if k not in logged]
+    if new:
+        try:
+            client.log_batch(run_id, params=new)
+        except Exception:  # logged by a concurrent scoring of the same run meanwhile
+            logged = client.get_run(run_id).data.params
+    for k, v in params.items():
+        if k in logged and logged[k] != str(v):
+            client.set_tag(run_id, f"{k}.step-{step}", str(v))
+    client.log_dict(run_id, result, f"eval/step-{step}/lm_eval/results.json")
+    if samples is not None and samples.is_dir():
+        client.log_artifacts(run_id, str(samples), f"eval/step-{step}/lm_eval")
+    client.set_tag(run_id, TAG_LAST_STEP, str(step))
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m workloads.pretrain.harness", description=__doc__.splitlines()[0])
     p.add_argument("--hf", required=True, help="a Hugging Face export (llmctl export --format hf)")
@@ -119,12 +157,21 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--parallelize", action="store_true", help="spread the model over the node's GPUs")
     p.add_argument("--samples-dir", default=None)
     p.add_argument("--out", required=True)
+    p.add_argument("--run-id", default=None, help="log the result into this MLflow run (with --step)")
+    p.add_argument("--step", type=int, default=None, help="the scored checkpoint's step")
     a = p.parse_args(argv)
+    if a.run_id is not None and a.step is None:
+        p.error("--run-id needs --step")
     tasks = [t for t in a.tasks.split(",") if t]
     result = run(
         a.hf, tasks, a.include_path, a.num_fewshot, a.limit, a.batch_size, a.device, a.parallelize, a.samples_dir
     )
     Path(a.out).write_text(json.dumps(result, indent=1, default=str))
+    if a.run_id is not None:
+        from mlflow.tracking import MlflowClient
+
+        samples = Path(a.samples_dir) if a.samples_dir else None
+        log_scores(MlflowClient(), a.run_id, result, a.step, samples)  # MLFLOW_TRACKING_URI's server
     for name, value in sorted(result.get("scores", {}).items()):
         print(f"lm-eval | {name} {value:.4f}", flush=True)
     return 0

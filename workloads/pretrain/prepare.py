@@ -15,9 +15,9 @@ import sys
 import time
 from pathlib import Path
 
-from workloads.pretrain.contract.config import parse_args
-from workloads.pretrain.contract.schema import DataCfg
 from workloads.pretrain.data import prepare_corpus
+from workloads.protocol.config import parse_args
+from workloads.protocol.schema import DataCfg
 
 
 def prepare(data_cfg: DataCfg) -> Path:

@@ -21,9 +21,9 @@ import torch
 
 from workloads.pretrain.components.metrics import MetricSink
 from workloads.pretrain.components.task_scores import score_step
-from workloads.pretrain.contract.config import parse_args
 from workloads.pretrain.data import prepare_corpus
 from workloads.pretrain.evaluate import resolve_step_dir
+from workloads.protocol.config import parse_args
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -37,17 +37,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from workloads.planner.hardware import cpu_threads
 from workloads.pretrain.checkpoint.dcp import Checkpointer
 from workloads.pretrain.components import preempt, system_metrics, task_scores
 from workloads.pretrain.components.budget import BudgetGuard
 from workloads.pretrain.components.dataset_input import log_training_corpus
 from workloads.pretrain.components.metrics import MetricSink, format_train_line, peak_memory_gib, peak_tflops
 from workloads.pretrain.components.optim import build_optimizer, lr_factor
-from workloads.pretrain.contract import shape
-from workloads.pretrain.contract.config import parse_args
-from workloads.pretrain.contract.hardware import cpu_threads
-from workloads.pretrain.contract.schema import TrainerCfg
-from workloads.pretrain.contract.validate import ConfigError
 from workloads.pretrain.data import Sampler, prepare_corpus, val_batches
 from workloads.pretrain.model import transformer
 from workloads.pretrain.model.transformer import Transformer
@@ -61,7 +57,11 @@ from workloads.pretrain.parallel.parallelize import (
     parallelize,
     set_gradient_sync,
 )
+from workloads.protocol import shape
+from workloads.protocol.config import parse_args
 from workloads.protocol.run_contract import EXIT_CONFIG, EXIT_PREEMPTED
+from workloads.protocol.schema import TrainerCfg
+from workloads.protocol.validate import ConfigError
 
 # ----------------------------------------------------------------------------- config
 

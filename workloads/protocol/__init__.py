@@ -3,5 +3,7 @@ reads, the MLflow tags it writes, its exit codes, where its checkpoints live and
 
 The bundled trainer (``workloads.pretrain``) and a user's program under the command workload
 (``workloads.command``) both speak it, and llmctl reads it; so it imports the standard library only
-(and fsspec, for the checkpoint layout), never torch and never one workload's code.
+(fsspec for the checkpoint layout, omegaconf when a config file is read), never torch and never one
+workload's code. The trainer's config keys and checks live here too: llmctl composes them and the
+trainer reads them.
 """

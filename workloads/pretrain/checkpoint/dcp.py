@@ -46,7 +46,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from workloads.pretrain.contract.schema import TrainerCfg
 from workloads.protocol.checkpoint_layout import (
     MARKER,
     fs_and_path,
@@ -55,6 +54,7 @@ from workloads.protocol.checkpoint_layout import (
     list_checkpoints,
     step_dir,
 )
+from workloads.protocol.schema import TrainerCfg
 
 # a one-process run saves without a process group on purpose (no_dist=True); DCP warns on every save
 warnings.filterwarnings(

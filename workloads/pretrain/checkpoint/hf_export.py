@@ -35,9 +35,9 @@ import torch
 from workloads.pretrain.checkpoint.hf_load import hf_name
 from workloads.pretrain.checkpoint.hf_tokenizer import TokenizerExport, tokenizer_export
 from workloads.pretrain.checkpoint.tensor_source import StateDictSource, TensorSource
-from workloads.pretrain.contract.schema import ModelCfg
-from workloads.pretrain.contract.shape import hidden_dim
 from workloads.protocol.run_contract import EXPORT_DTYPES
+from workloads.protocol.schema import ModelCfg
+from workloads.protocol.shape import hidden_dim
 
 DTYPES = dict(zip(EXPORT_DTYPES, (torch.bfloat16, torch.float16, torch.float32)))
 MAX_SHARD_SIZE = 5 * 10**9  # save_pretrained's default "5GB" (decimal, as huggingface_hub counts)

@@ -29,7 +29,7 @@ import torch
 
 from workloads.pretrain.checkpoint.hf_load import _LAYER, hf_name
 from workloads.pretrain.checkpoint.tensor_source import StateDictSource, TensorSource, TensorSpec
-from workloads.pretrain.contract.schema import TrainerCfg
+from workloads.protocol.schema import TrainerCfg
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}

@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from workloads.pretrain.contract.hardware import peak_for
+from workloads.planner.hardware import peak_for
 
 
 def peak_tflops(device: torch.device, dtype: str) -> float | None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from workloads.pretrain.contract.schedule import lr_factor  # noqa: F401 - the trainer's import
-from workloads.pretrain.contract.schema import TrainCfg
+from workloads.planner.schedule import lr_factor  # noqa: F401 - the trainer's import
+from workloads.protocol.schema import TrainCfg
 
 
 def build_optimizer(model: torch.nn.Module, train_cfg: TrainCfg) -> torch.optim.AdamW:

@@ -31,8 +31,9 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
-from workloads.pretrain.contract.lm_eval_tasks import TASKS_TIME, harness_command, log_scores
+from workloads.pretrain.harness import log_scores
 from workloads.protocol.checkpoint_layout import step_dir
+from workloads.protocol.lm_eval_results import TASKS_TIME, harness_command
 
 SCORING_TIMEOUT = timedelta(hours=6)  # how long the other ranks wait for rank 0's scoring
 

@@ -29,8 +29,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 
-from workloads.pretrain.contract import data_split
-from workloads.pretrain.contract.schema import DataCfg
+from workloads.planner import data_split
 from workloads.pretrain.data.chat import ChatTemplate, ExampleError, encode_example, load_chat_template
 from workloads.pretrain.data.sources import (
     BUILTIN_SOURCE,
@@ -44,6 +43,7 @@ from workloads.pretrain.data.sources import (
 )
 from workloads.pretrain.data.tokenizer import EOT, load_pretrained, train_tokenizer
 from workloads.protocol.run_contract import cache_home
+from workloads.protocol.schema import DataCfg
 
 # A waiter breaks the lock (and builds) when its builder shows no progress for this long.
 STALL_S = 1800.0

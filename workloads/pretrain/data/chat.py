@@ -24,13 +24,13 @@ from typing import Any, Optional
 
 import numpy as np
 
-from workloads.pretrain.contract.records import RecordError, check_example
-from workloads.pretrain.contract.validate import ConfigError
+from workloads.protocol.records import RecordError, check_example
+from workloads.protocol.validate import ConfigError
 
 
 class ExampleError(RecordError):
     """A fine-tuning record the user can fix; the message names the file and line. Its shape is
-    checked by ``contract.records.check_example`` (a ``RecordError``, as llmctl's preflight raises it)."""
+    checked by ``protocol.records.check_example`` (a ``RecordError``, as llmctl's preflight raises it)."""
 
 
 class TemplateError(ConfigError):
@@ -167,7 +167,7 @@ def encode_example(
     record: Any, tokenizer: Any, eos_id: int, template: Optional[ChatTemplate], where: str
 ) -> tuple[np.ndarray, np.ndarray]:
     """(ids, mask): mask[i] is 1 where token i is a training target."""
-    try:  # the record's shape: the contract's one definition, as llmctl's preflight checks it
+    try:  # the record's shape: the protocol's one definition, as llmctl's preflight checks it
         kind = check_example(record, where)
     except RecordError as e:
         raise ExampleError(str(e)) from None

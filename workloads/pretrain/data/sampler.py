@@ -26,7 +26,7 @@ from typing import Optional, Union
 import numpy as np
 import torch
 
-from workloads.pretrain.contract import data_split
+from workloads.planner import data_split
 from workloads.pretrain.model.losses import IGNORE_INDEX
 
 

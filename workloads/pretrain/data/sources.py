@@ -23,7 +23,7 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 
-from workloads.pretrain.contract.records import (
+from workloads.protocol.records import (
     RecordError,
     format_of,
     matching_entries,
@@ -32,7 +32,7 @@ from workloads.pretrain.contract.records import (
     parse_line,
     text_of,
 )
-from workloads.pretrain.contract.schema import DataCfg
+from workloads.protocol.schema import DataCfg
 
 BUILTIN_SOURCE = "builtin:pydoc"
 # Bump when the corpus recipe or the cache layout changes: old caches are then ignored.

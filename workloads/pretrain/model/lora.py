@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from workloads.pretrain.contract.schema import LoraCfg
+from workloads.protocol.schema import LoraCfg
 
 ADAPTERS = ("lora_a", "lora_b")
 

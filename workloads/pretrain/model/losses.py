@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from workloads.pretrain.contract.loss_chunk import default_chunk_size
+from workloads.planner.loss_chunk import default_chunk_size
 
 IGNORE_INDEX = -100  # targets with this id take no loss (masked, padding, example boundaries)
 

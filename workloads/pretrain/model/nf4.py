@@ -39,8 +39,8 @@ import logging
 import torch
 from torch import nn
 
-from workloads.pretrain.contract.shape import NF4_BLOCK, NF4_SCALER_BLOCK
 from workloads.protocol.quiet_loggers import quiet_loggers
+from workloads.protocol.shape import NF4_BLOCK, NF4_SCALER_BLOCK
 
 INSTALL = "pip install 'llmctl-train[qlora]' (torchao)"
 
@@ -56,7 +56,7 @@ def _torchao():
         try:
             from torchao.dtypes import nf4tensor as nf4_tensor  # type: ignore[no-redef]
         except ImportError as exc:
-            from workloads.pretrain.contract.validate import ConfigError
+            from workloads.protocol.validate import ConfigError
 
             raise ConfigError(
                 f"Bad value for 'model.lora.quantize_base': nf4 needs torchao, which is not importable ({exc})."

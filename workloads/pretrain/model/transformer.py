@@ -21,10 +21,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workloads.pretrain.contract.schema import ModelCfg
-from workloads.pretrain.contract.shape import hidden_dim, qkv_bias
-from workloads.pretrain.contract.validate import ConfigError
 from workloads.pretrain.model.losses import IGNORE_INDEX, chunked_linear_cross_entropy
+from workloads.protocol.schema import ModelCfg
+from workloads.protocol.shape import hidden_dim, qkv_bias
+from workloads.protocol.validate import ConfigError
 
 
 def rope_tables(head_dim: int, max_seq_len: int, theta: float, device=None, scaling: Any = None):

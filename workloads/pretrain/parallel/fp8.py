@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from workloads.pretrain.contract.hardware import fp8_refusal
-from workloads.pretrain.contract.schema import TrainerCfg
-from workloads.pretrain.contract.validate import ConfigError
+from workloads.planner.hardware import fp8_refusal
+from workloads.protocol.schema import TrainerCfg
+from workloads.protocol.validate import ConfigError
 
 INSTALL = "pip install 'llmctl-train[fp8]' (torchao)"
 

@@ -16,8 +16,8 @@ from typing import Callable, ContextManager
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from workloads.pretrain.contract.schema import GradSync, TrainerCfg
 from workloads.pretrain.model.transformer import Transformer, apply_compile
+from workloads.protocol.schema import GradSync, TrainerCfg
 
 # The first torch release whose compiled tensor-parallel blocks break in backward. 2.11 trains
 # correctly; 2.13 and 2.14 fail (tp alone: DTensor's Redistribute backward receives a plain Tensor,
@@ -31,7 +31,7 @@ def check_tp_compile(cfg: TrainerCfg, version: str | None = None) -> None:
     """Refuse ``parallel.tp > 1`` with ``model.compile`` on a torch where that is broken
     (``TP_COMPILE_BROKEN_FROM``), before any process-group work: a config error naming both keys
     and the fix, not a crash in the first backward or a silently wrong gradient."""
-    from workloads.pretrain.contract.validate import ConfigError
+    from workloads.protocol.validate import ConfigError
 
     version = version or torch.__version__
     major, minor = (int(part) for part in version.split(".")[:2])
@@ -59,7 +59,7 @@ class ParallelDims:
         Static rules first (tp divides the head counts, the batch splits over dp), then the ones
         that need the world size, so a bad tp reads as a head-count problem, not a process count.
         """
-        from workloads.pretrain.contract.validate import check_static_layout, resolve_layout
+        from workloads.protocol.validate import check_static_layout, resolve_layout
 
         check_static_layout(cfg)
         layout = resolve_layout(cfg, world_size)

@@ -1,7 +1,7 @@
 """The trainer's config contract: every key it reads, typed. Stdlib only.
 
 The trainer reads one resolved YAML (plus ``key=value`` overrides) shaped like ``TrainerCfg``
-(``workloads.pretrain.contract.config.load``) into one ``TrainerCfg`` instance, enums as members,
+(``workloads.protocol.config.load``) into one ``TrainerCfg`` instance, enums as members,
 which every part of the trainer reads; ``config.typed`` makes the same object from a plain
 mapping (llmctl's composed config). Whoever writes that file, llmctl or a person, needs nothing
 but this module to know what is allowed: each field's meaning is written beside it, and

@@ -12,7 +12,7 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from workloads.pretrain.contract.schema import TrainerCfg
+    from workloads.protocol.schema import TrainerCfg
 
 
 class ConfigError(ValueError):
@@ -146,8 +146,8 @@ def check_eval_tasks(cfg: TrainerCfg) -> None:
 
 def check_lora(cfg: TrainerCfg) -> None:
     """``model.lora.*``: ranges, target names, and what LoRA / QLoRA cannot run with."""
-    from workloads.pretrain.contract.schema import LORA_TARGETS
-    from workloads.pretrain.contract.shape import NF4_BLOCK, NF4_SCALER_BLOCK, target_linears
+    from workloads.protocol.schema import LORA_TARGETS
+    from workloads.protocol.shape import NF4_BLOCK, NF4_SCALER_BLOCK, target_linears
 
     lora, par = cfg.model.lora, cfg.parallel
     rank = lora.rank
@@ -212,7 +212,7 @@ def check_lora(cfg: TrainerCfg) -> None:
 def check_lora_layout(cfg: TrainerCfg, dp_shard: int) -> None:
     """QLoRA under FSDP: each of ``dp_shard`` ranks keeps whole rows and whole NF4 groups of every
     target weight, so the shards gather back into the tensor quantized in one process."""
-    from workloads.pretrain.contract.shape import NF4_BLOCK, NF4_SCALER_BLOCK, target_linears
+    from workloads.protocol.shape import NF4_BLOCK, NF4_SCALER_BLOCK, target_linears
 
     lora = cfg.model.lora
     if not lora.rank or lora.quantize_base != "nf4" or dp_shard == 1:

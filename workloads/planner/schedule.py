@@ -20,7 +20,7 @@ import math
 from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:
-    from workloads.pretrain.contract.schema import TrainCfg
+    from workloads.protocol.schema import TrainCfg
 
 
 def horizon(train: TrainCfg) -> int:

@@ -21,9 +21,9 @@ from dataclasses import fields, is_dataclass
 from functools import lru_cache
 from typing import Any, Optional, Sequence
 
-from workloads.pretrain.contract import hf_config
-from workloads.pretrain.contract.schema import LAUNCHER_SECTIONS, TrainerCfg
-from workloads.pretrain.contract.validate import ConfigError, validate
+from workloads.protocol import hf_config
+from workloads.protocol.schema import LAUNCHER_SECTIONS, TrainerCfg
+from workloads.protocol.validate import ConfigError, validate
 
 SECTIONS = tuple(f.name for f in fields(TrainerCfg))
 

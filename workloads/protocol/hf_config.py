@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from typing import Any, Mapping
 
-from workloads.pretrain.contract.validate import ConfigError
+from workloads.protocol.validate import ConfigError
 
 FAMILIES = {"llama": "llama", "qwen2": "qwen2"}  # config.json model_type -> model.arch
 LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")

@@ -5,7 +5,7 @@ lm-eval builds its index by parsing every task YAML it ships (about 14,700 entri
 seconds of CPU) on every ``TaskManager()``. Its built-in part only changes with those files, so its
 summary is keyed by them (each task file's path and size: ``_files_key``, a fraction of a second to
 read) and found, in order: in llmctl's cache (``cache_home()``); shipped with llmctl for the lm-eval
-the project pins (``lm_eval_indexes/``, made by ``python -m workloads.pretrain.contract.lm_eval_index``),
+the project pins (``lm_eval_indexes/``, made by ``python -m workloads.planner.lm_eval_index``),
 so even a machine's first check refuses a misspelt task without parsing them; else built by lm-eval
 and cached. An lm-eval whose task files differ (another version, a task added in place) gets its own
 key, never a summary of other files. Tasks of an include path are indexed on each call (lm-eval alone,

@@ -55,9 +55,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from workloads.pretrain.contract import shape
-from workloads.pretrain.contract.loss_chunk import default_chunk_size
-from workloads.pretrain.contract.schema import TrainerCfg
+from workloads.planner.loss_chunk import default_chunk_size
+from workloads.protocol import shape
+from workloads.protocol.schema import TrainerCfg
 
 # The parts of a plan, in display order. ``logits`` is the loss's share (logits, log-probs, the
 # fused loss's gradient buffers); ``temporaries`` are backward's transient gradients.
@@ -237,7 +237,7 @@ class Setup:
 def setup(cfg: TrainerCfg, world_size: int, device: str = "cuda") -> Setup:
     """Resolve ``cfg`` for ``world_size`` processes: the mesh degrees (``validate.resolve_layout``)
     and micro-batches."""
-    from workloads.pretrain.contract.validate import resolve_layout
+    from workloads.protocol.validate import resolve_layout
 
     model, train, par, data = cfg.model, cfg.train, cfg.parallel, cfg.data
     layout = resolve_layout(cfg, world_size)
