@@ -52,11 +52,24 @@ GCS = ("docs/config.md", "pip install 'llmctl-train[gcs]'")  # gcsfs: its floor 
 DATA = ("docs/config.md", "pip install 'llmctl-train[data]'")  # pyarrow and the s3 extra's s3fs
 # every user-facing extra at once (not gpu: Linux and CUDA only; not bench: Python >= 3.11, an older datasets)
 ALL = ("docs/quickstart.md", 'pip install -e ".[cloud,hf,peft,eval,s3,gcs,data,qlora,fp8,system]"')
+# one extra for one feature, as the pages that need it show it (each after the base install)
+FP8 = ("docs/benchmarks.md", "pip install 'llmctl-train[fp8]'")  # torchao
+QLORA = ("docs/benchmarks.md", "pip install 'llmctl-train[qlora]'")  # torchao
+SYSTEM = ("README.md", 'pip install -e ".[system]"')  # psutil, NVML
+GPU = ("docs/config.md", "pip install 'llmctl-train[gpu]'")  # Liger's kernels (brings triton)
+BENCH = ("docs/benchmarks.md", 'pip install -e ".[bench,gpu]"')  # torchtitan: its own datasets and fsspec
+DEV_GPU = ("docs/benchmarks.md", 'pip install -e ".[dev,gpu]"')  # the suite and the GPU suite
 # installed, not cloned (the published name, resolved as this checkout's .[cloud])
 INSTALLED = ("README.md", "pip install torch==2.13.0 'llmctl-train[cloud]'")
 ORDERS = {
     "every extra in one line": [ALL],
     "installed with the cloud extra": [INSTALLED],
+    "fp8": [FP8],
+    "qlora": [QLORA],
+    "system": [SYSTEM],
+    "gpu": [GPU],
+    "bench and gpu": [BENCH],
+    "dev and gpu": [DEV_GPU],
     "hf, then cloud": [HF, CLOUD],
     "cloud, then hf": [CLOUD, HF],
     "in one line": [BOTH],
@@ -89,6 +102,9 @@ PROVIDES = {
     "qlora": ("torchao",),
     "fp8": ("torchao",),
     "system": ("psutil", "nvidia-ml-py"),
+    "gpu": ("liger-kernel",),
+    "bench": ("torchtitan",),
+    "dev": ("pytest", "skypilot", "lm-eval"),
 }
 # the orders whose environments hold the first packages hold the second at one version, whichever
 # way round (or in one line) they were installed
