@@ -42,4 +42,7 @@ for recipe in sys.argv[1:]:
     local = model.layers["0"].attention.wq.weight.to_local()
     if rank == 0:
         print(json.dumps({"recipe": recipe, "losses": losses, "local_weight": type(local).__name__}), flush=True)
+# every rank past its last collective before the group goes: torch 2.11's gloo aborted one rank at exit
+# ("terminate called without an active exception") when the other had already torn its group down
+dist.barrier()
 dist.destroy_process_group()
