@@ -325,7 +325,7 @@ def test_every_schema_field_says_what_it_means() -> None:
     lines just above, or its name in the class docstring."""
     import ast
 
-    path = ROOT / "workloads" / "pretrain" / "contract" / "schema.py"
+    path = ROOT / "workloads" / "protocol" / "schema.py"
     lines = path.read_text().splitlines()
     undocumented = []
     for cls in ast.parse(path.read_text()).body:
