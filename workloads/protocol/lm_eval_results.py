@@ -44,7 +44,7 @@ def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value  # NaN: not a score
 
 
-# ----------------------------------------------------------------------------- checks before any work
+# ----------------------------------------------------------------------------- the harness, as a command
 
 
 def harness_command(
