@@ -41,6 +41,7 @@ from llmctl.plan.devices import local_gpu_count, this_machine
 from llmctl.plan.job_plan import Plan
 from llmctl.tracking.mlflow_run import RunHandle
 from workloads.planner.hardware import cpu_threads
+from workloads.protocol.config import with_values
 from workloads.protocol.run_contract import ENV_ELASTIC_SHUTDOWN, elastic_shutdown_timeout
 
 CONFIG_PLACEHOLDER = "<run-dir>/config.yaml"
@@ -249,7 +250,10 @@ class LocalBackend:
         gpus = hardware.gpus_per_node
         nproc = _process_count(cfg, settings, gpus)
         # the trainer's mesh; a user's program lays out its own processes
-        layout = {"dp_replicate": 1, "dp_shard": nproc, "tp": 1} if is_command(cfg) else resolve_layout(cfg, nproc)
+        if is_command(cfg):
+            layout = {"dp_replicate": 1, "dp_shard": nproc, "tp": 1}
+        else:
+            layout = resolve_layout(composed.typed, nproc)
         resolved = {**cfg, "parallel": {**cfg["parallel"], **layout}}
         device = f"{gpus} local GPU(s), nccl" if gpus else "CPU, gloo"
         notes = []
@@ -268,6 +272,7 @@ class LocalBackend:
             tracking_uri="",
             hardware=hardware,
             notes=notes,
+            typed=with_values(composed.typed, "parallel", **layout),
         )
 
     def preflight(self, plan: Plan) -> None:
@@ -275,11 +280,9 @@ class LocalBackend:
 
     def finalize(self, plan: Plan, handle: RunHandle) -> dict[str, Any]:
         """Fill in what needs the run id: the default checkpoint location beside the run."""
-        cfg = plan.cfg
-        if not cfg["checkpoint"]["dir"]:
-            cfg = {**cfg, "checkpoint": {**cfg["checkpoint"], "dir": str(run_dir(handle.run_id) / "checkpoints")}}
-        plan.cfg = cfg
-        return cfg
+        if not plan.cfg["checkpoint"]["dir"]:
+            plan.set_values("checkpoint", dir=str(run_dir(handle.run_id) / "checkpoints"))
+        return plan.cfg
 
     def launch(self, plan: Plan, handle: RunHandle, echo: Optional[TextIO] = None) -> int:
         """Run the job, tee its output, return its exit code (``Interrupted`` after stopping it)."""

@@ -29,6 +29,19 @@ class Composed:
     cfg: dict[str, Any]
     choices: dict[str, Optional[str]] = field(default_factory=dict)
     overrides: list[str] = field(default_factory=list)
+    # the trainer's typed view of ``cfg`` (``workloads.protocol.config.typed``): made once, here, and
+    # passed on with the config (the plan, the estimate, the memory plan read it, none re-types it)
+    typed: Any = None
+
+    def __post_init__(self) -> None:
+        if self.typed is None:
+            from workloads.protocol import validate as trainer
+            from workloads.protocol.config import typed
+
+            try:
+                self.typed = typed(self.cfg)
+            except trainer.ConfigError as exc:
+                raise ConfigError(str(exc)) from None
 
 
 def conf_dir() -> Path:
@@ -231,8 +244,9 @@ def compose(overrides: Optional[list[str]] = None, config_dir: Optional[str] = N
 
     locations.check(resolved)  # before pretrained() reads init_from's config.json
     resolved = pretrained(resolved)
-    validate(resolved)
-    return Composed(cfg=resolved, choices=choices, overrides=overrides)
+    composed = Composed(cfg=resolved, choices=choices, overrides=overrides)
+    validate(composed.cfg, composed.typed)
+    return composed
 
 
 def open_dict(cfg: Any) -> Any:

@@ -2,7 +2,7 @@
 
 The trainer's own rules (value ranges, mesh layout) live with the trainer
 (``workloads.protocol.validate``) so it applies them under plain torchrun too; llmctl runs the same
-functions, on the dict converted once by the trainer's ``config.typed``, and adds the launcher's
+functions, on the typed view ``compose`` made once (the trainer's ``config.typed``), and adds the launcher's
 (``infra``). Either way a mistake is a ``ConfigError`` naming the key and the fix.
 """
 
@@ -13,13 +13,13 @@ from typing import Any
 from llmctl.config import workload
 from llmctl.errors import ConfigError
 from workloads.protocol import validate as trainer
-from workloads.protocol.config import typed
+from workloads.protocol.schema import TrainerCfg
 
 
-def validate(cfg: dict[str, Any]) -> None:
-    """Value ranges and cross-key consistency of a resolved config."""
+def validate(cfg: dict[str, Any], tc: TrainerCfg) -> None:
+    """Value ranges and cross-key consistency of a resolved config (``tc``: its typed view)."""
     try:
-        trainer.validate(typed(cfg))
+        trainer.validate(tc)
     except trainer.ConfigError as exc:
         raise ConfigError(str(exc)) from None
     workload.validate(cfg)
@@ -35,14 +35,13 @@ def validate(cfg: dict[str, Any]) -> None:
         )
 
 
-def check_hardware(cfg: dict[str, Any], hardware: Any) -> None:
+def check_hardware(tc: TrainerCfg, hardware: Any) -> None:
     """What the config asks of the devices the plan targets (``llmctl.plan.devices.Hardware``): FP8
     matmuls need an FP8 GPU and ``model.loss_kernel=liger`` a GPU, refused here rather than after a
     cluster is up (the trainer checks the real device again when it starts; a GPU whose name llmctl
     does not know is left to that check)."""
     from workloads.planner.hardware import capability_for, fp8_refusal
 
-    tc = typed(cfg)
     recipe = tc.train.fp8.value
     gpu = hardware.gpu if hardware.gpus_per_node else None
     refusal = fp8_refusal(recipe, gpu, capability_for(gpu) if gpu else None)
@@ -65,9 +64,9 @@ def pretrained(cfg: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError(str(exc)) from None
 
 
-def resolve_layout(cfg: dict[str, Any], world_size: int) -> dict[str, int]:
+def resolve_layout(tc: TrainerCfg, world_size: int) -> dict[str, int]:
     """Concrete mesh degrees for ``world_size`` processes (``dp_shard=-1`` filled in)."""
     try:
-        return trainer.resolve_layout(typed(cfg), world_size)
+        return trainer.resolve_layout(tc, world_size)
     except trainer.ConfigError as exc:
         raise ConfigError(str(exc)) from None

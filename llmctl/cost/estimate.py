@@ -31,7 +31,8 @@ from typing import Any, Mapping, Optional
 from llmctl.cost.work import Work, regime, work_per_token
 from llmctl.plan.devices import Hardware
 from workloads.planner.hardware import peak_for
-from workloads.protocol.config import typed
+from workloads.protocol.config import ConfigLike, typed
+from workloads.protocol.schema import TrainerCfg
 from workloads.protocol.shape import flops_per_token, hidden_dim, num_params
 
 MFU_PRIOR = 0.40  # what well-tuned open trainers reach on dense LLMs; the sources are in docs/cost.md
@@ -53,7 +54,7 @@ def val_passes(steps: int, val_every: int) -> int:
     return 1 + steps // val_every + (1 if steps % val_every else 0)
 
 
-def shape_key(cfg: Mapping[str, Any], gpu: bool = False) -> str:
+def shape_key(cfg: ConfigLike, gpu: bool = False) -> str:
     """What makes two runs' tokens/s comparable (tag ``llmctl.shape``): the model, T, dtype (and fp8
     recipe, as ``bf16+fp8rowwise``: no dash, so the key's fields stay put), kernels, tp, ac. The
     dtype as it runs (``train.dtype=auto`` resolved for a GPU target or not), so an ``auto`` run
@@ -99,12 +100,12 @@ class Throughput:
     run_id: Optional[str] = None
 
 
-def measured_throughput(m: Measured, cfg: Mapping[str, Any], hw: Hardware, accelerator: str) -> Throughput:
+def measured_throughput(m: Measured, cfg: ConfigLike, hw: Hardware, accelerator: str) -> Throughput:
     """Scale a measured run to this config: tokens/s linearly in nodes, val time in val tokens per node;
     a run of another shape also by FLOPs per token (the FLOP/s it sustained carries over)."""
-    t = cfg["train"]
+    t = typed(cfg).train
     nodes_ratio = hw.nodes / max(1, m.nodes)
-    val_ratio = (int(t["val_batches"]) * int(t["batch_size"])) / max(1, m.val_batches * m.batch_size)
+    val_ratio = (t.val_batches * t.batch_size) / max(1, m.val_batches * m.batch_size)
     scaled = f", scaled x{nodes_ratio:g} for {hw.nodes} node(s)" if m.nodes != hw.nodes else ""
     flops_ratio, forward_ratio, kind, what = 1.0, 1.0, "measured", "this shape"
     if m.flops_per_token:
@@ -135,7 +136,7 @@ def measured_throughput(m: Measured, cfg: Mapping[str, Any], hw: Hardware, accel
     )
 
 
-def prior_throughput(cfg: Mapping[str, Any], hw: Hardware, backend: str) -> Throughput:
+def prior_throughput(cfg: ConfigLike, hw: Hardware, backend: str) -> Throughput:
     """No measured run: a stated prior per accelerator (MFU of its peak) or per CPU core."""
     tc = typed(cfg)
     t = tc.train
@@ -427,12 +428,15 @@ def estimate(
     measured: Optional[Measured] = None,
     catalog: Optional[list[Price]] = None,
     max_cost: Optional[float] = None,
+    tc: Optional[TrainerCfg] = None,
 ) -> Estimate:
-    """The estimate for a resolved config, from explicit evidence (pure: tests hand-compute it)."""
-    t, model = cfg["train"], typed(cfg).model
-    steps, batch, seq = int(t["steps"]), int(t["batch_size"]), int(t["seq_len"])
+    """The estimate for a resolved config (``tc``: its typed view, when the caller holds one), from
+    explicit evidence (pure: tests hand-compute it)."""
+    tc = typed(cfg) if tc is None else tc
+    t, model = tc.train, tc.model
+    steps, batch, seq = t.steps, t.batch_size, t.seq_len
     throughput = (
-        measured_throughput(measured, cfg, hw, hw.accelerator) if measured else prior_throughput(cfg, hw, backend)
+        measured_throughput(measured, tc, hw, hw.accelerator) if measured else prior_throughput(tc, hw, backend)
     )
     catalog = catalog or []
     return Estimate(
@@ -440,13 +444,13 @@ def estimate(
         flops_per_token=flops_per_token(model, seq),
         steps=steps,
         tokens=steps * batch * seq,
-        val_passes=val_passes(steps, int(t["val_every"])),
+        val_passes=val_passes(steps, t.val_every),
         hw=hw,
         throughput=throughput,
         price=choose_price(cfg["infra"], hw, catalog),
         offers=catalog,
         max_cost=max_cost,
-        work=work_per_token(cfg),
+        work=work_per_token(tc),
         lora=bool(model.lora.rank),
     )
 

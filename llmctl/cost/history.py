@@ -27,6 +27,7 @@ from typing import Any, Iterator, Mapping, Optional
 
 from llmctl.cost.estimate import Measured
 from llmctl.tracking.mlflow_run import sqlite_path
+from workloads.protocol.schema import TrainerCfg
 
 TAG_SHAPE = "llmctl.shape"
 TAG_ACCELERATOR = "llmctl.accelerator"
@@ -59,9 +60,12 @@ def _quick_http() -> Iterator[None]:
                 os.environ[k] = v
 
 
-def find(uri: str, shape: str, accelerator: str, cfg: Mapping[str, Any]) -> Optional[Measured]:
+def find(
+    uri: str, shape: str, accelerator: str, cfg: Mapping[str, Any], tc: Optional[TrainerCfg] = None
+) -> Optional[Measured]:
     """The best measured run for this shape and accelerator, else the best of another shape on the same
-    accelerator (to transfer its FLOP/s), else None (no store, no match, no server)."""
+    accelerator (to transfer its FLOP/s), else None (no store, no match, no server). ``tc``: the
+    typed view of ``cfg`` when the caller holds one."""
     if not store_exists(uri):
         return None
     try:
@@ -73,7 +77,7 @@ def find(uri: str, shape: str, accelerator: str, cfg: Mapping[str, Any]) -> Opti
         return None
     if not other:
         return None
-    best = max(other, key=_rank_other(cfg, shape))
+    best = max(other, key=_rank_other(cfg, shape, tc))
     found = _measured(best, cfg)
     found.flops_per_token, found.shape = _flops(best), best.tags.get(TAG_SHAPE)
     return found
@@ -117,13 +121,14 @@ def _rank_same(cfg: Mapping[str, Any]) -> Any:
     return rank
 
 
-def _rank_other(cfg: Mapping[str, Any], shape: str) -> Any:
+def _rank_other(cfg: Mapping[str, Any], shape: str, tc: Optional[TrainerCfg] = None) -> Any:
     """Same dtype, kernels, tp and ac first (the shape key after ``-T<seq>-``), then the closest FLOPs
     per token (matmul efficiency grows with size), then the same nodes, then the newest."""
     from workloads.protocol.config import typed
     from workloads.protocol.shape import flops_per_token
 
-    fpt = flops_per_token(typed(cfg).model, int(cfg["train"]["seq_len"]))
+    tc = typed(cfg) if tc is None else tc
+    fpt = flops_per_token(tc.model, tc.train.seq_len)
     regime = shape.split("-", 8)[-1]
     nodes = str(cfg["infra"]["nodes"])
 

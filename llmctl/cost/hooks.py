@@ -71,7 +71,7 @@ def record_estimate(mc: Any, run_id: str, plan: Any, max_cost: Optional[float], 
 
     try:
         est = plan.estimate
-        shape = command_key(plan.cfg) if is_command(plan.cfg) else shape_key(plan.cfg, bool(plan.hardware.gpu))
+        shape = command_key(plan.cfg) if is_command(plan.cfg) else shape_key(plan.typed, bool(plan.hardware.gpu))
         tags = {TAG_ACCELERATOR: plan.hardware.accelerator, TAG_SHAPE: shape[:5000]}
         metrics = {}
         if est:

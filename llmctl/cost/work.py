@@ -16,9 +16,9 @@ already paid for both. Stdlib only.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import Optional
 
-from workloads.protocol.config import typed
+from workloads.protocol.config import ConfigLike, typed
 from workloads.protocol.shape import (
     flops_per_token,
     forward_flops_per_token,
@@ -104,7 +104,7 @@ class Work:
         return lines
 
 
-def work_per_token(cfg: Mapping[str, Any], ac: Optional[str] = None, fp8: Optional[str] = None) -> Work:
+def work_per_token(cfg: ConfigLike, ac: Optional[str] = None, fp8: Optional[str] = None) -> Work:
     """The work per token of ``cfg`` (or of its shape with another ``ac`` / FP8 recipe: a transferred
     run's, whose shape key says which)."""
     tc = typed(cfg)

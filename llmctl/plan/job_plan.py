@@ -13,15 +13,14 @@ from typing import Any, Optional
 from llmctl.config.compose import to_yaml
 from llmctl.plan.devices import Hardware
 from llmctl.tracking.mlflow_run import redact
+from workloads.protocol.config import ConfigLike, typed
 
 
-def kernel_lines(cfg: dict[str, Any], gpu: bool) -> list[str]:
+def kernel_lines(cfg: ConfigLike, gpu: bool) -> list[str]:
     """The compute dtype, loss kernel and attention the trainer will run, from the config and the
     target alone (the plan imports no torch): what ``train.dtype=auto`` and ``model.loss_kernel``
     resolve to. The trainer's first lines name the kernels it actually got."""
-    from workloads.protocol.config import typed
-
-    tc = typed(cfg)
+    tc = typed(cfg)  # the plan passes its typed view (returned as it is); tests, partial dicts
     m, dtype = tc.model, tc.train.dtype
     compute = dtype.on("cuda" if gpu else "cpu")
     why = " (train.dtype=auto" + (", TF32 for fp32 matmuls)" if gpu else ")") if dtype == "auto" else ""
@@ -52,18 +51,18 @@ def count(n: int) -> str:
     return f"{n / 1e6:,.1f}M" if n < 1_000_000_000 else f"{n / 1e9:,.2f}B"
 
 
-def lora_lines(cfg: dict[str, Any], gpu: bool) -> list[str]:
+def lora_lines(cfg: ConfigLike, gpu: bool) -> list[str]:
     """What a LoRA run trains and what it freezes, from the config alone (``protocol.shape``, the
     counts the trainer's own LoRA line prints once the model exists): a user sizing an adapter sees
     its parameters and the NF4 base's bytes before paying. None without ``model.lora.rank``."""
     from workloads.protocol import shape
-    from workloads.protocol.config import typed
 
-    m = typed(cfg).model
+    tc = typed(cfg)
+    m = tc.model
     if not m.lora.rank:
         return []
     trainable, total = shape.lora_params(m), shape.lora_total_params(m)
-    compute = 2 if typed(cfg).train.dtype.on("cuda" if gpu else "cpu") == "bf16" else 4  # NF4 scale factors
+    compute = 2 if tc.train.dtype.on("cuda" if gpu else "cpu") == "bf16" else 4  # NF4 scale factors
     nf4 = shape.nf4_base_bytes(m, compute)
     base = f"targets' weights in nf4: {nf4 / 2**30:.2f} GiB" if nf4 else "unquantized"
     return [
@@ -97,6 +96,16 @@ class Plan:
     # on one checkpoint: ``llmctl eval RUN --tasks`` as a job on the run's infra, attached to the run)
     job: str = "train"
     parallelize: bool = False  # a "score" job: the model spread over the node's GPUs (lm-eval's parallelize)
+    # the trainer's typed view of ``cfg`` (``Composed.typed`` with the backend's resolved layout): what the
+    # memory plan, the estimate and the checks read; ``set_values`` changes both together
+    typed: Any = None
+
+    def set_values(self, section: str, **values: Any) -> None:
+        """Keys of one section changed in ``cfg`` and in ``typed`` at once (nothing is typed again)."""
+        from workloads.protocol.config import with_values
+
+        self.cfg = {**self.cfg, section: {**self.cfg[section], **values}}
+        self.typed = with_values(self.typed, section, **values)
 
     @property
     def world_size(self) -> int:
@@ -125,8 +134,8 @@ class Plan:
         else:
             lines += [
                 f"mesh:        dp_replicate={lay['dp_replicate']} dp_shard={lay['dp_shard']} tp={lay['tp']}",
-                *kernel_lines(self.cfg, bool(self.hardware.gpus_per_node)),
-                *lora_lines(self.cfg, bool(self.hardware.gpus_per_node)),
+                *kernel_lines(self.typed, bool(self.hardware.gpus_per_node)),
+                *lora_lines(self.typed, bool(self.hardware.gpus_per_node)),
                 *benchmark_lines(self.cfg),
                 f"tokens:      {train['steps'] * train['batch_size'] * train['seq_len']:,}"
                 f" ({train['steps']} steps x {train['batch_size']} x {train['seq_len']})",

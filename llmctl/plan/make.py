@@ -22,7 +22,7 @@ def make_plan(composed: Composed) -> Plan:
     from llmctl.config.launcher_checks import check_hardware
 
     plan = backend_for(composed.cfg["infra"]["kind"]).plan(composed)
-    check_hardware(plan.cfg, plan.hardware)  # e.g. train.fp8 on a GPU without FP8: refused, nothing created
+    check_hardware(plan.typed, plan.hardware)  # e.g. train.fp8 on a GPU without FP8: refused, nothing created
     plan.tracking_uri = resolve_uri(composed.cfg["tracking"]["uri"])
     if not is_command(plan.cfg):  # a user's program: its memory is its own
         try:
@@ -78,7 +78,10 @@ def estimate_for(
     """The estimate of ``plan`` (or of ``cfg`` on the plan's hardware, e.g. the steps a resume has
     left); ``lookup`` asks MLflow for a measured run of the same shape on the same accelerator."""
     from llmctl.cost import estimate, history
+    from workloads.protocol.config import typed
 
+    # the plan's own config is typed already; another one (the steps a resume has left) is typed here
+    tc = plan.typed if cfg is None else typed(cfg)
     cfg = cfg or plan.cfg
     if is_command(cfg):
         found = (
@@ -92,7 +95,7 @@ def estimate_for(
     measured = None
     if lookup:
         measured = history.find(
-            plan.tracking_uri, estimate.shape_key(cfg, bool(plan.hardware.gpu)), plan.hardware.accelerator, cfg
+            plan.tracking_uri, estimate.shape_key(tc, bool(plan.hardware.gpu)), plan.hardware.accelerator, cfg, tc
         )
     return estimate.estimate(
         cfg,
@@ -101,4 +104,5 @@ def estimate_for(
         measured=measured,
         catalog=estimate.catalog_prices(plan.offers),
         max_cost=max_cost,
+        tc=tc,
     )

@@ -144,29 +144,25 @@ def _device_type(plan: Any) -> str:
     return "cuda" if plan.hardware.gpu else "cpu"
 
 
-def _with_grad_sync(cfg: dict[str, Any], mode: str) -> dict[str, Any]:
-    return {**cfg, "parallel": {**cfg["parallel"], "grad_sync": mode}}
-
-
 def check(plan: Any) -> MemoryFit:
     """The memory plan of ``plan`` against its device, with the cheapest fix when it does not fit.
 
     Resolves ``parallel.grad_sync=auto`` in ``plan.cfg`` (what the trainer is given): ``step``, one
     reduction per optimizer step, unless only reducing after each micro-batch fits."""
     from workloads.planner.memory_plan import plan_memory
-    from workloads.protocol.config import typed
+    from workloads.protocol.config import with_values
 
     device = _device_type(plan)
     auto = str(plan.cfg["parallel"].get("grad_sync", "auto")) == "auto"
     if auto:
-        plan.cfg = _with_grad_sync(plan.cfg, "step")
-    mem = plan_memory(typed(plan.cfg), plan.world_size, device)
+        plan.set_values("parallel", grad_sync="step")
+    mem = plan_memory(plan.typed, plan.world_size, device)
     capacity, label = device_memory(plan)
     fit = MemoryFit(mem, capacity, label)
     if auto and fit.fits is False:
-        each = plan_memory(typed(_with_grad_sync(plan.cfg, "micro_batch")), plan.world_size, device)
+        each = plan_memory(with_values(plan.typed, "parallel", grad_sync="micro_batch"), plan.world_size, device)
         if each.total < mem.total:
-            plan.cfg = _with_grad_sync(plan.cfg, "micro_batch")
+            plan.set_values("parallel", grad_sync="micro_batch")
             fit = MemoryFit(each, capacity, label)
     if fit.fits is False:
         found = cheapest_fix(plan.cfg, plan.world_size, device, fit.usable, plan.hardware.gpus_per_node or 1)

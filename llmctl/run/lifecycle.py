@@ -12,20 +12,22 @@ trial controller, a job SkyPilot reports ended), ``outcome`` (how an attempt end
 ``classify``) and ``report`` (the closing lines). ``llmctl smoke`` drives the CLI, so it goes
 through the same code.
 
-Each attempt goes: open it (ledger tags, the workload's environment) → ``backend.finalize`` → record
-the config → ``backend.launch`` under SIGINT/SIGTERM handling → read the outcome from the exit
-code, the stop request and the workload's tags → bill it (``cost.hooks.close``) → upload its
-``output.log`` and log the final and best checkpoints as MLflow models → set the MLflow
-status and ``llmctl.status`` → the exit code.
+Each attempt (``attempt_of``, a context manager: the only way one is opened and closed) goes:
+open it (ledger tags, the workload's environment) → ``backend.finalize`` → record the config →
+``backend.launch`` under SIGINT/SIGTERM handling → read the outcome from the exit code, the stop
+request and the workload's tags → bill it (``cost.hooks.close``) → upload its ``output.log`` and log
+the final and best checkpoints as MLflow models → set the MLflow status and ``llmctl.status`` → the
+exit code.
 """
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, TextIO
+from typing import Any, Callable, Iterator, Optional, TextIO
 
 from llmctl.backends import backend_for
 from llmctl.backends.base import Backend
@@ -262,11 +264,53 @@ def _run(
     banner: Callable[[RunHandle, Attempt], str],
     workload_out: Optional[TextIO] = None,
 ) -> int:
-    """The one structure that opens and closes a run: ``create`` makes (or reopens) the run and
-    ``open_attempt`` opens its attempt with stop signals already turned into ``Interrupted``; from
-    then on a stop request, an error starting, or any other exception (a cloud API's, MLflow's, a
-    backend bug) ends in a closed attempt and a terminal run, never a run left RUNNING. An unexpected
-    exception is re-raised only after that (its traceback still shows; exit code 1)."""
+    """One attempt of ``plan``'s run, opened and closed by ``attempt_of``: the backend finalizes the
+    config, it is recorded, the backend launches the workload. The exit code is the outcome's."""
+    try:
+        with attempt_of(plan, create, open_attempt, say=say, banner=banner) as running:
+            running.cfg = backend.finalize(plan, running.handle)
+            _record_config(running, new_run)
+            running.code = backend.launch(plan, running.handle, echo=workload_out)
+    except NotOpened as closed:
+        return closed.exit_code
+    return running.exit_code
+
+
+@dataclass
+class Running:
+    """An open attempt as the body of ``attempt_of`` sees it; the body fills in what it learns."""
+
+    handle: RunHandle
+    attempt: Attempt
+    cfg: Optional[dict[str, Any]] = None  # the config the backend finalized (None: it never got that far)
+    code: Optional[int] = None  # the workload's exit code (None: it never ran, or no code came back)
+    exit_code: int = 0  # set when the attempt is closed: what the command exits with
+
+
+class NotOpened(Exception):
+    """A stop while the run was being created or its attempt opened: what existed is closed."""
+
+    def __init__(self, exit_code: int) -> None:
+        super().__init__(exit_code)
+        self.exit_code = exit_code
+
+
+@contextlib.contextmanager
+def attempt_of(
+    plan: Plan,
+    create: Callable[[], RunHandle],
+    open_attempt: Callable[[RunHandle], Attempt],
+    *,
+    say: Say,
+    banner: Callable[[RunHandle, Attempt], str],
+) -> Iterator[Running]:
+    """The one structure that opens and closes a run's attempt: ``create`` makes (or reopens) the run
+    and ``open_attempt`` opens its attempt with stop signals already turned into ``Interrupted``; from
+    then on a stop request, an error starting, or any other exception in the body (a cloud API's,
+    MLflow's, a backend bug) ends in a closed attempt and a terminal run, never a run left RUNNING.
+    A stop or a ``LaunchError`` in the body is closed and ends the ``with`` (``Running.exit_code``
+    says how); any other exception is re-raised after the close (its traceback still shows; exit
+    code 1). A stop before the attempt is open raises ``NotOpened`` once what existed is closed."""
     clear_stop_requests()
     previous = install_stop_handlers(raise_interrupted)
     handle: Optional[RunHandle] = None
@@ -274,9 +318,49 @@ def _run(
         handle = create()
         attempt = open_attempt(handle)
     except BaseException as exc:
-        return _close_unopened(handle, exc, previous, say)
+        raise NotOpened(_close_unopened(handle, exc, previous, say)) from None
     say(banner(handle, attempt))  # the run id, as soon as the run and its attempt exist
-    return _attempt(plan, backend, handle, attempt, previous, new_run=new_run, say=say, workload_out=workload_out)
+    running = Running(handle, attempt)
+    started = time.monotonic()
+    error: Optional[BaseException] = None
+    unexpected: Optional[BaseException] = None
+    (run_dir(handle.run_id) / JOB_END_FILE).unlink(missing_ok=True)  # an earlier attempt's end is not this one's
+    update_json(handle.run_id, JOB_END_FILE, attempt=attempt.n)
+    record_controller(handle.run_id)
+    try:
+        yield running
+    except Interrupted as exc:
+        error = exc
+    except KeyboardInterrupt:
+        error = Interrupted(signal.SIGINT)
+    except Exception as exc:  # LaunchError: could not start; anything else: closed as FAILED, then re-raised
+        error = exc
+        if not isinstance(exc, LaunchError):
+            unexpected = exc
+    finally:  # closing takes a second: a stop request now must not leave the run half-closed
+        install_stop_handlers(ignore_late_stop, previous)
+    mc = tracking.client(handle.uri)
+    try:
+        outcome, reason, cost_line, requested = _close(plan, handle, attempt, running.cfg, running.code, error, mc)
+    finally:
+        restore_handlers(previous)
+    report(outcome, reason, handle, time.monotonic() - started, cost_line, say, requested)
+    if unexpected is not None:
+        raise unexpected
+    running.exit_code = RULES[outcome].exit_code
+
+
+def _record_config(running: Running, new_run: bool) -> None:
+    """The attempt's config into the run: params and config.yaml for a new run; for a resumed one the
+    params stay the first attempt's (MLflow keeps them) and config.yaml is what the next resume reads."""
+    handle, cfg = running.handle, running.cfg
+    assert cfg is not None
+    if new_run:
+        tracking.describe_run(handle, cfg, to_yaml(cfg))
+        return
+    mc = tracking.client(handle.uri)
+    mc.log_text(handle.run_id, tracking.redact(to_yaml(cfg)), "config.yaml")
+    mc.log_text(handle.run_id, tracking.redact(to_yaml(cfg)), f"attempts/{running.attempt.n}/config.yaml")
 
 
 def _close_unopened(handle: Optional[RunHandle], error: BaseException, previous: dict[int, Any], say: Say) -> int:
@@ -301,56 +385,6 @@ def _close_unopened(handle: Optional[RunHandle], error: BaseException, previous:
         restore_handlers(previous)
     if not isinstance(error, Interrupted):
         raise error
-    return RULES[outcome].exit_code
-
-
-def _attempt(
-    plan: Plan,
-    backend: Backend,
-    handle: RunHandle,
-    attempt: Attempt,
-    previous: dict[int, Any],
-    *,
-    new_run: bool,
-    say: Say,
-    workload_out: Optional[TextIO] = None,
-) -> int:
-    """Run the opened attempt and close it, whatever happens (``_run``)."""
-    mc = tracking.client(handle.uri)
-    started = time.monotonic()
-    code: Optional[int] = None
-    error: Optional[BaseException] = None
-    unexpected: Optional[BaseException] = None
-    cfg: Optional[dict[str, Any]] = None
-    rdir = run_dir(handle.run_id)
-    (rdir / JOB_END_FILE).unlink(missing_ok=True)  # an earlier attempt's end is not this one's
-    update_json(handle.run_id, JOB_END_FILE, attempt=attempt.n)
-    record_controller(handle.run_id)
-    try:
-        cfg = backend.finalize(plan, handle)
-        if new_run:
-            tracking.describe_run(handle, cfg, to_yaml(cfg))  # params + config.yaml
-        else:  # params stay the first attempt's (MLflow keeps them); config.yaml is what the next resume reads
-            mc.log_text(handle.run_id, tracking.redact(to_yaml(cfg)), "config.yaml")
-            mc.log_text(handle.run_id, tracking.redact(to_yaml(cfg)), f"attempts/{attempt.n}/config.yaml")
-        code = backend.launch(plan, handle, echo=workload_out)
-    except Interrupted as exc:
-        error = exc
-    except KeyboardInterrupt:
-        error = Interrupted(signal.SIGINT)
-    except Exception as exc:  # LaunchError: could not start; anything else: closed as FAILED, then re-raised
-        error = exc
-        if not isinstance(exc, LaunchError):
-            unexpected = exc
-    finally:  # closing takes a second: a stop request now must not leave the run half-closed
-        install_stop_handlers(ignore_late_stop, previous)
-    try:
-        outcome, reason, cost_line, requested = _close(plan, handle, attempt, cfg, code, error, mc)
-    finally:
-        restore_handlers(previous)
-    report(outcome, reason, handle, time.monotonic() - started, cost_line, say, requested)
-    if unexpected is not None:
-        raise unexpected
     return RULES[outcome].exit_code
 
 

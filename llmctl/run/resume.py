@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional
 from llmctl.errors import ConfigError
 from workloads.planner import schedule
 from workloads.protocol.checkpoint_layout import latest_complete
-from workloads.protocol.config import typed
+from workloads.protocol.config import typed, with_values
 
 # groups whose sections are re-derived when changed; experiment/model cannot change under a checkpoint
 RESECTION = {"infra": ("infra", "parallel"), "parallel": ("parallel",), "data": ("data",), "train": ("train",)}
@@ -155,7 +155,7 @@ def resume(
                 f"run {run_id} finished (its program exited 0): nothing to resume. To run it further, change"
                 f" what it runs: llmctl resume {run_id} workload.args.<name>=<value>"
             )
-        plan = make_plan(Composed(cfg=composed.cfg, choices=choices, overrides=overrides))
+        plan = make_plan(Composed(cfg=composed.cfg, choices=choices, overrides=overrides, typed=composed.typed))
         where = f"(the program continues from its own state in {tracking.redact(str(root or '-'))})"
         return lifecycle.resume(
             plan,
@@ -176,10 +176,12 @@ def resume(
         raise ConfigError(
             f"cannot list checkpoints in {tracking.redact(str(root))}: {type(exc).__name__}: {exc}"
         ) from None
-    pin, said = schedule.extension(typed(stored).train, typed(composed.cfg).train, step or 0)
+    pin, said = schedule.extension(typed(stored).train, composed.typed.train, step or 0)
+    pinned = composed.typed
     if pin is not None:
         composed.cfg["train"]["schedule_steps"] = pin
-    plan = make_plan(Composed(cfg=composed.cfg, choices=choices, overrides=overrides))
+        pinned = with_values(composed.typed, "train", schedule_steps=pin)
+    plan = make_plan(Composed(cfg=composed.cfg, choices=choices, overrides=overrides, typed=pinned))
     total = int(plan.cfg["train"]["steps"])
     if step is not None and step >= total and run.info.status != "FINISHED":
         # the work is done (e.g. killed after its last checkpoint): close the run, nothing to rerun

@@ -191,8 +191,9 @@ class _Composer:
             resolved = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True, enum_to_str=True)
         except (ConfigCompositionException, OmegaConfBaseException, ValueError) as exc:
             raise _translate(exc, overrides) from None
-        validate(resolved)
-        return Composed(cfg=resolved, choices=dict(choices), overrides=list(overrides))
+        composed = Composed(cfg=resolved, choices=dict(choices), overrides=list(overrides))
+        validate(composed.cfg, composed.typed)
+        return composed
 
 
 def compose_trials(trials: list[list[str]], config_dir: Optional[str] = None) -> list[Composed]:

@@ -210,7 +210,7 @@ def make_sweep_plan(
     with _visible_gpus(slot), _history_cache():
         for i, c in enumerate(composed):
             try:
-                plan = make_plan(Composed(cfg=c.cfg, choices=c.choices, overrides=c.overrides))
+                plan = make_plan(Composed(cfg=c.cfg, choices=c.choices, overrides=c.overrides, typed=c.typed))
             except ConfigError as exc:
                 errors.append(TrialError(i, c.overrides, str(exc)))
                 continue
@@ -247,10 +247,10 @@ class _history_cache:
             return
         self.history, self.original, cache = history, history.find, {}
 
-        def find(uri: str, shape: str, accelerator: str, cfg: Any) -> Any:
+        def find(uri: str, shape: str, accelerator: str, cfg: Any, tc: Any = None) -> Any:
             key = (uri, shape, accelerator, cfg["infra"]["nodes"], cfg["train"]["batch_size"])
             if key not in cache:
-                cache[key] = self.original(uri, shape, accelerator, cfg)
+                cache[key] = self.original(uri, shape, accelerator, cfg, tc)
             return cache[key]
 
         history.find = find

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from compatible_index import compatible_index
 from helpers import ROOT
 
 # each line as the docs show it (checked below), and where
@@ -138,8 +139,9 @@ def extras(line: str) -> list[str]:
 class PipView:
     """A venv holding only installed packages' metadata, changed as pip reports it would change it."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, index_url: str) -> None:
         self.root = root
+        self.index_url = index_url
         if not (root / "bin" / "python").exists():
             subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], check=True)
         self.python = root / "bin" / "python"
@@ -148,7 +150,7 @@ class PipView:
 
     def copy(self, root: Path) -> PipView:
         shutil.copytree(self.root, root, symlinks=True)
-        return PipView(root)
+        return PipView(root, self.index_url)
 
     def pip(self, *args: str) -> subprocess.CompletedProcess[str]:
         """This interpreter's pip acting on the view (``pip --python``), from the repository root."""
@@ -158,7 +160,7 @@ class PipView:
     def install(self, line: str) -> str:
         """Resolve one doc line (``pip install ...``) against the view, apply pip's report; pip's log."""
         report = self.root / "report.json"
-        out = self.pip("install", "--dry-run", "--report", str(report), *pip_args(line))
+        out = self.pip("install", "--dry-run", "--index-url", self.index_url, "--report", str(report), *pip_args(line))
         assert out.returncode == 0, f"{line}: {out.stderr[-3000:]}"
         for item in json.loads(report.read_text())["install"]:
             self._write(item["metadata"])
@@ -211,7 +213,11 @@ def _pypi_reachable() -> bool:
 def test_the_extras_resolve_together_in_every_order_the_docs_show(tmp_path: Path) -> None:
     if not _pypi_reachable():
         pytest.skip("PyPI is not reachable: the docs' install lines cannot be resolved")
-    base = PipView(tmp_path / "base")
+    with compatible_index(sys.executable) as index_url:
+        _resolve_every_order(PipView(tmp_path / "base", index_url), tmp_path)
+
+
+def _resolve_every_order(base: PipView, tmp_path: Path) -> None:
     base.install(BASE[1])
     # Orders that share their first steps share the views those steps left (``cloud and hf, then
     # eval`` starts from the view ``in one line`` ends with): each distinct step from each distinct

@@ -17,15 +17,17 @@ import argparse
 import enum
 import typing
 from collections.abc import Mapping
-from dataclasses import fields, is_dataclass
+from dataclasses import fields, is_dataclass, replace
 from functools import lru_cache
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Union
 
 from workloads.protocol import hf_config
 from workloads.protocol.schema import LAUNCHER_SECTIONS, TrainerCfg
 from workloads.protocol.validate import ConfigError, validate
 
 SECTIONS = tuple(f.name for f in fields(TrainerCfg))
+# what ``typed`` takes: a plain mapping of sections, or a config typed already (returned as it is)
+ConfigLike = Union[Mapping[str, Any], TrainerCfg]
 
 
 def _check_overrides(overrides: Sequence[str]) -> None:
@@ -83,7 +85,7 @@ def parse_args(
 # ----------------------------------------------------------------------------- a plain mapping
 
 
-def typed(cfg: Mapping[str, Any]) -> TrainerCfg:
+def typed(cfg: ConfigLike) -> TrainerCfg:
     """The trainer's typed config from a plain mapping of sections: llmctl's composed config (a
     dict, enums as strings), a test's partial dict, or an OmegaConf config of the same shape.
 
@@ -111,6 +113,24 @@ def typed(cfg: Mapping[str, Any]) -> TrainerCfg:
             raise ConfigError(f"Bad value for '{f.name}': a section is a mapping of keys, got {part!r}")
         sections[f.name] = _section(section_type, f.name, part or {})
     return TrainerCfg(**sections)
+
+
+def with_values(tc: TrainerCfg, section: str, **values: Any) -> TrainerCfg:
+    """``tc`` with keys of one section changed (``with_values(tc, "parallel", tp=2)``), each value
+    typed as its field is: what a launcher resolves after composing (the mesh, a checkpoint folder)
+    changes the typed view it already holds, without typing the whole config again. Launcher
+    sections are not part of it: ``tc`` comes back as it is."""
+    if section in LAUNCHER_SECTIONS:
+        return tc
+    part = getattr(tc, section)
+    section_type: type = type(part)
+    hints = _hints(section_type)
+    unknown = [k for k in values if k not in hints]
+    if unknown:
+        names = ", ".join(f"{section}.{k}" for k in unknown)
+        raise ConfigError(f"Unknown key(s) {names}: {section} has {', '.join(hints)}")
+    changed = {k: _coerce(f"{section}.{k}", hints[k], v) for k, v in values.items()}
+    return replace(tc, **{section: replace(part, **changed)})
 
 
 def _section(cls: type, name: str, part: Mapping[str, Any]) -> Any:

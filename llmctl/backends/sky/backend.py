@@ -36,6 +36,7 @@ from llmctl.errors import ConfigError, LaunchError
 from llmctl.plan.devices import Hardware
 from llmctl.plan.job_plan import Plan
 from llmctl.tracking.mlflow_run import RunHandle, client, redact, resolve_uri
+from workloads.protocol.config import with_values
 
 TAG_CLUSTER = "llmctl.sky.cluster"
 TAG_JOB = "llmctl.sky.job_id"
@@ -290,7 +291,7 @@ class SkyBackend:
         uri = resolve_uri(cfg["tracking"]["uri"])
         sky_rules.check(cfg, infra)
         nproc = sky_task.nproc_per_node(cfg, infra)
-        layout = resolve_layout(cfg, infra.nodes * nproc)
+        layout = resolve_layout(composed.typed, infra.nodes * nproc)
         ckpt = sky_task.checkpoint_dir(cfg, sky_task.RUN_ID_PLACEHOLDER, infra)
         resolved = {**cfg, "parallel": {**cfg["parallel"], **layout}, "checkpoint": {**cfg["checkpoint"], "dir": ckpt}}
         acc = sky_task.node_accelerators(infra)
@@ -344,6 +345,7 @@ class SkyBackend:
             refusals=[r for r in [sky_rules.tracking_refusal(infra.name, uri)] if r],
             offers_text=sky_rules.format_offers(found, resolved["infra"]),
             settings=infra,
+            typed=with_values(with_values(composed.typed, "parallel", **layout), "checkpoint", dir=ckpt),
         )
 
     def preflight(self, plan: Plan) -> None:
@@ -357,11 +359,9 @@ class SkyBackend:
 
     def finalize(self, plan: Plan, handle: RunHandle) -> dict[str, Any]:
         """Fill in what needs the run id: where checkpoints go."""
-        cfg = plan.cfg
-        ckpt = str(cfg["checkpoint"]["dir"]).replace(sky_task.RUN_ID_PLACEHOLDER, handle.run_id)
-        cfg = {**cfg, "checkpoint": {**cfg["checkpoint"], "dir": ckpt}}
-        plan.cfg = cfg
-        return cfg
+        ckpt = str(plan.cfg["checkpoint"]["dir"]).replace(sky_task.RUN_ID_PLACEHOLDER, handle.run_id)
+        plan.set_values("checkpoint", dir=ckpt)
+        return plan.cfg
 
     def launch(self, plan: Plan, handle: RunHandle, echo: Optional[Any] = None) -> int:
         """Submit the task; follow its logs; return 0 if the job succeeded. Nothing is left idling.
