@@ -13,11 +13,15 @@ Each of ``ROUNDS`` rounds, in a fresh store:
    (c) the calibration shape with ``parallel.ac=full`` (``RECOMPUTE``): another shape key, so the
    calibration run's FLOP/s is transferred to the work per token with each block's forward
    recomputed (``llmctl/cost/work.py``): checks the recompute term;
+   (d) a second, larger shape (``BIGGEST``: dim 384, 8 layers, ~11x the calibration FLOPs per
+   token): the store now holds runs of two hidden sizes (128 and (b)'s 256) in its regime, so its
+   estimate scales FLOP/s by ``1/F = a + b/d`` fitted over them (``estimate.fit_sizes``), at a size
+   no run of the fit had: checks the fit where (b) checks the prior;
 4. each is launched; the estimate it logged (``time/estimate_h``) is compared with its billed wall
    time (``time/wall_s``, the ledger's attempt).
 Prints the ratios (predicted / actual) of every round, and last their medians over the rounds
-(goals 0.90-1.10 for (a), 0.75-1.25 for (b) and (c) on a quiet machine):
-``estimate_accuracy: <a> (4x length), <b> (4x FLOPs/token), <c> (ac=full)``.
+(goals 0.90-1.10 for (a), 0.75-1.25 for (b), (c) and (d) on a quiet machine):
+``estimate_accuracy: <a> (4x length), <b> (4x FLOPs/token), <c> (ac=full), <d> (11x FLOPs/token)``.
 
 Why rounds: on these 2-core VMs a process draws its speed when it starts. Identical launches,
 one after another with nothing else running, differ from each other while each is flat within
@@ -42,6 +46,7 @@ CALIB_STEPS, LONGER_STEPS, BIGGER_STEPS = 30, 120, 30
 ROUNDS = 5
 BIGGER = ["model.dim=256", "model.n_layers=6"]  # 4.3x the smoke shape's training FLOPs per token at seq 128
 RECOMPUTE, RECOMPUTE_STEPS = ["parallel.ac=full"], 60
+BIGGEST, BIGGEST_STEPS = ["model.dim=384", "model.n_layers=8"], 20  # 11x the smoke shape's FLOPs per token
 COMMON = [
     "model=smoke",
     "train.batch_size=16",
@@ -92,6 +97,7 @@ def one_round(show_plans: bool) -> dict[str, float]:
             "longer": [f"train.steps={LONGER_STEPS}"],
             "bigger": [*BIGGER, f"train.steps={BIGGER_STEPS}"],
             "recompute": [*RECOMPUTE, f"train.steps={RECOMPUTE_STEPS}"],
+            "biggest": [*BIGGEST, f"train.steps={BIGGEST_STEPS}"],  # after (b): two sizes to fit
         }
         for name, extra in cases.items():
             plan = llmctl(["plan", *COMMON, *extra], work, env)
@@ -125,11 +131,17 @@ def main() -> None:
     for i in range(ROUNDS):
         print(f"=== round {i + 1}/{ROUNDS}", flush=True)
         rounds.append(one_round(show_plans=i == 0))
-    keys = ("longer", "bigger", "recompute")
-    a, b, c = (statistics.median(r[k] for r in rounds) for k in keys)
+    keys = ("longer", "bigger", "recompute", "biggest")
+    a, b, c, d = (statistics.median(r[k] for r in rounds) for k in keys)
     each = {k: ", ".join(f"{r[k]:.3f}" for r in rounds) for k in keys}
-    print(f"rounds (4x length): {each['longer']}; (4x FLOPs/token): {each['bigger']}; (ac=full): {each['recompute']}")
-    print(f"estimate_accuracy: {a:.3f} (4x length), {b:.3f} (4x FLOPs/token), {c:.3f} (ac=full)")
+    print(
+        f"rounds (4x length): {each['longer']}; (4x FLOPs/token): {each['bigger']}; (ac=full): {each['recompute']};"
+        f" (11x FLOPs/token): {each['biggest']}"
+    )
+    print(
+        f"estimate_accuracy: {a:.3f} (4x length), {b:.3f} (4x FLOPs/token), {c:.3f} (ac=full),"
+        f" {d:.3f} (11x FLOPs/token)"
+    )
 
 
 if __name__ == "__main__":

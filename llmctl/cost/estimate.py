@@ -74,6 +74,76 @@ def shape_key(cfg: ConfigLike, gpu: bool = False) -> str:
 # ----------------------------------------------------------------------------- hardware and evidence
 
 
+# ----------------------------------------------------------------------------- FLOP/s by model size
+
+# The FLOP/s a device sustains on a model grows with its hidden size d (``model.dim``, the inner
+# dimension of every block matmul): per token a block's matmuls do ~d² work and the ops between
+# them (norms, activations, rotary, residual adds: memory-bound) ~d, and a matmul itself runs nearer
+# its peak as it grows. Both give one form, the time per FLOP falling as 1/d:
+#     1 / F(d) = a + b / d        (F(d) = F_max · d / (d + d_half), d_half = b / a)
+# A transfer from a run of size d0 to size d1 scales its FLOP/s by F(d1) / F(d0). a and b are fitted
+# over the FINISHED runs of at least two sizes on the accelerator (``history.find``); with fewer,
+# d_half is this prior per kind of device (the d at which it sustains half its large-model FLOP/s):
+# CPU from this project's 2-core VMs (a dim-256 model sustained 12-30% more FLOP/s than the dim-128
+# one: docs/benchmarks.md, ``estimate_accuracy``), GPU an assumption of the same form (a 1k-wide
+# model at about half the MFU of an 8B one), until a fit over two sizes replaces it.
+HALF_DIM_PRIOR = {"cpu": 100.0, "gpu": 1024.0}
+
+
+@dataclass
+class SizeFit:
+    """``1 / F(d) = a + b / d`` fitted over ``runs`` FINISHED runs of hidden sizes ``dims``."""
+
+    a: float
+    b: float
+    runs: int
+    dims: tuple[int, ...]
+
+    def speed(self, dim: float) -> float:
+        """FLOP/s at hidden size ``dim``, in the units of the runs it was fitted on."""
+        return 1.0 / (self.a + self.b / dim)
+
+
+def fit_sizes(points: list[tuple[int, float]]) -> Optional[SizeFit]:
+    """Least squares of ``1/F = a + b/d`` over (hidden size, FLOP/s) points; None with fewer than two
+    sizes, or a fit that says FLOP/s grows without bound (a <= 0). A fit in which FLOP/s falls with
+    size (noise between runs of close sizes) is taken as flat (b = 0)."""
+    dims = sorted({d for d, _ in points})
+    if len(dims) < 2:
+        return None
+    xs, ys = [1.0 / d for d, _ in points], [1.0 / f for _, f in points]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    b = max(b, 0.0)
+    a = my - b * mx
+    if a <= 0:
+        return None
+    return SizeFit(a=a, b=b, runs=len(points), dims=tuple(dims))
+
+
+def hidden_size(shape: str) -> Optional[int]:
+    """``model.dim`` from a run's ``llmctl.shape`` tag (``d128-L4-...``; None for another kind of key)."""
+    head = shape.split("-", 1)[0]
+    return int(head[1:]) if head.startswith("d") and head[1:].isdigit() else None
+
+
+def size_ratio(theirs: int, mine: int, fit: Optional[SizeFit], gpu: bool) -> tuple[float, str]:
+    """F(mine) / F(theirs): how much faster in FLOP/s a model of hidden size ``mine`` runs than the
+    measured one of size ``theirs``, and what said so (for the estimate's source line)."""
+    if theirs == mine:
+        return 1.0, ""
+    if fit is not None:
+        ratio = fit.speed(mine) / fit.speed(theirs)
+        sizes = ", ".join(str(d) for d in fit.dims)
+        how = f"fit over {fit.runs} runs of sizes {sizes}: 1/FLOP/s = a + b/d"
+        return ratio, f"x{ratio:.2f} for hidden size {mine} against {theirs} ({how})"
+    kind = "gpu" if gpu else "cpu"
+    half = HALF_DIM_PRIOR[kind]
+    ratio = (mine / (mine + half)) / (theirs / (theirs + half))
+    how = f"prior: FLOP/s ∝ d/(d+{half:g}) on {kind.upper()}"
+    return ratio, f"x{ratio:.2f} for hidden size {mine} against {theirs} ({how})"
+
+
 @dataclass
 class Measured:
     """What an earlier FINISHED run measured (see ``history.calibration``)."""
@@ -88,6 +158,9 @@ class Measured:
     steps: int
     flops_per_token: Optional[float] = None  # set when the run is of another shape: transfer its FLOP/s
     shape: Optional[str] = None
+    # how FLOP/s moves with the hidden size on this accelerator, fitted over the store's runs (None:
+    # fewer than two sizes measured, the prior ``HALF_DIM_PRIOR`` is used)
+    size_fit: Optional[SizeFit] = None
 
 
 @dataclass
@@ -102,8 +175,10 @@ class Throughput:
 
 def measured_throughput(m: Measured, cfg: ConfigLike, hw: Hardware, accelerator: str) -> Throughput:
     """Scale a measured run to this config: tokens/s linearly in nodes, val time in val tokens per node;
-    a run of another shape also by FLOPs per token (the FLOP/s it sustained carries over)."""
-    t = typed(cfg).train
+    a run of another shape also by FLOPs per token (the FLOP/s it sustained carries over), and by how
+    FLOP/s moves with the hidden size (``size_ratio``: the store's runs fitted, else the prior)."""
+    tc = typed(cfg)
+    t = tc.train
     nodes_ratio = hw.nodes / max(1, m.nodes)
     val_ratio = (t.val_batches * t.batch_size) / max(1, m.val_batches * m.batch_size)
     scaled = f", scaled x{nodes_ratio:g} for {hw.nodes} node(s)" if m.nodes != hw.nodes else ""
@@ -115,14 +190,17 @@ def measured_throughput(m: Measured, cfg: ConfigLike, hw: Hardware, accelerator:
         theirs_ac, theirs_fp8 = regime(m.shape or "")
         as_theirs = work_per_token(cfg, theirs_ac, theirs_fp8)
         theirs = m.flops_per_token * as_theirs.effective / as_theirs.model
-        flops_ratio, kind = theirs / mine.effective, "transferred"
+        their_dim = hidden_size(m.shape or "")
+        size, said = size_ratio(their_dim, tc.model.dim, m.size_fit, bool(hw.gpu)) if their_dim else (1.0, "")
+        flops_ratio, kind = theirs / mine.effective * size, "transferred"
         # a val pass is a forward: nothing recomputed, FP8 on the forward's share only
         forward_ratio = m.flops_per_token * as_theirs.effective_forward / as_theirs.model / mine.effective_forward
+        forward_ratio *= size
         what = f"shape {m.shape}"
         scaled += (
             f"; its {m.tokens_per_s * theirs / 1e9:,.1f} GFLOP/s at"
             f" {mine.effective / 1e6:,.2f} MFLOP/token of work instead of {theirs / 1e6:,.2f}"
-        )
+        ) + (f", {said}" if said else "")
     return Throughput(
         tokens_per_s=m.tokens_per_s * nodes_ratio * flops_ratio,
         val_pass_s=m.val_pass_s * val_ratio / nodes_ratio / forward_ratio,

@@ -25,7 +25,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping, Optional
 
-from llmctl.cost.estimate import Measured
+from llmctl.cost.estimate import Measured, SizeFit, fit_sizes, hidden_size
 from llmctl.tracking.mlflow_run import sqlite_path
 from workloads.protocol.schema import TrainerCfg
 
@@ -80,7 +80,22 @@ def find(
     best = max(other, key=_rank_other(cfg, shape, tc))
     found = _measured(best, cfg)
     found.flops_per_token, found.shape = _flops(best), best.tags.get(TAG_SHAPE)
+    found.size_fit = _size_fit(other, shape, found.nodes)
     return found
+
+
+def _size_fit(runs: list[Candidate], shape: str, nodes: int) -> Optional[SizeFit]:
+    """How FLOP/s moves with the hidden size, fitted over the runs of this shape's regime (dtype,
+    kernels, tp, ac: the key after ``-T<seq>-``) on as many nodes as the run transferred from: each
+    run's model FLOP/s is its steady tokens/s times its FLOPs per token."""
+    regime = shape.split("-", 8)[-1]
+    points = []
+    for r in runs:
+        theirs = str(r.tags.get(TAG_SHAPE, ""))
+        dim, flops = hidden_size(theirs), _flops(r)
+        if dim and flops and theirs.split("-", 8)[-1] == regime and int(r.params.get("infra.nodes", 1)) == nodes:
+            points.append((dim, r.figures[STEADY] * flops))
+    return fit_sizes(points)
 
 
 def command_wall(uri: str, key: str, accelerator: str) -> Optional[tuple[str, float]]:

@@ -288,11 +288,64 @@ def test_new_shape_transfers_flops_per_second_of_another_shape(tmp_path: Path) -
     fpt = flops_per_token(typed(plan.cfg).model, 64)
     assert fpt > 2 * small_fpt and est.flops_per_token == fpt
     assert est.throughput.kind == "transferred" and est.throughput.run_id == near
-    tok_s = 1000.0 * small_fpt / fpt
+    # one hidden size measured (64): the FLOP/s carries over scaled by the CPU prior d / (d + 100)
+    size = (128 / (128 + 100)) / (64 / (64 + 100))
+    tok_s = 1000.0 * small_fpt / fpt * size
     assert est.throughput.tokens_per_s == pytest.approx(tok_s)
     # 40 steps x 8 x 64 tokens + 5 s overhead as measured + 3 val passes, each 0.5 s x the FLOPs ratio
-    assert est.wall_s == pytest.approx(5 + 40 * 8 * 64 / tok_s + 3 * 0.5 * fpt / small_fpt)
+    assert est.wall_s == pytest.approx(5 + 40 * 8 * 64 / tok_s + 3 * 0.5 * fpt / small_fpt / size)
     assert "transferred" in est.describe()
+    assert f"x{size:.2f} for hidden size 128 against 64 (prior: FLOP/s ∝ d/(d+100) on CPU)" in est.throughput.source
+
+
+def test_flops_per_second_by_hidden_size_fitted_over_the_runs_of_two_sizes(tmp_path: Path) -> None:
+    """Runs of two hidden sizes (64, 128) in the new shape's regime: FLOP/s at a third size (256) comes
+    from ``1/F = a + b/d`` fitted over them, not from the prior. The runs' FLOP/s follow such a line
+    exactly here, so the estimate's tokens/s is that line's FLOP/s at 256 over the shape's FLOPs/token;
+    a run of another regime (ac=full) at an outlying speed is left out of the fit."""
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    plan = make_plan(compose(["experiment=smoke", "model.dim=256", f"tracking.uri={uri}"]))
+    acc = plan.hardware.accelerator
+    mc = MlflowClient(uri)
+    exp = mc.create_experiment("calib")
+    a, b = 1e-9, 2e-7  # 1/F = a + b/d: F(64) = 0.24 GFLOP/s, F(128) = 0.39, F(256) = 0.56
+    runs = {}
+    for dim in (64, 128):
+        cfg = compose(["experiment=smoke", f"model.dim={dim}"]).cfg
+        fpt = flops_per_token(typed(cfg).model, 64)
+        tok_s = 1.0 / (a + b / dim) / fpt
+        runs[dim] = _finished_run(
+            mc, exp, shape=shape_key(cfg), accelerator=acc, tok_s=tok_s, overhead=5.0, val_pass=0.5, flops=fpt
+        )
+    full = compose(["experiment=smoke", "model.dim=128", "parallel.ac=full"]).cfg
+    _finished_run(
+        mc,
+        exp,
+        shape=shape_key(full),
+        accelerator=acc,
+        tok_s=1.0,
+        overhead=5.0,
+        val_pass=0.5,
+        flops=flops_per_token(typed(full).model, 64),
+    )  # another regime: not a point of the fit
+
+    est = for_plan(plan)
+    fpt = flops_per_token(typed(plan.cfg).model, 64)
+    assert est.throughput.kind == "transferred" and est.throughput.run_id == runs[128]  # the closest FLOPs/token
+    assert est.throughput.tokens_per_s == pytest.approx(1.0 / (a + b / 256) / fpt)
+    assert "(fit over 2 runs of sizes 64, 128: 1/FLOP/s = a + b/d)" in est.throughput.source
+
+
+def test_size_fit_refuses_what_it_cannot_say() -> None:
+    from llmctl.cost.estimate import fit_sizes, hidden_size
+
+    assert fit_sizes([(128, 1e9), (128, 2e9)]) is None  # one size: the prior decides
+    flat = fit_sizes([(64, 2e9), (128, 1e9)])  # slower when bigger (noise): taken as flat, not inverted
+    assert flat is not None and flat.b == 0 and flat.speed(64) == flat.speed(4096)
+    assert hidden_size("d256-L6-H4-KV4-V4096-F704-tie0-T128-fp32-fused-tp1-acnone") == 256
+    assert hidden_size("command:python train.py torchrun=False") is None
 
 
 def test_calibration_metrics_from_a_run(tmp_path: Path) -> None:

@@ -151,6 +151,35 @@ def test_qlora_merges_into_the_dequantized_base(bases, one_process, tmp_path: Pa
         torch.testing.assert_close(merged(input_ids=x).logits, model(x), atol=ATOL, rtol=RTOL)
 
 
+@pytest.mark.parametrize("trained", ["bf16", "fp32"])
+def test_a_qlora_merge_is_the_same_whether_the_exporting_process_sees_cuda(
+    bases, one_process, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, trained: str
+) -> None:
+    """A QLoRA checkpoint's marker records the dtype its run computed in, and its merge de-quantizes
+    the NF4 base in that dtype whether the exporting process sees CUDA or not. The export is given
+    ``train.dtype=auto``, as a GPU run's config says (bf16 where CUDA is seen, fp32 elsewhere):
+    before the marker said it, one checkpoint merged into a bf16- or an fp32-de-quantized base
+    depending on the machine that exported it."""
+    from workloads.pretrain.checkpoint.lora_export import MergedSource, base_source
+    from workloads.pretrain.checkpoint.tensor_source import DcpSource
+    from workloads.protocol.checkpoint_layout import read_marker
+    from workloads.protocol.config import with_values
+
+    qlora = ("model.lora.rank=4", "model.lora.quantize_base=nf4", f"train.dtype={trained}")
+    cfg, _ = _trained(bases["llama-256"], tmp_path / "ck", *qlora)
+    step = str(tmp_path / "ck" / "step-1")
+    assert read_marker(step)["compute_dtype"] == trained
+    auto = with_values(cfg, "train", dtype="auto")
+    merged, dtypes = {}, {}
+    for cuda in (True, False):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda cuda=cuda: cuda)
+        source = MergedSource(base_source(auto), DcpSource(step), auto, step)
+        merged[cuda], dtypes[cuda] = {name: source.read(name) for name in source.specs()}, source.dtype
+    assert dtypes[True] == dtypes[False] == (torch.bfloat16 if trained == "bf16" else torch.float32)
+    assert merged[True].keys() == merged[False].keys()
+    assert all(torch.equal(merged[True][k], merged[False][k]) for k in merged[True])
+
+
 def test_a_run_without_lora_has_no_peft_export(tmp_path: Path) -> None:
     from workloads.pretrain.checkpoint.lora_export import export_peft
     from workloads.pretrain.checkpoint.tensor_source import StateDictSource

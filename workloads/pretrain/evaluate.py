@@ -388,7 +388,7 @@ def export_checkpoint(
     if cfg.model.lora.rank:  # the checkpoint holds adapters only: merged into the base the run read
         from workloads.pretrain.checkpoint.lora_export import MergedSource, base_source
 
-        source = MergedSource(base_source(cfg), source, cfg)
+        source = MergedSource(base_source(cfg), source, cfg, step_dir)
     export(
         source,
         cfg.model,

@@ -3,7 +3,9 @@
 Layout under ``checkpoint.dir`` (a path or any fsspec URL)::
 
     step-<N>/...        DCP files (``checkpoint.py`` writes them)
-    step-<N>/.complete  the marker, written last: only a step with it is loadable
+    step-<N>/.complete  the marker, written last: only a step with it is loadable (JSON: the step,
+                        the world size, when and how long the save took, and the dtype the run
+                        computed in, ``compute_dtype``: what a QLoRA base was de-quantized to)
 
 This layout is part of the trainer's contract: a launcher (``llmctl resume``) finds the newest
 complete step with these functions without importing torch.
@@ -58,3 +60,17 @@ def latest_complete(root: str) -> int | None:
     """The newest step whose marker exists, or None."""
     done = [s for s, ok in list_checkpoints(root).items() if ok]
     return max(done) if done else None
+
+
+def read_marker(step_url: str) -> dict[str, Any]:
+    """A complete step's marker (``step-<N>/.complete``) as written; ``{}`` when it is not JSON (an
+    empty marker of an older layout) or cannot be read."""
+    import json
+
+    fs, path = fs_and_path(step_url)
+    try:
+        with fs.open(join(path, MARKER)) as f:
+            marker = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return marker if isinstance(marker, dict) else {}

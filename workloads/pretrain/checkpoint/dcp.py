@@ -102,6 +102,11 @@ class Checkpointer:
         self.root = str(ck.dir) if ck.dir else None
         self.every, self.keep, self.async_save = int(ck.every), int(ck.keep), bool(ck.async_save)
         self.env, self.model, self.optimizer, self.sampler = env, model, optimizer, sampler
+        # the dtype this run computes in, on the device its parameters are on (``train.dtype=auto``
+        # resolved): recorded in each marker, so an export de-quantizes a QLoRA base as training did
+        # whichever machine exports it
+        device = next(model.parameters()).device.type
+        self.compute_dtype = cfg.train.dtype.on("cuda" if device == "cuda" else "cpu")
         # LoRA: the frozen base stays out of the checkpoint (see the module docstring)
         self.options = StateDictOptions(ignore_frozen_params=True, strict=False) if cfg.model.lora.rank else None
         self._pending: tuple[int, Future, float] | None = None  # (step, upload future, start time)
@@ -296,7 +301,16 @@ class Checkpointer:
         fs, path = fs_and_path(self._step_dir(step))
         save_s = written_s + time.monotonic() - since
         with fs.open(join(path, MARKER), "w") as f:
-            json.dump({"step": step, "world_size": self.env.world_size, "time": time.time(), "save_s": save_s}, f)
+            json.dump(
+                {
+                    "step": step,
+                    "world_size": self.env.world_size,
+                    "time": time.time(),
+                    "save_s": save_s,
+                    "compute_dtype": self.compute_dtype,
+                },
+                f,
+            )
 
     def wait(self) -> None:
         """Commit an async save still in flight (its step is then ``last_committed``)."""

@@ -97,9 +97,16 @@ def base_source(cfg: TrainerCfg) -> TensorSource:
     return HfSource(local_dir(str(cfg.model.init_from), cache_root(cfg.data)), _native_names(cfg))
 
 
-def nf4_dtype(cfg: TrainerCfg) -> torch.dtype:
-    """The dtype QLoRA's NF4 base was dequantized to while training: the compute dtype
-    (``train.dtype``; ``auto`` is bf16 when the exporting machine has CUDA, as training had)."""
+def nf4_dtype(cfg: TrainerCfg, step_dir: Optional[str] = None) -> torch.dtype:
+    """The dtype QLoRA's NF4 base was dequantized to while training: the compute dtype the run
+    recorded in the checkpoint's marker (``compute_dtype``), so a GPU run exported on a CPU merges
+    into the base it trained against. A checkpoint from before the marker said so: ``train.dtype``
+    as this machine resolves it (``auto`` is bf16 only where this process sees CUDA)."""
+    from workloads.protocol.checkpoint_layout import read_marker
+
+    recorded = read_marker(step_dir).get("compute_dtype") if step_dir else None
+    if recorded in ("bf16", "fp32"):
+        return torch.bfloat16 if recorded == "bf16" else torch.float32
     device = "cuda" if torch.cuda.is_available() else "cpu"
     return torch.bfloat16 if cfg.train.dtype.on(device) == "bf16" else torch.float32
 
@@ -112,13 +119,15 @@ def _adapted(adapters: dict[str, TensorSpec]) -> set[str]:
 class MergedSource:
     """The base with the adapters merged in (``lora.merged_weight``, fp32), under the base's names."""
 
-    def __init__(self, base: TensorSource, adapters: TensorSource, cfg: TrainerCfg):
+    def __init__(self, base: TensorSource, adapters: TensorSource, cfg: TrainerCfg, step_dir: Optional[str] = None):
+        """``step_dir``: the checkpoint the adapters come from, whose marker says the dtype a QLoRA
+        base was de-quantized to (``nf4_dtype``)."""
         from workloads.pretrain.model.lora import is_adapter, lora_scaling
 
         self.base, self.adapters = base, adapters
         self.scaling = lora_scaling(cfg.model.lora)
         self.nf4 = cfg.model.lora.quantize_base == "nf4"
-        self.dtype = nf4_dtype(cfg)
+        self.dtype = nf4_dtype(cfg, step_dir)
         self._base_specs = {k: v for k, v in base.specs().items() if not is_adapter(k)}
         self._adapted = _adapted(adapters.specs())
         missing = sorted(self._adapted - set(self._base_specs))
@@ -151,7 +160,7 @@ def merged_model(cfg: TrainerCfg, step_dir: str, device: torch.device | str = "c
     from workloads.pretrain.model.transformer import build_model
 
     model = build_model(cfg.model, device)
-    source = MergedSource(base_source(cfg), DcpSource(step_dir), cfg)
+    source = MergedSource(base_source(cfg), DcpSource(step_dir), cfg, step_dir)
     specs = source.specs()
     with torch.no_grad():
         for name, param in model.named_parameters():
