@@ -186,9 +186,9 @@ def measured_throughput(m: Measured, cfg: ConfigLike, hw: Hardware, accelerator:
     if m.flops_per_token:
         # its model FLOPs/token (tag) as work: its recompute and FP8 (from its shape key) at this
         # shape's proportions, exact when they match (the ranking prefers such a run)
-        mine = work_per_token(cfg)
+        mine = work_per_token(tc)
         theirs_ac, theirs_fp8 = regime(m.shape or "")
-        as_theirs = work_per_token(cfg, theirs_ac, theirs_fp8)
+        as_theirs = work_per_token(tc, theirs_ac, theirs_fp8)
         theirs = m.flops_per_token * as_theirs.effective / as_theirs.model
         their_dim = hidden_size(m.shape or "")
         size, said = size_ratio(their_dim, tc.model.dim, m.size_fit, bool(hw.gpu)) if their_dim else (1.0, "")

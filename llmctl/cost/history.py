@@ -88,14 +88,18 @@ def _size_fit(runs: list[Candidate], shape: str, nodes: int) -> Optional[SizeFit
     """How FLOP/s moves with the hidden size, fitted over the runs of this shape's regime (dtype,
     kernels, tp, ac: the key after ``-T<seq>-``) on as many nodes as the run transferred from: each
     run's model FLOP/s is its steady tokens/s times its FLOPs per token."""
-    regime = shape.split("-", 8)[-1]
     points = []
     for r in runs:
         theirs = str(r.tags.get(TAG_SHAPE, ""))
         dim, flops = hidden_size(theirs), _flops(r)
-        if dim and flops and theirs.split("-", 8)[-1] == regime and int(r.params.get("infra.nodes", 1)) == nodes:
+        if dim and flops and _regime(theirs) == _regime(shape) and int(r.params.get("infra.nodes", 1)) == nodes:
             points.append((dim, r.figures[STEADY] * flops))
     return fit_sizes(points)
+
+
+def _regime(shape: str) -> str:
+    """A shape key's part after ``-T<seq>-`` (dtype, kernels, tp, ac): runs in one regime compare."""
+    return shape.split("-", 8)[-1]
 
 
 def command_wall(uri: str, key: str, accelerator: str) -> Optional[tuple[str, float]]:
@@ -144,13 +148,12 @@ def _rank_other(cfg: Mapping[str, Any], shape: str, tc: Optional[TrainerCfg] = N
 
     tc = typed(cfg) if tc is None else tc
     fpt = flops_per_token(tc.model, tc.train.seq_len)
-    regime = shape.split("-", 8)[-1]
+    regime = _regime(shape)
     nodes = str(cfg["infra"]["nodes"])
 
     def rank(r: Candidate) -> tuple[bool, float, bool, int]:
-        theirs = str(r.tags.get(TAG_SHAPE, "")).split("-", 8)[-1]
         return (
-            theirs == regime,
+            _regime(str(r.tags.get(TAG_SHAPE, ""))) == regime,
             -abs(math.log(_flops(r) / fpt)),
             r.params.get("infra.nodes") == nodes,
             r.start_time or 0,
