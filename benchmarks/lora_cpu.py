@@ -119,7 +119,7 @@ def build_contenders(cfg) -> dict[str, tuple[torch.nn.Module, object]]:
     lora.apply(ours, lora_cfg(quantize=False))
     quant = build_model(cfg)
     quant.load_state_dict(state)
-    lora.apply(quant, lora_cfg(quantize=True), nf4_dtype=torch.float32)
+    lora.apply(quant, lora_cfg(quantize=True), compute_dtype=torch.float32)
     adapters = {n: p.detach() for n, p in ours.named_parameters() if lora.is_adapter(n)}
     with torch.no_grad():
         for name, p in quant.named_parameters():

@@ -64,7 +64,8 @@ def lora_lines(cfg: ConfigLike, gpu: bool) -> list[str]:
     trainable, total = shape.lora_params(m), shape.lora_total_params(m)
     compute = 2 if tc.train.dtype.on("cuda" if gpu else "cpu") == "bf16" else 4  # NF4 scale factors
     nf4 = shape.nf4_base_bytes(m, compute)
-    base = f"targets' weights in nf4: {nf4 / 2**30:.2f} GiB" if nf4 else "unquantized"
+    held = "bf16" if compute == 2 else "fp32"  # the frozen weights' dtype: the compute dtype (lora.hold_frozen_in)
+    base = f"targets' weights in nf4: {nf4 / 2**30:.2f} GiB, the rest in {held}" if nf4 else f"unquantized, {held}"
     return [
         f"lora:        rank {m.lora.rank}, alpha {m.lora.alpha:g} on {','.join(m.lora.targets)}:"
         f" {count(trainable)} trainable params ({trainable / total:.2%} of {count(total)}, as PEFT"

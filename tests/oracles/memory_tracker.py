@@ -420,6 +420,23 @@ CASES = [
         {"batch_size": 2, "seq_len": 1024},
         tolerance=0.03,
     ),
+    # bf16 compute: the frozen base held in bf16 (``lora.hold_frozen_in``), sharded over two ranks and
+    # on one (where FSDP copies the unit out of its only shard), the adapters' masters in fp32
+    _case(
+        "fsdp2 d512 lora r16 none bf16",
+        2,
+        {**_D512, "lora": {"rank": 16}},
+        {"batch_size": 4, "seq_len": 1024, "dtype": "bf16"},
+        tolerance=0.03,
+    ),
+    _case(
+        "w1 d512 lora r16 selective bf16",
+        1,
+        {**_D512, "lora": {"rank": 16, "dropout": 0.05}},
+        {"batch_size": 2, "seq_len": 1024, "dtype": "bf16"},
+        {"ac": "selective"},
+        tolerance=0.03,
+    ),
     # QLoRA under TP: colwise targets keep their NF4 rows, wo and w2 the whole NF4 weight per rank
     _case(
         "tp2 d512 qlora r16 none",

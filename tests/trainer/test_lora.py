@@ -164,6 +164,49 @@ def test_step_zero_is_the_base_model(checkpoints, one_process) -> None:
             assert value.abs().max() <= bound and value.abs().max() > 0.9 * bound and value.std() > 0.4 * bound, name
 
 
+def test_bf16_compute_holds_the_frozen_base_in_bf16_and_computes_what_fp32_masters_did(
+    checkpoints, one_process, monkeypatch
+) -> None:
+    """Issue #51: in bf16 compute every frozen weight is stored in bf16 (half the base's memory, as
+    PEFT holds it) and the adapters keep fp32 masters; since FSDP gathered bf16 copies of the fp32
+    base before, the loss and every adapter gradient are bitwise those of the same model holding
+    its base in fp32."""
+    from workloads.pretrain.model import lora
+    from workloads.pretrain.model.lora import is_adapter
+
+    x, y = _batch()
+    args = ("model.lora.rank=4", "model.lora.alpha=8", "train.dtype=bf16")
+    _, held = _load(checkpoints["llama"], *args)
+    dtypes = {name: p.dtype for name, p in held.named_parameters()}
+    assert {d for n, d in dtypes.items() if is_adapter(n)} == {torch.float32}, dtypes
+    assert {d for n, d in dtypes.items() if not is_adapter(n)} == {torch.bfloat16}, dtypes
+    monkeypatch.setattr(lora, "hold_frozen_in", lambda model, dtype: None)  # the fp32 base, as before
+    _, masters = _load(checkpoints["llama"], *args)
+    assert {p.dtype for p in masters.parameters()} == {torch.float32}
+    set_b(held)
+    set_b(masters)
+    ours, before = loss_and_grads(held, x, y, ONE_PROCESS), loss_and_grads(masters, x, y, ONE_PROCESS)
+    assert torch.equal(ours["loss"], before["loss"]), (ours["loss"], before["loss"])
+    assert ours["grads"].keys() == before["grads"].keys() and ours["grads"]
+    for name, grad in ours["grads"].items():
+        assert torch.equal(grad, before["grads"][name]), name
+
+
+def test_a_tied_embedding_held_in_bf16_stays_one_parameter(make_tiny_cfg) -> None:
+    """``hold_frozen_in`` replaces parameters: a weight two modules share (tied embeddings) becomes
+    one bf16 parameter of both, not two copies."""
+    from workloads.pretrain.model import lora
+    from workloads.pretrain.model.transformer import Transformer
+    from workloads.protocol.schema import LoraCfg
+
+    with torch.device("meta"):
+        model = Transformer(make_tiny_cfg(**{"model.tie_embeddings": True}).model)
+    assert model.output.weight is model.tok_embeddings.weight
+    lora.apply(model, LoraCfg(rank=4, alpha=8.0), compute_dtype=torch.bfloat16)
+    assert model.output.weight is model.tok_embeddings.weight and model.output.weight.dtype == torch.bfloat16
+    assert len(list(model.parameters())) == len({id(p) for _, p in model.named_parameters(remove_duplicate=False)})
+
+
 def test_qlora_computes_the_dequantized_base_and_trains_only_adapters(checkpoints, one_process) -> None:
     from workloads.pretrain.components.optim import build_optimizer
     from workloads.pretrain.model import nf4

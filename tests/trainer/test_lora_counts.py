@@ -23,7 +23,7 @@ def test_plan_counts_equal_the_built_model(targets: list[str] | None) -> None:
     spec = {"rank": 8, "quantize_base": "nf4", **({"targets": targets} if targets else {})}
     cfg = typed({"model": {**BASE, "lora": spec}}).model
     model = build_model(cfg)
-    lora.apply(model, cfg.lora, nf4_dtype=torch.bfloat16)
+    lora.apply(model, cfg.lora, compute_dtype=torch.bfloat16)
 
     trainable = lora.trainable_parameters(model)
     quantized = nf4.linears(model)

@@ -28,8 +28,9 @@ The plan walks one optimizer step the way ``train.py`` runs it and keeps the lar
 * the optimizer step (fused AdamW: no temporaries beyond its states).
 
 LoRA and QLoRA (``model.lora``) change what trains, not the walk: the base is frozen, so it has no
-gradients and no AdamW states, and backward makes no weight gradient for it (only the gradients
-flowing through it to the activations); FSDP still gathers it unit by unit. The adapters train:
+gradients and no AdamW states, its shards are held in the compute dtype (no fp32 master for a weight
+that never changes), and backward makes no weight gradient for it (only the gradients flowing
+through it to the activations); FSDP still gathers it unit by unit. The adapters train:
 their fp32 shards, gradients and AdamW states (``adapter_shapes``), and what they save for
 backward (``adapter_saved``: A's rank-r output, and with ``model.lora.dropout`` the mask and the
 dropped input). QLoRA stores the targets' frozen weights in NF4 exactly as torchao's ``NF4Tensor``
@@ -107,9 +108,17 @@ class MemoryPlan:
             f"{lay.get('tp')}, {lay.get('micro_batches')} micro-batch(es) of {lay.get('micro_batch')} "
             f"sequence(s){_sync_words(lay)}, ac {lay.get('ac')}, {lay.get('dtype')} on {lay.get('device')}"
         )
-        rows = [f"  {_LABELS[p]:<40s} {_gib(getattr(self, p)):>10s}" for p in PARTS if getattr(self, p)]
+        labels = {**_LABELS, "params": _params_label(lay.get("frozen_dtype"))}
+        rows = [f"  {labels[p]:<40s} {_gib(getattr(self, p)):>10s}" for p in PARTS if getattr(self, p)]
         note = "  (tensors only: add the CUDA context, workspaces and allocator slack, ~0.5-2 GiB)"
         return "\n".join([head, *rows, f"  {'total':<40s} {_gib(self.total):>10s}", note])
+
+
+def _params_label(frozen_dtype: str | None) -> str:
+    """The parameters' row: fp32 shards, or under LoRA in bf16 compute a frozen base held in bf16."""
+    if frozen_dtype and frozen_dtype != "fp32":
+        return f"params (sharded; frozen {frozen_dtype}) + buffers"
+    return _LABELS["params"]
 
 
 def _sync_words(lay: dict) -> str:
@@ -192,6 +201,12 @@ class Setup:
     def resid_bytes(self) -> int:
         """The residual stream: fp32 (embedding + fp32 adds) unless FSDP computes in bf16."""
         return 2 if self.fsdp_bf16 else 4
+
+    @property
+    def frozen_bytes(self) -> int:
+        """Bytes per element of a frozen parameter: LoRA's base is held in the compute dtype
+        (``lora.hold_frozen_in``); without LoRA every weight trains and keeps its fp32 master."""
+        return self.compute_bytes if self.lora_rank else 4
 
     @property
     def param_bytes(self) -> int:
@@ -594,6 +609,7 @@ def plan_memory(cfg: TrainerCfg, world_size: int, device: str = "cuda") -> Memor
         "ac": s.ac,
         "dtype": s.dtype,
         "device": s.device,
+        "frozen_dtype": ("bf16" if s.frozen_bytes == 2 else "fp32") if s.lora_rank else None,
     }
     return MemoryPlan(**{p: round(ledger.best[p]) for p in PARTS}, phase=ledger.phase, layout=layout)
 
@@ -682,8 +698,11 @@ class _StepWalk:
     def run(self) -> _Peak:
         s, ledger = self.s, _Peak()
         now = ledger.now
-        # the parameters' shards, + RoPE cos/sin
-        now["params"] = 4 * (self.L * self.shard_block + self.shard_root) + 4 * s.max_seq_len * s.head_dim
+        # the parameters' shards: fp32 masters of what trains, the frozen rest (LoRA's base, NF4
+        # apart) in its own dtype (``Setup.frozen_bytes``); + RoPE cos/sin
+        trained = self.L * self.train_shard_block + self.train_shard_root
+        frozen = self.L * self.shard_block + self.shard_root - trained
+        now["params"] = 4 * trained + s.frozen_bytes * frozen + 4 * s.max_seq_len * s.head_dim
         now["params"] += self.L * nf4_bytes(self.nf4_p, s)
         # AdamW: exp_avg and exp_avg_sq in fp32, and a scalar step count per parameter tensor (fused
         # AdamW keeps it on the device: a 512-byte block there); only what trains

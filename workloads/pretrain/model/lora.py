@@ -113,23 +113,46 @@ def targets(model: nn.Module, cfg: LoraCfg) -> list[tuple[str, nn.Linear]]:
     ]
 
 
-def apply(model: nn.Module, cfg: LoraCfg, nf4_dtype: torch.dtype = torch.float32, shard_base: bool = False) -> None:
+def apply(model: nn.Module, cfg: LoraCfg, compute_dtype: torch.dtype = torch.float32, shard_base: bool = False) -> None:
     """Freeze every parameter, then add adapters to the target linears (``add_adapters``). With
-    ``model.lora.quantize_base=nf4`` the targets' frozen weights become NF4 of ``nf4_dtype`` (the
-    compute dtype), sharded by FSDP when ``shard_base`` (``nf4.placeholder``). Call on the
-    meta-built model after TP, before FSDP; on a materialised model the adapters are initialised
-    here too (seed 0)."""
+    ``model.lora.quantize_base=nf4`` the targets' frozen weights become NF4 of ``compute_dtype``,
+    sharded by FSDP when ``shard_base`` (``nf4.placeholder``); the rest of the frozen base is held
+    in ``compute_dtype`` (``hold_frozen_in``). Call on the meta-built model after TP, before FSDP; on
+    a materialised model the adapters are initialised here too (seed 0)."""
     from workloads.pretrain.model import nf4
 
     for param in model.parameters():
         param.requires_grad_(False)
     found = targets(model, cfg)
+    if cfg.quantize_base == "nf4":
+        for _, linear in found:
+            nf4.placeholder(linear, compute_dtype, shard_base)
+    hold_frozen_in(model, compute_dtype)
     for _, linear in found:
-        if cfg.quantize_base == "nf4":
-            nf4.placeholder(linear, nf4_dtype, shard_base)
         add_adapters(linear, cfg)
     if found and found[0][1].lora_a.weight.device.type != "meta":
         init_adapters(model, seed=0)
+
+
+@torch.no_grad()
+def hold_frozen_in(model: nn.Module, dtype: torch.dtype) -> None:
+    """Store every frozen parameter that is not NF4 in ``dtype`` (the compute dtype), in place.
+
+    Why: a weight that never changes needs no fp32 master. FSDP2 gathers bf16 copies of fp32 shards
+    for bf16 compute, so a frozen base held in bf16 computes with exactly the values it did, in
+    half the memory (PEFT, torchtune and NeMo hold a frozen base in bf16 likewise); FSDP2 asks only
+    the parameters that train to share one dtype. The adapters, added after, keep fp32 masters. A
+    weight tied to another (tied embeddings) stays one parameter. Nothing to do for fp32 compute."""
+    from workloads.pretrain.model import nf4
+
+    held: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is None or param.requires_grad or param.dtype == dtype or nf4.is_nf4(param):
+                continue
+            if id(param) not in held:
+                held[id(param)] = nn.Parameter(param.detach().to(dtype), requires_grad=False)
+            module._parameters[name] = held[id(param)]
 
 
 @torch.no_grad()

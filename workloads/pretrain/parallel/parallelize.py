@@ -98,7 +98,8 @@ def parallelize(model: Transformer, dims: ParallelDims, mesh: DeviceMesh | None,
        LoRA (``model.lora.rank``) then freezes the model and gives the target linears adapters
        laid out on the tp mesh beside their TP-sharded weights, keeping TP's hooks on the module
        (``lora.py``); with ``quantize_base=nf4`` their weights become NF4 placeholders, which
-       FSDP shards as 4-bit bytes, or under TP NF4 buffers in TP's layout (``nf4.py``).
+       FSDP shards as 4-bit bytes, or under TP NF4 buffers in TP's layout (``nf4.py``), and the rest
+       of the frozen base is held in the compute dtype (``lora.hold_frozen_in``).
     2. AC wraps whole blocks, so it comes after TP (and LoRA) have rewritten the modules inside them.
     3. compile each (checkpointed) block: the graph then contains the recomputation and TP's
        DTensor ops, but not FSDP's hooks, which stay in eager and overlap communication.
@@ -117,8 +118,8 @@ def parallelize(model: Transformer, dims: ParallelDims, mesh: DeviceMesh | None,
     if cfg.model.lora.rank:
         from workloads.pretrain.model import lora
 
-        nf4_dtype = compute_dtype(cfg, mesh.device_type if mesh is not None else "cpu")
-        lora.apply(model, cfg.model.lora, nf4_dtype, shard_base=mesh is not None and dims.dp_shard > 1)
+        dtype = compute_dtype(cfg, mesh.device_type if mesh is not None else "cpu")
+        lora.apply(model, cfg.model.lora, dtype, shard_base=mesh is not None and dims.dp_shard > 1)
     if cfg.parallel.ac != "none":
         apply_ac(model, cfg.parallel.ac.value)
     if cfg.model.compile:
