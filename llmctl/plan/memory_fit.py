@@ -44,6 +44,8 @@ class MemoryFit:
     device_label: str
     fix: list[str] = field(default_factory=list)  # overrides that make it fit
     fixed_plan: Any = None
+    # eval.tasks: (the trainer's bytes kept on rank 0's device while lm-eval runs, lm-eval's model's)
+    scoring: Optional[tuple[int, int]] = None
 
     @property
     def usable(self) -> Optional[int]:
@@ -54,6 +56,35 @@ class MemoryFit:
     @property
     def fits(self) -> Optional[bool]:
         return None if self.usable is None else self.plan.total <= self.usable
+
+    @property
+    def scoring_fits(self) -> Optional[bool]:
+        """Whether in-training lm-eval's model fits beside what the trainer keeps (None: no
+        ``eval.tasks``, or the device's size unknown)."""
+        if self.scoring is None or self.usable is None:
+            return None
+        return sum(self.scoring) <= self.usable
+
+    def scoring_verdict(self) -> str:
+        """The plan's line for ``eval.tasks``: the second process on rank 0's device, and whether it fits."""
+        if self.scoring is None:
+            return ""
+        kept, model = self.scoring
+        dtype = "bf16" if self.plan.layout.get("device") == "cuda" else "fp32"
+        line = (
+            f"lm-eval during training: the trainer keeps {kept / GIB:.1f} GiB (parameter shards, AdamW) on rank 0's"
+            f" device beside lm-eval's {dtype} model ({model / GIB:.1f} GiB): {sum(self.scoring) / GIB:.1f} GiB"
+            " before lm-eval's batches"
+        )
+        if self.scoring_fits is None:
+            return line
+        if self.scoring_fits:
+            return f"{line}; fits in the usable {self.usable / GIB:.1f} GiB"
+        return (
+            f"{line}; DOES NOT FIT in the usable {self.usable / GIB:.1f} GiB. Fix: leave eval.tasks out and score"
+            " the checkpoints after training (`llmctl eval RUN --tasks ...`: a job of its own; --parallelize"
+            " spreads a model larger than one GPU over a node's)"
+        )
 
     def verdict(self) -> str:
         if self.fits is None:
@@ -76,7 +107,8 @@ class MemoryFit:
         return head + f"; cheapest fix: {' '.join(self.fix)} ({self.fixed_plan.total / GIB:.1f} GiB)"
 
     def describe(self) -> str:
-        return f"{self.plan.describe()}\n  {self.verdict()}"
+        scoring = f"\n  {self.scoring_verdict()}" if self.scoring else ""
+        return f"{self.plan.describe()}\n  {self.verdict()}{scoring}"
 
 
 def device_memory(plan: Any) -> tuple[Optional[int], str]:
@@ -168,6 +200,10 @@ def check(plan: Any) -> MemoryFit:
         found = cheapest_fix(plan.cfg, plan.world_size, device, fit.usable, plan.hardware.gpus_per_node or 1)
         if found:
             fit.fix, fit.fixed_plan = found
+    if (plan.cfg.get("eval") or {}).get("tasks"):
+        from workloads.planner.memory_plan import scoring_memory
+
+        fit.scoring = scoring_memory(plan.typed, fit.plan)
     return fit
 
 

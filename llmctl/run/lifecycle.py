@@ -83,19 +83,21 @@ IGNORE_MEMORY_PLAN = "--ignore-memory-plan"
 
 
 def check_memory(plan: Plan, ignore: bool = False, say: Optional[Say] = None) -> None:
-    """Refuse (ConfigError, before anything exists) a job whose memory plan exceeds its devices,
-    unless ``ignore`` (``--ignore-memory-plan``): how far the plan's CUDA rules have been checked is in
+    """Refuse (ConfigError, before anything exists) a job whose memory plan exceeds its devices, or
+    whose in-training lm-eval (``eval.tasks``) would not fit beside what the trainer keeps, unless
+    ``ignore`` (``--ignore-memory-plan``): how far the plan's CUDA rules have been checked is in
     docs/scale.md, so a user who knows better can go past it, and is told what was overridden."""
     fit = plan.memory
-    if fit is None or fit.fits is not False:
+    if fit is None or (fit.fits is not False and fit.scoring_fits is not False):
         return
+    verdict = fit.verdict() if fit.fits is False else fit.scoring_verdict()
     if ignore:
         if say is not None:
-            say(f"llmctl: launching past the memory plan ({IGNORE_MEMORY_PLAN}): {fit.verdict()}")
+            say(f"llmctl: launching past the memory plan ({IGNORE_MEMORY_PLAN}): {verdict}")
         return
-    fix = f" Fix: add {' '.join(fit.fix)} to the command." if fit.fix else ""
+    fix = f" Fix: add {' '.join(fit.fix)} to the command." if fit.fits is False and fit.fix else ""
     raise ConfigError(
-        f"the job would run out of memory: {fit.verdict()}.{fix} (`llmctl plan` shows the memory by part;"
+        f"the job would run out of memory: {verdict}.{fix} (`llmctl plan` shows the memory by part;"
         f" {IGNORE_MEMORY_PLAN} launches anyway; how the plan's rules were checked: docs/scale.md)"
     )
 

@@ -124,6 +124,37 @@ def test_without_lora_or_without_nf4_what_fits_is_refused(sky_env: dict[str, str
     assert _fit(nf4_base.stdout, "H100")[0].startswith("fits:"), nf4_base.stdout[-3000:]
 
 
+def test_in_training_lm_eval_is_planned_beside_what_the_trainer_keeps(sky_env: dict[str, str], tmp_path: Path) -> None:
+    """Issue #51, item 4: ``eval.tasks`` starts lm-eval on rank 0's GPU while the trainer keeps its
+    parameter shards and AdamW states there. ``plan`` counts that moment (the model lm-eval loads,
+    in bf16: Llama-3.1-8B's 8.03B weights are 14.96 GiB); a launch where it cannot fit is refused
+    before anything exists, naming the fix, although training alone fits (70B QLoRA, one H100)."""
+    tasks = "eval.tasks=[hellaswag]"
+    out = run_cli(["plan", *EIGHT_B, *ON_H100, *LORA, tasks], tmp_path, sky_env)
+    assert out.returncode == 0, out.stderr
+    line = next((ln.strip() for ln in out.stdout.splitlines() if "lm-eval during training:" in ln), "")
+    kept, model, together = (float(g) for g in re.findall(r"([\d.]+) GiB", line)[:3])
+    rows = {
+        label: float(gib)
+        for label, gib in re.findall(
+            r"^  (params \(sharded; frozen bf16\)|AdamW states).*?([\d.]+) GiB$", out.stdout, re.M
+        )
+    }
+    assert abs(kept - sum(rows.values())) < 0.06 and len(rows) == 2, (line, rows)
+    assert (
+        abs(model - 14.96) < 0.05
+        and abs(together - kept - model) < 0.11
+        and line.endswith("fits in the usable 75.0 GiB")
+    ), line
+
+    seventy = ["model=llama3.1-70b", *EIGHT_B[1:], *ON_H100[:2], "train.micro_batch_size=1", "parallel.ac=full"]
+    refused = run_cli(["launch", *seventy, *QLORA, tasks], tmp_path, sky_env)
+    assert refused.returncode == 3, refused.stdout + refused.stderr
+    (err,) = [ln for ln in refused.stderr.splitlines() if ln.strip()]
+    assert "lm-eval during training" in err and "DOES NOT FIT" in err and "leave eval.tasks out" in err, err
+    _nothing_created(tmp_path, sky_env)
+
+
 def test_a_small_models_adapter_is_counted_exactly(sky_env: dict[str, str], tmp_path: Path) -> None:
     """Below a million the plan prints the counts themselves (was ``0.0M ... of 0.00B``), the ones
     the built model has (``contract.shape``'s counts, held against ``lora.apply`` in test_lora_counts.py)."""

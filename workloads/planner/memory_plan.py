@@ -816,6 +816,20 @@ class _StepWalk:
             ledger.moment(f"end of backward {tag}", comm=4 * self.whole_grads if reduce else 0)
 
 
+def scoring_memory(cfg: TrainerCfg, plan: MemoryPlan) -> tuple[int, int]:
+    """``eval.tasks`` during training, on rank 0's device: (what the trainer keeps there while lm-eval
+    runs, the model lm-eval loads beside it), bytes.
+
+    The trainer keeps its parameter shards and AdamW states: the step's gradients are freed
+    (``zero_grad(set_to_none=True)``), its activations are gone, and it empties the allocator's cache
+    before scoring (``task_scores``). The harness, a second process on the same device, loads the
+    whole exported model (LoRA merged) in the export's dtype: bf16 on a GPU, fp32 on CPU
+    (``task_scores.score_step``). lm-eval's batches come on top; their size is the tasks' documents',
+    which no config says."""
+    per_weight = 2 if plan.layout.get("device") == "cuda" else 4
+    return plan.params + plan.optimizer, shape.num_params(cfg.model, exclude_embedding=False) * per_weight
+
+
 def _walk_step(s: Setup) -> _Peak:
     """One optimizer step, event by event, as ``train.py`` runs it (see the module doc)."""
     return _StepWalk(s).run()

@@ -8,8 +8,12 @@ into the run as ``eval/<task>/<metric>`` at the step, the per-sample logs and re
 ``eval/step-N/lm_eval/``. The other ranks wait at a barrier meanwhile (training pauses: the
 benchmark curve is the checkpoints', not a moving model's), on a gloo group of its own whose timeout
 is ``SCORING_TIMEOUT``: a benchmark on a large model outlasts the training collectives' 10 minutes,
-which would otherwise end a healthy job. The child's device memory is freed
-when it exits, and a failed scoring is reported and does not stop training.
+which would otherwise end a healthy job. Before the child starts, rank 0 returns its allocator's
+cached blocks to the device (``release_cached``): the step's activations and gradients are freed
+but stay cached, where another process cannot use them; what the trainer keeps (parameter shards,
+AdamW states) and the model the child loads are what ``llmctl plan`` counts for this moment
+(``memory_plan.scoring_memory``), refusing a launch where they do not fit together. The child's
+device memory is freed when it exits, and a failed scoring is reported and does not stop training.
 
 Why a child process and not lm-eval in the trainer: its model (transformers) and its imports
 (datasets, evaluate) then never share the training process's memory or state, and what it runs is
@@ -70,7 +74,17 @@ class TaskScorer:
             dist.barrier(group=self._pg)
 
     def _score_on_this_rank(self, step: int) -> None:
+        release_cached(self.env.device)
         score_step(self.cfg, self.corpus, step, self.env.device, self.sink)
+
+
+def release_cached(device: Any) -> None:
+    """Give the caching allocator's unused blocks on ``device`` back to the driver, so the harness (a
+    second process on the same GPU) can have them; nothing to do on CPU."""
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.empty_cache()
 
 
 def score_step(
