@@ -507,8 +507,8 @@ def eval_cmd(
     from llmctl.sweep.state import untrained
 
     try:
-        if hf or tasks:
-            ev.require_transformers()  # before any work: the messages name the install
+        if hf:
+            ev.require_transformers()  # before any work: the message names the install (--tasks: where it scores)
         request = None
         if tasks is not None:
             from llmctl.run import benchmark_scores

@@ -5,6 +5,11 @@ Only when ``eval.tasks`` names any: lm-eval indexes its thousands of task YAMLs 
 which a launch without tasks never pays. The check is ``check_tasks``, the one ``llmctl eval --tasks``
 runs: an unknown task, a Hub task where the Hub cannot be reached
 from here, lm-eval not installed here.
+
+Checked where the scoring runs (``on_nodes``): a run on a cloud or Slurm scores on its nodes, which
+install lm-eval and read the Hub themselves, so this machine needs neither; its names are still
+checked here when lm-eval is installed here (a misspelt task costs no cluster), and the job checks
+them again on the node (``workloads.pretrain.score_tasks``).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ def check_plan(plan: Any) -> None:
     tasks = list(ev.get("tasks") or [])
     if not tasks:
         return
-    why = check_tasks(tasks, ev.get("include_path"), flag="eval.include_path=")
+    why = check_tasks(tasks, ev.get("include_path"), flag="eval.include_path=", on_nodes=plan.backend != "local")
     if why:
         raise ConfigError(f"eval.tasks: {why}")
 
@@ -46,10 +51,14 @@ def hub_unreachable(timeout_s: float = 5.0) -> Optional[str]:
     return None
 
 
-def check_tasks(tasks: list[str], include_path: Optional[str], flag: str = "--include-path") -> Optional[str]:
+def check_tasks(
+    tasks: list[str], include_path: Optional[str], flag: str = "--include-path", on_nodes: bool = False
+) -> Optional[str]:
     """One line saying what is wrong with ``tasks``, or None: lm-eval missing, an unknown task (with
     lm-eval's closest names), a task reading the Hub where the Hub cannot be reached. ``flag``: how
-    the caller's user names the include path (``--include-path``, ``eval.include_path=``)."""
+    the caller's user names the include path (``--include-path``, ``eval.include_path=``).
+    ``on_nodes``: the scoring runs on a cluster's nodes, not here: lm-eval missing here and the Hub
+    out of reach from here are theirs to answer, not refusals."""
     if not tasks:
         return "no task named: --tasks T1,T2 (lm-eval task, group or tag names)"
     flag += "" if flag.endswith("=") else " "
@@ -58,7 +67,7 @@ def check_tasks(tasks: list[str], include_path: Optional[str], flag: str = "--in
     try:
         import lm_eval  # noqa: F401  (the package alone: its task index is what costs)
     except ImportError:
-        return LM_EVAL_MISSING
+        return None if on_nodes else LM_EVAL_MISSING
     import difflib
 
     from workloads.planner.lm_eval_index import leaves, task_summary
@@ -71,7 +80,7 @@ def check_tasks(tasks: list[str], include_path: Optional[str], flag: str = "--in
         local = "" if include_path else f"; a task of your own: {flag}DIR with its YAML"
         return f"unknown lm-eval task '{unknown[0]}'.{hint} Fix: `lm_eval ls tasks` lists them{local}"
     hub = [(t, leaf["hub"]) for t in tasks for leaf in leaves(index, t) if leaf["hub"]]
-    if hub:
+    if hub and not on_nodes:
         why = hub_unreachable()
         if why:
             task, ds = hub[0]

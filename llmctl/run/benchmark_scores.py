@@ -1,8 +1,10 @@
 """``llmctl eval RUN --tasks ...`` on the controller side: check the request, export, score, log.
 
 The request is checked before anything is written (one line, exit 3): ``--limit`` below 1, a bad
-``--batch-size``, an unknown task, a task that reads the Hugging Face Hub where the Hub cannot be
-reached (``llmctl.plan.task_check.check_tasks``: the same check ``launch eval.tasks=...`` runs).
+``--batch-size`` (``parse_request``), then, where the scoring runs (``check_request``), an unknown
+task, a task that reads the Hugging Face Hub where the Hub cannot be reached
+(``llmctl.plan.task_check.check_tasks``: the same check ``launch eval.tasks=...`` runs); a job on the
+run's infra needs neither lm-eval nor the Hub here.
 Then the checkpoint is exported to Hugging Face format in the eval's scratch directory (``--hf DIR``
 skips that: an export already made), ``python -m workloads.pretrain.harness`` scores it in a
 process of its own, and the result goes into the run the checkpoint belongs to:
@@ -49,7 +51,8 @@ def parse_request(
     batch_size: str,
     parallelize: bool = False,
 ) -> TaskRequest:
-    """The flags checked, lm-eval's task index included: a ConfigError (one line) before any work."""
+    """The flags checked: a ConfigError (one line) before any work. The tasks are checked once it is
+    known where they are scored (``check_request``)."""
     if limit is not None and limit < 1:
         raise ConfigError(f"--limit {limit}: examples per task, at least 1. Fix: --limit 1, or leave it out for all")
     if num_fewshot is not None and num_fewshot < 0:
@@ -57,10 +60,18 @@ def parse_request(
     if batch_size != "auto" and not (batch_size.isdigit() and int(batch_size) >= 1):
         raise ConfigError(f"--batch-size {batch_size}: a number of requests (1 or more) or auto")
     names = [t.strip() for t in tasks.split(",") if t.strip()]
-    why = check_tasks(names, include_path)
+    if not names:
+        raise ConfigError(check_tasks(names, include_path) or "no task named")
+    return TaskRequest(names, include_path, num_fewshot, limit, batch_size, parallelize)
+
+
+def check_request(request: TaskRequest, on_nodes: bool) -> None:
+    """The tasks, checked for where they are scored (``task_check.check_tasks``): a ConfigError (one
+    line) before any work. ``on_nodes``: by a job on the run's infra, which installs lm-eval and reads
+    the Hub there."""
+    why = check_tasks(request.tasks, request.include_path, on_nodes=on_nodes)
     if why:
         raise ConfigError(why)
-    return TaskRequest(names, include_path, num_fewshot, limit, batch_size, parallelize)
 
 
 def _export_dtype() -> str:

@@ -55,12 +55,16 @@ def evaluate(
 def _score_tasks(t: Any, request: Any, hf: Optional[str], here: bool, say: Say) -> int:
     """lm-eval tasks: as a job on the run's infra when the run lives there, else here."""
     from llmctl.run import benchmark_scores
+    from llmctl.run import eval_and_export as ev
 
-    if not hf and not here and benchmark_scores.on_infra(t):
+    on_nodes = not hf and not here and benchmark_scores.on_infra(t)
+    benchmark_scores.check_request(request, on_nodes)
+    if on_nodes:  # the job exports and scores there: this machine needs neither transformers nor lm-eval
         code = benchmark_scores.score_on_infra(t, request, say)
         if code == 0:
             say(f"llmctl: lm-eval scores of {', '.join(request.tasks)} logged to run {t.run_id}")
         return code
+    ev.require_transformers()
     result, step = benchmark_scores.score(t, request, hf, say)
     say(f"llmctl: {len(result['scores'])} lm-eval scores of {', '.join(request.tasks)} logged to {_where(t, step)}")
     return 0

@@ -99,6 +99,12 @@ def test_launch_status_logs_down_on_real_slurm(
         llmctl = str(venv / "bin" / "llmctl")
         return subprocess.run([llmctl, *args], cwd=cwd, env=wheel_env, text=True, capture_output=True, timeout=timeout)
 
+    def without_lm_eval(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+        """The installed llmctl in a process where ``import lm_eval`` fails: a controller without lm-eval
+        (the node, the same venv through infra.node_python, keeps it)."""
+        cmd = [str(venv / "bin" / "python"), "-c", NO_LM_EVAL, *args]
+        return subprocess.run(cmd, cwd=tmp_path, env=wheel_env, text=True, capture_output=True, timeout=timeout)
+
     where = subprocess.run(
         [str(venv / "bin" / "python"), "-c", "import llmctl; print(llmctl.__file__)"],
         env=wheel_env,
@@ -160,7 +166,7 @@ def test_launch_status_logs_down_on_real_slurm(
         assert "val" in logs.stdout and "step" in logs.stdout, logs.stdout[-2000:]
         assert f"llmctl on node 0: {build}" in logs.stdout, logs.stdout[-3000:]  # the node ran the controller's
 
-        _scores_by_a_job_on_the_cluster(mc, rid, tmp_path, installed)
+        _scores_by_a_job_on_the_cluster(mc, rid, tmp_path, installed, without_lm_eval)
 
         # clusters stay visible to plain `sky status`
         assert (
@@ -191,16 +197,27 @@ EVAL_FLAGS = [
 ]
 
 
+# the installed CLI with lm-eval unimportable in its process only (sys.argv: the CLI's arguments)
+NO_LM_EVAL = "import sys; sys.modules['lm_eval'] = None; sys.argv[0] = 'llmctl'; from llmctl.cli import main; main()"
+
+
 def _scores_by_a_job_on_the_cluster(
-    mc: "object", rid: str, tmp_path: Path, llmctl: "Callable[..., subprocess.CompletedProcess[str]]"
+    mc: "object",
+    rid: str,
+    tmp_path: Path,
+    llmctl: "Callable[..., subprocess.CompletedProcess[str]]",
+    without_lm_eval: "Callable[..., subprocess.CompletedProcess[str]]",
 ) -> None:
     """``llmctl eval RUN --tasks`` of a Slurm run: a job of its own on the run's cluster (kept up by
         infra.down=false), attached to the run as attempt 2 and billed, logs lm-eval's scores into the run at
-        the final checkpoint's step; the run stays FINISHED with its training config. The same command with
-        ``--here`` scores on this machine and logs the same values at the same step (``llmctl``: the one
-    installed from the wheel, as the node's)."""
+        the final checkpoint's step; the run stays FINISHED with its training config. It is asked for from a
+        controller without lm-eval (issue #51: the tasks are checked where they are scored, on the node).
+        The same command with ``--here`` scores on this machine and logs the same values at the same step
+    (``llmctl``: the one installed from the wheel, as the node's)."""
     before = mc.get_run(rid)  # type: ignore[attr-defined]
-    out = llmctl("eval", rid, *EVAL_FLAGS, timeout=420)
+    refused_here = without_lm_eval("eval", rid, *EVAL_FLAGS, "--here", timeout=120)
+    assert refused_here.returncode == 3 and "lm-eval is not installed" in refused_here.stderr, refused_here.stderr
+    out = without_lm_eval("eval", rid, *EVAL_FLAGS, timeout=420)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     assert "lm-eval | step 40" in out.stdout and f"logged to run {rid}" in out.stdout, out.stdout[-3000:]
     run = mc.get_run(rid)  # type: ignore[attr-defined]
