@@ -52,6 +52,33 @@ def test_the_job_rents_one_gpu_unless_it_spreads_the_model() -> None:
     assert not cpu["infra"].get("accelerators")  # a CPU run's job asks for no GPU
 
 
+def test_the_score_jobs_skypilot_task_asks_for_one_gpu(sky_home: Path) -> None:
+    """The job's config as SkyPilot reads it (``task_config`` -> ``sky.Task``): a run trained on H100:8
+    is scored by a task that requests one H100, on one node; with ``--parallelize``, all eight."""
+    import copy
+
+    import sky
+
+    from llmctl.backends.sky import task as sky_task
+
+    t = _target(["infra=lambda", "infra.accelerators=H100:8", "infra.nodes=2"], Path("/tmp"))
+    for parallelize, gpus in ((False, 1), (True, 8)):
+        request = benchmark_scores.TaskRequest(["python_facts_mc"], None, None, None, "1", parallelize)
+        config = sky_task.task_config(
+            benchmark_scores.job_config(t, request, None),
+            run_id="r1",
+            tracking_uri=REMOTE_URI,
+            experiment_id="7",
+            local_config="/tmp/cfg.yaml",
+            environ={},
+            job="score",
+            parallelize=parallelize,
+        )
+        task = sky.Task.from_yaml_config(copy.deepcopy(config))
+        (res,) = list(task.resources)
+        assert res.accelerators == {"H100": gpus} and task.num_nodes == 1, (res, task.num_nodes)
+
+
 def _refused(tmp_path: Path, env: dict[str, str], status: str, ckpt: str) -> tuple[str, str]:
     """A Slurm run (its config as launch logs it) in ``status`` scored with --tasks: must exit 3 with one
     line, open no attempt and launch nothing. (the run id, the line)."""
