@@ -23,6 +23,7 @@ from urllib.parse import urlparse
 from llmctl.errors import ConfigError
 
 OFFLINE_ENV = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+NO_TASK = "no task named: --tasks T1,T2 (lm-eval task, group or tag names)"
 LM_EVAL_MISSING = "lm-eval is not installed: pip install 'llmctl-train[eval]' (lm-evaluation-harness), then run again"
 
 
@@ -60,7 +61,7 @@ def check_tasks(
     ``on_nodes``: the scoring runs on a cluster's nodes, not here: lm-eval missing here and the Hub
     out of reach from here are theirs to answer, not refusals."""
     if not tasks:
-        return "no task named: --tasks T1,T2 (lm-eval task, group or tag names)"
+        return NO_TASK
     flag += "" if flag.endswith("=") else " "
     if include_path and not Path(include_path).expanduser().is_dir():
         return f"{flag}{include_path}: no such directory (lm-eval task YAMLs)"

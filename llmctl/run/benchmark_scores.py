@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from llmctl.errors import ConfigError, LaunchError
-from llmctl.plan.task_check import check_tasks
+from llmctl.plan.task_check import NO_TASK, check_tasks
 from workloads.protocol.lm_eval_results import harness_command
 
 
@@ -61,7 +61,7 @@ def parse_request(
         raise ConfigError(f"--batch-size {batch_size}: a number of requests (1 or more) or auto")
     names = [t.strip() for t in tasks.split(",") if t.strip()]
     if not names:
-        raise ConfigError(check_tasks(names, include_path) or "no task named")
+        raise ConfigError(NO_TASK)
     return TaskRequest(names, include_path, num_fewshot, limit, batch_size, parallelize)
 
 
