@@ -59,7 +59,8 @@ def check(cfg: dict[str, Any], backend: str, say: Optional[Say] = None) -> None:
     source = str(data.get("source") or "")
     if not source or source.startswith(BUILTIN_PREFIX):
         return
-    sft = str(data.get("format") or "text") == "sft"
+    fmt = str(data.get("format") or "text")
+    sft = fmt in ("sft", "preference")  # records with fields, counted
     listed = _list(source, say)
     if listed is None:
         return
@@ -69,7 +70,7 @@ def check(cfg: dict[str, Any], backend: str, say: Optional[Say] = None) -> None:
     for f in files:
         if sft and f.fmt == ".txt":
             raise ConfigError(records.not_for_sft(f.url))
-    examples = _check_records(files, sft, str(data.get("text_field") or "text"))
+    examples = _check_records(files, fmt, str(data.get("text_field") or "text"))
     _check_val_split(cfg, files, examples, backend, say)
 
 
@@ -110,10 +111,13 @@ def _list(source: str, say: Optional[Say]) -> Optional[tuple[list[SourceFile], b
     return sorted(files, key=lambda f: f.url), local
 
 
-def _check_records(files: list[SourceFile], sft: bool, text_field: str) -> Optional[int]:
+def _check_records(files: list[SourceFile], fmt: str, text_field: str) -> Optional[int]:
     """Parse the first records of each ``.jsonl`` file (RecordError → ConfigError). Returns the number
-    of fine-tuning examples when every file was read to its end within the budget, else None."""
+    of fine-tuning examples (preference pairs) when every file was read to its end within the
+    budget, else None."""
     import fsspec
+
+    sft = fmt in ("sft", "preference")
 
     budget, counted = BYTES_BUDGET, 0
     whole = all(f.fmt == ".jsonl" for f in files)
@@ -135,7 +139,9 @@ def _check_records(files: list[SourceFile], sft: bool, text_field: str) -> Optio
                     where = f"{f.url}:{lineno}"
                     try:
                         rec = records.parse_line(line, where)
-                        if sft:
+                        if fmt == "preference":
+                            records.check_preference(rec, where)
+                        elif sft:
                             records.check_example(rec, where)
                         else:
                             records.text_of(rec, text_field, where)
@@ -154,6 +160,13 @@ def _check_val_split(
     if any(f.compressed or f.fmt == ".parquet" for f in files):
         return  # sizes after decompression are unknown without reading them
     size = sum(f.size for f in files)
+    if str(data.get("format") or "text") == "preference":
+        _check_pairs(cfg, examples)
+        if backend == "local" and size <= PREPARE_BUDGET:
+            _exact(
+                cfg, size, say
+            )  # tokenized by the trainer's prepare, which refuses a prompt longer than train.seq_len
+        return
     if str(data.get("format") or "text") == "sft":
         if examples is None:
             return
@@ -184,6 +197,22 @@ def _check_val_split(
     _exact(cfg, size, say)
 
 
+def _check_pairs(cfg: dict[str, Any], pairs: Optional[int]) -> None:
+    """Preference pairs: a validation split of at least one batch of pairs (``train.batch_size``
+    counts pairs, one row each per answer: no packing, so lines decide)."""
+    if pairs is None:
+        return
+    data, batch = cfg["data"], int(cfg["train"]["batch_size"])
+    vf = float(data["val_fraction"])
+    n_val = data_split.val_count(pairs, vf)
+    if n_val <= 0 or n_val >= pairs or n_val < batch:
+        raise ConfigError(
+            f"data.val_fraction={vf} of the {pairs} pairs in data.source={data['source']!r} leaves {n_val} for"
+            f" validation and {pairs - n_val} for training; validation needs one batch (train.batch_size={batch}"
+            " pairs). Fix: raise data.val_fraction, lower train.batch_size, or add pairs"
+        )
+
+
 def _exact(cfg: dict[str, Any], size: int, say: Optional[Say]) -> None:
     """Tokenize the source now (the trainer's ``prepare``, into the cache the run starts from) and
     count the validation sequences exactly."""
@@ -191,12 +220,16 @@ def _exact(cfg: dict[str, Any], size: int, say: Optional[Say]) -> None:
 
     data, train = cfg["data"], cfg["train"]
     vf, seq, batch = float(data["val_fraction"]), int(train["seq_len"]), int(train["batch_size"])
+    pairs = data.get("format") == "preference"
     if say is not None:
-        say(f"llmctl: tokenizing data.source now ({size:,} bytes) to size its validation split; the run reuses it")
+        why = "check its prompts fit train.seq_len" if pairs else "size its validation split"
+        say(f"llmctl: tokenizing data.source now ({size:,} bytes) to {why}; the run reuses it")
     try:
         out = run_trainer_entry("prepare", cfg)
     except LaunchError as exc:  # the trainer's own message (a record past the first ones, an empty text)
         raise ConfigError(str(exc).split(": error: ", 1)[-1]) from None
+    if pairs:  # prepare checked the pairs against train.seq_len
+        return
     entry = Path(out.strip().splitlines()[-1])
     meta = json.loads((entry / "meta.json").read_text())
     if meta.get("format") == "sft":

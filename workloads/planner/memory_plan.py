@@ -39,6 +39,30 @@ scales, a scale mean and code table per tensor), gathered in NF4 form where FSDP
 each NF4 linear dequantizes its weight to the compute dtype in forward and again in backward: that
 transient is counted at the moments it exists (``nf4_dequantized``).
 
+DPO (``train.objective=dpo``, ``components/dpo.py``) changes the rows and adds a reference. Its
+batch sizes count pairs, and each micro-batch of pairs runs as one forward of twice as many rows
+(the chosen answers' rows, then the rejected ones': TRL's concatenated forward), so the walk is an
+lm step over ``2 x micro`` rows: every activation, the token ids and the loss chunk follow. Its
+loss head is not the fused linear-CE: a sequence's log-probability needs each token's loss, so the
+head runs ``losses.per_token_cross_entropy`` (a chunk of tokens at a time under
+``torch.utils.checkpoint``: one chunk's fp32 logits alive, recomputed in backward, the LM head's
+gradient made in backward), counted by ``dpo_loss_memory``; under TP or the reference kernels it is
+the same vocab-parallel / full-logits cross-entropy as lm's. Each micro-batch first runs the
+REFERENCE forward over the same rows without gradients. With LoRA the reference is the policy with
+its adapters off: no weights of its own, but FSDP gathers the policy's units for it, and the
+[norm, head] unit (``reshard_after_forward=False``) and a tied model's root stay gathered from that
+forward through the policy's. Without LoRA it is a frozen copy of the starting weights, built and
+sharded like the policy and held in the compute dtype (``parallelize(frozen=True)``): its shards and
+its own RoPE tables are the plan's ``reference`` part, and since nothing ever runs backward through
+it, its [norm, head] unit (a tied model's root) stays gathered from its first forward on
+(``reference_kept``). The reference forward's own moments are walked too, but they never set the
+peak: they hold what the step holds before the policy's forward (parameters, states, gradients kept
+between micro-batches) plus one gathered unit and one block's forward working set
+(``reference_block_transient``) or one loss chunk, where the policy's forward of the same rows holds
+the same static parts, an equal gathered unit, and every block's saved activations besides; its
+loss chunk is the policy's, without the saved ones. The cost of the reference is its bytes, not its
+forward.
+
 Each quantity is counted in bytes on rank 0 (the rank that gets the rounded-up shards). What it
 does not count, like the tracker: the CUDA context, cuBLAS/NCCL workspaces and the caching
 allocator's fragmentation; add a margin for those (llmctl's memory check reserves one).
@@ -62,10 +86,11 @@ from workloads.protocol.schema import TrainerCfg
 
 # The parts of a plan, in display order. ``logits`` is the loss's share (logits, log-probs, the
 # fused loss's gradient buffers); ``temporaries`` are backward's transient gradients.
-PARTS = ("params", "grads", "optimizer", "unsharded", "activations", "logits", "temporaries", "comm")
+PARTS = ("params", "reference", "grads", "optimizer", "unsharded", "activations", "logits", "temporaries", "comm")
 
 _LABELS = {
     "params": "parameters (sharded, fp32) + buffers",
+    "reference": "reference (frozen copy, sharded)",
     "grads": "gradients (sharded, fp32)",
     "optimizer": "AdamW states (2 x fp32)",
     "unsharded": "FSDP-gathered params / grads",
@@ -81,6 +106,7 @@ class MemoryPlan:
     """Bytes per device at the step's peak, by part, and where in the step that peak falls."""
 
     params: int = 0
+    reference: int = 0  # DPO without LoRA: the frozen reference copy's shards (compute dtype) + its buffers
     grads: int = 0
     optimizer: int = 0
     unsharded: int = 0
@@ -105,13 +131,36 @@ class MemoryPlan:
         head = (
             f"memory per device (plan): {_gib(self.total)} at the peak, {self.phase}\n"
             f"  layout dp_replicate {lay.get('dp_replicate')} x dp_shard {lay.get('dp_shard')} x tp "
-            f"{lay.get('tp')}, {lay.get('micro_batches')} micro-batch(es) of {lay.get('micro_batch')} "
-            f"sequence(s){_sync_words(lay)}, ac {lay.get('ac')}, {lay.get('dtype')} on {lay.get('device')}"
+            f"{lay.get('tp')}, {lay.get('micro_batches')} micro-batch(es) of {_micro_words(lay)}"
+            f"{_sync_words(lay)}, ac {lay.get('ac')}, {lay.get('dtype')} on {lay.get('device')}"
         )
-        labels = {**_LABELS, "params": _params_label(lay.get("frozen_dtype"))}
+        labels = {
+            **_LABELS,
+            "params": _params_label(lay.get("frozen_dtype")),
+            "reference": f"reference (frozen copy, {lay.get('dtype')}, sharded)",
+        }
         rows = [f"  {labels[p]:<40s} {_gib(getattr(self, p)):>10s}" for p in PARTS if getattr(self, p)]
         note = "  (tensors only: add the CUDA context, workspaces and allocator slack, ~0.5-2 GiB)"
-        return "\n".join([head, *rows, f"  {'total':<40s} {_gib(self.total):>10s}", note])
+        dpo = [f"  {self.reference_words()}"] if lay.get("objective") == "dpo" else []
+        return "\n".join([head, *dpo, *rows, f"  {'total':<40s} {_gib(self.total):>10s}", note])
+
+    def reference_words(self) -> str:
+        """DPO: what the plan counted for the reference (one line; "" for objective lm)."""
+        lay = self.layout
+        if lay.get("objective") != "dpo":
+            return ""
+        if lay.get("reference") != "copy":
+            return (
+                "dpo: chosen + rejected rows in one forward; reference: the base with adapters off (LoRA), no second"
+                " copy; its no-grad forward peaks below the step's"
+            )
+        kept = lay.get("reference_kept") or 0
+        return (
+            f"dpo: chosen + rejected rows in one forward; reference: frozen copy ({lay.get('dtype')}, sharded like"
+            f" the policy) {_gib(self.reference)}"
+            + (f", its {lay.get('reference_kept_unit')} kept gathered {_gib(kept)}" if kept else "")
+            + "; its no-grad forward peaks below the step's"
+        )
 
 
 def _params_label(frozen_dtype: str | None) -> str:
@@ -119,6 +168,13 @@ def _params_label(frozen_dtype: str | None) -> str:
     if frozen_dtype and frozen_dtype != "fp32":
         return f"params (sharded; frozen {frozen_dtype}) + buffers"
     return _LABELS["params"]
+
+
+def _micro_words(lay: dict) -> str:
+    """A micro-batch's size: sequences, or under DPO pairs (two sequences each)."""
+    if lay.get("objective") == "dpo":
+        return f"{lay.get('pairs')} pair(s) ({lay.get('micro_batch')} sequences)"
+    return f"{lay.get('micro_batch')} sequence(s)"
 
 
 def _sync_words(lay: dict) -> str:
@@ -168,6 +224,10 @@ class Setup:
     lora_targets: tuple = ()  # the block linears with adapters (``schema.LORA_TARGETS`` names)
     lora_dropout: bool = False  # model.lora.dropout > 0: a dropout (mask and output) per adapter
     nf4: bool = False  # model.lora.quantize_base=nf4: the targets' frozen weights stored in NF4
+    # train.objective=dpo: ``micro`` and ``local_batch`` count rows (2 per pair: chosen, rejected),
+    # the loss is per token (``dpo_loss_memory``) and a reference forward runs first
+    dpo: bool = False
+    reference_copy: bool = False  # dpo without LoRA: a frozen copy of the starting weights, sharded like the policy
 
     @property
     def nf4_sharded(self) -> bool:
@@ -260,6 +320,9 @@ def setup(cfg: TrainerCfg, world_size: int, device: str = "cuda") -> Setup:
     local_batch = int(train.batch_size) // dp
     micro = int(train.micro_batch_size or local_batch)
     micro = min(micro, local_batch)
+    # DPO's batch sizes count pairs; each pair is two rows of one forward (TRL's concatenated forward)
+    dpo = train.objective == "dpo"
+    rows = 2 if dpo else 1
     heads = int(model.n_heads)
     return Setup(
         dim=int(model.dim),
@@ -273,9 +336,9 @@ def setup(cfg: TrainerCfg, world_size: int, device: str = "cuda") -> Setup:
         qkv_bias=shape.qkv_bias(model),
         max_seq_len=int(model.max_seq_len),
         seq=int(train.seq_len),
-        micro=micro,
+        micro=rows * micro,
         micro_batches=local_batch // micro,
-        local_batch=local_batch,
+        local_batch=rows * local_batch,
         dp_replicate=layout["dp_replicate"],
         dp_shard=layout["dp_shard"],
         tp=layout["tp"],
@@ -290,6 +353,8 @@ def setup(cfg: TrainerCfg, world_size: int, device: str = "cuda") -> Setup:
         lora_targets=tuple(model.lora.targets) if model.lora.rank else (),
         lora_dropout=bool(model.lora.rank and model.lora.dropout),
         nf4=bool(model.lora.rank) and model.lora.quantize_base == "nf4",
+        dpo=dpo,
+        reference_copy=dpo and not model.lora.rank,  # validate: reference=copy is refused under LoRA
     )
 
 
@@ -570,6 +635,60 @@ def loss_memory(s: Setup) -> tuple[int, int]:
     return forward, backward
 
 
+def dpo_loss_memory(s: Setup) -> tuple[int, int]:
+    """DPO's loss head with the fused kernels (``losses.per_token_cross_entropy``): (peak of its
+    forward, peak of its backward) in bytes, on top of the blocks' saved activations, like
+    ``loss_memory``. Under TP or the reference kernels DPO's per-token cross-entropy is lm's
+    vocab-parallel / full-logits one (``loss_memory``).
+
+    Each chunk of ``loss_chunk`` tokens runs under ``torch.utils.checkpoint``, which keeps only its
+    inputs: a view of the final norm's output [T, d] (residual dtype), alive from the forward to
+    the backward's last chunk. Forward, per chunk: the fp32 logits and their log-softmax (8 bytes
+    per logit; the bf16 matmul output is gone once copied to fp32, and nothing is saved), plus the
+    per-token losses (fp32, their chunks and the concatenation). Backward, per chunk: the chunk is
+    recomputed (its log-softmax kept, 4 per logit), then the log-softmax's backward holds that,
+    the incoming gradient and its own output (12 per logit); the matmul's backward then holds the
+    logits' gradient (in the compute dtype), the chunk's input gradient and a new [V, d] weight
+    gradient (param dtype; none for LoRA's frozen head). From the second chunk on, the hidden
+    states' accumulated gradient [T, d] and (head trains) the head's accumulated gradient are
+    there too; the slice of the last chunk adds a whole [T, d] gradient to the accumulated one.
+    The head's gradient is left behind, as lm's is (the walk adds it after the loss).
+    """
+    tokens, d, V, r, pb = s.micro * s.seq, s.dim, s.vocab, s.resid_bytes, s.param_bytes
+    chunk = s.loss_chunk * V
+    hidden = r * tokens * d
+    head_grad = 0 if s.lora_rank else V * d
+    forward = hidden + 8 * chunk + 8 * tokens
+    several = tokens > s.loss_chunk
+    kept = (hidden + pb * head_grad) if several else 0  # the accumulated gradients, from the second chunk on
+    backward = hidden + max(
+        kept + 12 * chunk,
+        kept + s.compute_bytes * chunk + r * s.loss_chunk * d + pb * head_grad,
+        2 * hidden + (pb * head_grad if several else 0),
+    )
+    return forward, backward
+
+
+def reference_block_transient(s: Setup) -> float:
+    """Per token, a block's working set in the reference's forward (no gradients: nothing is saved,
+    each intermediate is freed once used). Its peak is in SwiGLU: the block's input and the
+    residual sum (r d / t each), the norm's output gathered to the full sequence (c d) and three
+    [tokens, H/t] tensors (silu(w1 x), w3 x and their product) at once. The attention half holds
+    less (q, k, v and its output: at most 4 c d / t beside the same inputs)."""
+    d, H, t, c, r = s.dim, s.hidden, s.tp, s.compute_bytes, s.resid_bytes
+    return 2 * r * d / t + c * d + max(3 * c * H / t, 4 * c * d / t)
+
+
+def reference_loss_memory(s: Setup) -> int:
+    """The reference forward's loss head, no gradients: the final norm's output and one chunk's fp32
+    logits and log-softmax (``per_token_cross_entropy`` without checkpointing), or under TP / the
+    reference kernels the logits [T, V/t] (compute dtype), their fp32 copy and log-softmax."""
+    tokens, d, V, t, c, r = s.micro * s.seq, s.dim, s.vocab, s.tp, s.compute_bytes, s.resid_bytes
+    if s.vocab_parallel_loss:
+        return c * tokens * d + (c + 8) * tokens * _ceil(V, t)
+    return r * tokens * d + 8 * s.loss_chunk * V + 8 * tokens
+
+
 # ----------------------------------------------------------------------------- the step
 
 
@@ -598,7 +717,8 @@ def plan_memory(cfg: TrainerCfg, world_size: int, device: str = "cuda") -> Memor
     ``world_size``.
     """
     s = setup(cfg, world_size, device)
-    ledger = _walk_step(s)
+    walk = _StepWalk(s)
+    ledger = walk.run()
     layout = {
         "dp_replicate": s.dp_replicate,
         "dp_shard": s.dp_shard,
@@ -611,6 +731,14 @@ def plan_memory(cfg: TrainerCfg, world_size: int, device: str = "cuda") -> Memor
         "device": s.device,
         "frozen_dtype": ("bf16" if s.frozen_bytes == 2 else "fp32") if s.lora_rank else None,
     }
+    if s.dpo:
+        layout.update(
+            objective="dpo",
+            pairs=s.micro // 2,
+            reference="copy" if s.reference_copy else "adapters_off",
+            reference_kept=walk.reference_kept,
+            reference_kept_unit="[norm, head]" if walk.head_p else "embedding + norm (tied)",
+        )
     return MemoryPlan(**{p: round(ledger.best[p]) for p in PARTS}, phase=ledger.phase, layout=layout)
 
 
@@ -666,7 +794,16 @@ class _StepWalk:
         self.backward_extra = block_backward_extra(s) * self.tokens + (
             self.cast_cache + rope_tables(s) if s.ac != "none" else 0
         )
-        self.loss_fwd, self.loss_bwd = loss_memory(s)
+        self.loss_fwd, self.loss_bwd = dpo_loss_memory(s) if s.dpo and not s.vocab_parallel_loss else loss_memory(s)
+        # DPO's frozen reference copy: its shards in the compute dtype and its own RoPE tables; its
+        # [norm, head] unit (tied: its root) gathered once and never resharded (no backward runs through
+        # it), so kept from the previous step on. With LoRA the policy's own units, gathered for it.
+        self.reference = (
+            s.compute_bytes * (self.L * self.shard_block + self.shard_root) + 4 * s.max_seq_len * s.head_dim
+            if s.reference_copy
+            else 0
+        )
+        self.reference_kept = self.pb * (self.full_head or self.full_whole) if s.reference_copy else 0
         self.norm_saved = final_norm_saved(s) * self.tokens
         # packed examples: the bool [b, 1, s, s] mask (reference kernels) and the RoPE tables gathered
         # at each position, alive through the forward; AC's checkpoints keep them (block inputs) until
@@ -710,6 +847,8 @@ class _StepWalk:
             512 if s.device == "cuda" else 4
         ) * (self.L * len(self.train_block) + len(self.train_root))
         now["activations"] = 2 * 8 * s.local_batch * s.seq  # token ids and targets of the whole local batch
+        now["reference"] = self.reference
+        now["unsharded"] += self.reference_kept
 
         # Micro-batches between the second and the last repeat the second exactly: walk 1, 2 and the last.
         for k in sorted({0, 1, s.micro_batches - 1} & set(range(s.micro_batches))):
@@ -726,15 +865,53 @@ class _StepWalk:
         # the kept fp32 gradients in place, except FSDP's bf16 ones (cast to fp32 after each backward)
         # and any FSDP reduced after the previous micro-batch (its gathered gradients were freed).
         new_grads = first or self.pb != 4 or s.reduce_each_micro_batch
+        if s.dpo:
+            self._reference_forward(ledger, tag)
         self._forward(ledger, tag)
         self._backward(ledger, first, last, reduce, new_grads, tag)
+
+    def _reference_forward(self, ledger: _Peak, tag: str) -> None:
+        """DPO's reference over the micro-batch's rows, without gradients, before the policy's forward:
+        one gathered unit at a time, one block's working set, then one loss chunk; nothing saved.
+        The copy's units are the policy's in the compute dtype (the bytes FSDP gathers for the
+        policy); its [norm, head] / root stays gathered (``reference_kept``, already counted). With
+        LoRA the policy's own units: its [norm, head] (tied: its root) stays gathered from here
+        through the policy's forward, which then gathers it no more (``_forward``)."""
+        s, now = self.s, ledger.now
+        tokens, shared = self.tokens, not s.reference_copy  # LoRA: the policy's units
+        if self.whole_p and shared:
+            now["unsharded"] += self.pb * self.full_whole  # the root, gathered first, kept
+        now["activations"] += self.packed_inputs
+        if self.emb_p:
+            ledger.moment(
+                f"reference forward: embedding {tag}",
+                unsharded=self.pb * self.full_emb,
+                comm=self._gather_of(self.pb * self.full_emb),
+            )
+        for i in range(self.L):
+            ledger.moment(
+                f"reference forward: layer {i} {tag}",
+                unsharded=self.unit_block,
+                comm=self.gather,
+                temporaries=reference_block_transient(s) * tokens + self.dequant + self.shared_mask,
+            )
+        if self.head_p and shared:
+            now["unsharded"] += self.pb * self.full_head  # gathered as the norm runs, kept
+        ledger.moment(
+            f"reference forward: loss {tag}",
+            logits=reference_loss_memory(s),
+            comm=self._gather_of(self.pb * self.full_head) if self.head_p and shared else 0,
+        )
+        now["activations"] -= self.packed_inputs
 
     def _forward(self, ledger: _Peak, tag: str) -> None:
         """FSDP gathers the root unit first (tied embeddings: embedding, norm and head), and it stays
         gathered until the end of its backward; untied, the embedding is gathered for its forward only."""
         s, now = self.s, ledger.now
+        # DPO with LoRA: the reference forward left the root (tied) or [norm, head] gathered
+        held = s.dpo and not s.reference_copy
 
-        if s.fsdp:
+        if s.fsdp and not held:
             now["unsharded"] += self.pb * self.full_whole
         now["activations"] += self.packed_inputs
         if s.fsdp and self.emb_p:
@@ -751,7 +928,7 @@ class _StepWalk:
                 )
             now["activations"] += self.saved + self.cast_cache - (self.first_relief if i == 0 else 0)
         now["activations"] += self.norm_saved
-        if s.fsdp:  # [norm, head] (untied): gathered as the norm runs, kept through the loss
+        if s.fsdp and not held:  # [norm, head] (untied): gathered as the norm runs, kept through the loss
             now["unsharded"] += self.pb * self.full_head
         if s.ac == "none":
             now["activations"] -= self.packed_inputs
@@ -760,7 +937,7 @@ class _StepWalk:
         ledger.moment(
             f"loss forward {tag}",
             logits=self.loss_fwd,
-            comm=self._gather_of(self.pb * self.full_head) if self.head_p else self.prefetch,
+            comm=self._gather_of(self.pb * self.full_head) if self.head_p and not held else self.prefetch,
         )
         now["activations"] -= self.L * self.cast_cache
 
@@ -820,14 +997,16 @@ def scoring_memory(cfg: TrainerCfg, plan: MemoryPlan) -> tuple[int, int]:
     """``eval.tasks`` during training, on rank 0's device: (what the trainer keeps there while lm-eval
     runs, the model lm-eval loads beside it), bytes.
 
-    The trainer keeps its parameter shards and AdamW states: the step's gradients are freed
+    The trainer keeps its parameter shards and AdamW states (and DPO's reference copy, with its
+    gathered [norm, head]): the step's gradients are freed
     (``zero_grad(set_to_none=True)``), its activations are gone, and it empties the allocator's cache
     before scoring (``task_scores``). The harness, a second process on the same device, loads the
     whole exported model (LoRA merged) in the export's dtype: bf16 on a GPU, fp32 on CPU
     (``task_scores.score_step``). lm-eval's batches come on top; their size is the tasks' documents',
     which no config says."""
     per_weight = 2 if plan.layout.get("device") == "cuda" else 4
-    return plan.params + plan.optimizer, shape.num_params(cfg.model, exclude_embedding=False) * per_weight
+    kept = plan.reference + (plan.layout.get("reference_kept") or 0)
+    return plan.params + plan.optimizer + kept, shape.num_params(cfg.model, exclude_embedding=False) * per_weight
 
 
 def _walk_step(s: Setup) -> _Peak:

@@ -15,9 +15,16 @@ import sys
 import time
 from pathlib import Path
 
-from workloads.pretrain.data import prepare_corpus
+from workloads.pretrain.data import Corpus, prepare_corpus
 from workloads.protocol.config import parse_args
-from workloads.protocol.schema import DataCfg
+from workloads.protocol.schema import DataCfg, TrainerCfg
+
+
+def check_pairs(cfg: TrainerCfg, corpus: Corpus) -> None:
+    """Preference pairs: a prompt longer than ``train.seq_len`` refused now, naming its line (the
+    split the trainer makes raises it), so ``llmctl launch`` refuses it before a run exists."""
+    if cfg.data.format == "preference":
+        corpus.sequences(float(cfg.data.val_fraction), cfg.train.seq_len)
 
 
 def prepare(data_cfg: DataCfg) -> Path:
@@ -31,6 +38,8 @@ def _load_config(argv: list[str] | None):
 
 
 def _count(meta: dict) -> str:
+    if meta.get("format") == "preference":
+        return f"{meta['pairs']:,} preference pairs ({meta['target_tokens']:,} answer tokens)"
     if meta.get("format") == "sft":
         return f"{meta['examples']:,} examples ({meta['target_tokens']:,} target tokens)"
     return f"{meta['documents']:,} documents"
@@ -41,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = _load_config(argv)
         corpus = prepare_corpus(cfg.data)
+        check_pairs(cfg, corpus)
     except (ValueError, FileNotFoundError, PermissionError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -45,6 +45,7 @@ from workloads.pretrain.components.dataset_input import log_training_corpus
 from workloads.pretrain.components.metrics import MetricSink, format_train_line, peak_memory_gib, peak_tflops
 from workloads.pretrain.components.optim import build_optimizer, lr_factor
 from workloads.pretrain.data import Sampler, prepare_corpus, val_batches
+from workloads.pretrain.data.preference import PreferencePairs
 from workloads.pretrain.model import transformer
 from workloads.pretrain.model.transformer import Transformer
 from workloads.pretrain.parallel import fp8
@@ -212,11 +213,18 @@ def _accumulation(cfg: TrainerCfg, env: DistEnv) -> str:
 def truncation_warning(train_seqs: Any, val_seqs: Any, seq_len: int) -> str:
     """A line of its own when fine-tuning examples are cut to ``train.seq_len`` (their ends, often
     the answer, are never learned), with the length that keeps all of them; "" when none is."""
-    if not hasattr(train_seqs, "bins"):
+    if not hasattr(train_seqs, "truncated"):
         return ""
     cut = train_seqs.truncated + val_seqs.truncated
     if not cut:
         return ""
+    if isinstance(train_seqs, PreferencePairs):  # a pair is cut when either answer is
+        total = len(train_seqs) + len(val_seqs)
+        longest = max(train_seqs.longest, val_seqs.longest)
+        return (
+            f"pretrain | warning: {cut:,} of {total:,} preference pairs ({cut / total:.0%}) have an answer longer "
+            f"than train.seq_len={seq_len}, cut there, its end not compared; train.seq_len={longest} keeps every one"
+        )
     total = len(train_seqs.starts) + len(val_seqs.starts)
     longest = max(train_seqs.longest, val_seqs.longest)
     return (
@@ -226,7 +234,12 @@ def truncation_warning(train_seqs: Any, val_seqs: Any, seq_len: int) -> str:
 
 
 def _describe(train_seqs: Any, val_seqs: Any) -> str:
-    """What the trainer reads: windows of the token stream, or packed fine-tuning examples."""
+    """What the trainer reads: windows of the token stream, packed fine-tuning examples, or pairs."""
+    if isinstance(train_seqs, PreferencePairs):
+        cut = train_seqs.truncated + val_seqs.truncated
+        return f"{len(train_seqs):,} train / {len(val_seqs):,} val preference pairs, two rows each" + (
+            f", {cut} with an answer cut to seq_len" if cut else ""
+        )
     if not hasattr(train_seqs, "bins"):
         masked = ", attention within documents" if train_seqs.eos_id is not None else ""
         return f"{len(train_seqs.tokens):,} train / {len(val_seqs.tokens):,} val tokens{masked}"
@@ -241,37 +254,53 @@ def _describe(train_seqs: Any, val_seqs: Any) -> str:
     )
 
 
-def init_sharded(cfg: TrainerCfg, env: DistEnv) -> torch.nn.Module:
+def init_sharded(cfg: TrainerCfg, env: DistEnv, frozen: bool = False) -> torch.nn.Module:
     """meta → parallelize → materialise empty → initial weights (``init``): the same values as one
     process would draw, for any layout, with no rank ever holding more than its shards and one
-    parameter. Deterministic given ``torch.manual_seed``."""
+    parameter. Deterministic given ``torch.manual_seed``. ``frozen``: no gradients, held in the
+    compute dtype (DPO's reference copy, ``parallelize``)."""
     with torch.device("meta"):
         model = Transformer(cfg.model)
-    model = parallelize(model, env.dims, env.mesh, cfg)
+    model = parallelize(model, env.dims, env.mesh, cfg, frozen=frozen)
     model.to_empty(device=env.device)
     model.init_weights(buffer_device=env.device)
     return model
 
 
-def load_pretrained(cfg: TrainerCfg, env: DistEnv) -> torch.nn.Module:
+def load_pretrained(cfg: TrainerCfg, env: DistEnv, frozen: bool = False) -> torch.nn.Module:
     """``model.init_from``: meta → parallelize → materialise empty → RoPE tables → the checkpoint's
     weights (``hf_checkpoint``): no rank ever holds more than its shards. With LoRA the checkpoint
     is the frozen base (NF4 with QLoRA, quantized as it is read); the adapters, which it lacks,
-    start from ``train.seed`` as PEFT starts them (B = 0: step 0 computes the base model)."""
+    start from ``train.seed`` as PEFT starts them (B = 0: step 0 computes the base model).
+    ``frozen``: as ``init_sharded``'s."""
     from workloads.pretrain.checkpoint import hf_load as hf_checkpoint
     from workloads.pretrain.data.cache import cache_root
 
     with torch.device("meta"):
         model = Transformer(cfg.model)
-    model = parallelize(model, env.dims, env.mesh, cfg)
+    model = parallelize(model, env.dims, env.mesh, cfg, frozen=frozen)
     model.to_empty(device=env.device)
     model.init_rope(env.device)
     hf_checkpoint.load(model, str(cfg.model.init_from), cache_root(cfg.data))
-    if cfg.model.lora.rank:
+    if cfg.model.lora.rank and not frozen:
         from workloads.pretrain.model import lora
 
         lora.init_adapters(model, cfg.train.seed)
     return model
+
+
+def build_reference(cfg: TrainerCfg, env: DistEnv, policy: torch.nn.Module):
+    """DPO's reference (``components.dpo.Reference``): under LoRA the policy with its adapters off,
+    else a frozen copy of the starting weights (``model.init_from``, or ``train.seed``'s initial
+    weights: the policy's step 0 on every start and resume)."""
+    from workloads.pretrain.components.dpo import Reference
+
+    if cfg.model.lora.rank:
+        return Reference(policy)
+    if cfg.model.init_from:
+        return Reference(policy, load_pretrained(cfg, env, frozen=True))
+    torch.manual_seed(cfg.train.seed)
+    return Reference(policy, init_sharded(cfg, env, frozen=True))
 
 
 class Trainer:
@@ -289,7 +318,8 @@ class Trainer:
         self._setup_data()
         self._setup_model()
         self._setup_tracking()
-        self.tokens_per_step = self.tc.batch_size * self.tc.seq_len  # global: the batch is split over dp ranks
+        # global: the batch is split over dp ranks; a DPO pair is two sequences
+        self.tokens_per_step = self.tc.batch_size * self.tc.seq_len * (2 if self.objective else 1)
         self.log_every = max(1, int(self.tc.log_every))
         self.val_every = max(0, int(self.tc.val_every))  # 0: start/end only
         self.loss_sum = torch.zeros((), device=env.device)
@@ -330,7 +360,8 @@ class Trainer:
         cfg, tc, mc, env = self.cfg, self.tc, self.mc, self.env
         # which SDPA kernel torch picks for this model's q/k/v, asked before the model takes the memory
         micro_seqs = tc.micro_batch_size or tc.batch_size // env.dp_size
-        masked = hasattr(self.train_seqs, "bins") or self.train_seqs.eos_id is not None  # packed, or document_mask
+        seqs = self.train_seqs  # packed examples, or document_mask: a mask; pairs: causal rows, padding last
+        masked = hasattr(seqs, "bins") or (not isinstance(seqs, PreferencePairs) and seqs.eos_id is not None)
         attn_dtype = torch.bfloat16 if self.dtype == "bf16" else torch.float32
         self.attention = transformer.attention_backend(
             mc, micro_seqs, tc.seq_len, attn_dtype, env.device, masked, env.dims.tp
@@ -345,6 +376,11 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, tc)
         self.checkpointer = Checkpointer(cfg, env, self.model, self.optimizer, self.sampler)
         self.start_step = self.checkpointer.load()
+        self.objective = None  # train.objective=lm: next-token cross-entropy (``step_loss``)
+        if tc.objective == "dpo":
+            from workloads.pretrain.components.dpo import DpoObjective
+
+            self.objective = DpoObjective(tc.dpo, build_reference(cfg, env, self.model), env.device)
         self.step_context = loss_context(env.dims)
         self.autocast = autocast_context(self.model, cfg, env.device.type)  # none: FSDP's bf16 params are the recipe
 
@@ -383,6 +419,8 @@ class Trainer:
 
             say(lora.describe(self.model, mc.lora))
         say(f"pretrain | loss {self.loss_name} | attention {self.attention}")
+        if self.objective is not None:
+            say(self.objective.describe())
         say(
             f"pretrain | data {cfg.data.name}: {_describe(self.train_seqs, self.val_seqs)}, "
             f"vocab {self.corpus.vocab_size} ({'cached' if self.corpus.cache_hit else 'built'} {self.corpus.path}) | "
@@ -404,8 +442,23 @@ class Trainer:
     def validate(self, step: int) -> float:
         """The held-out loss at ``step``, logged (with its time: cost calibration) and printed."""
         t0 = time.perf_counter()
-        loss = evaluate(self.model, self.val_set, self.autocast, self.env, self.tc.micro_batch_size)
-        self.sink.log({"val/loss": loss, "time/val_s": time.perf_counter() - t0}, step)
+        if self.objective is None:
+            metrics = {
+                "val/loss": evaluate(self.model, self.val_set, self.autocast, self.env, self.tc.micro_batch_size)
+            }
+        else:
+            env = self.env
+            metrics = self.objective.evaluate(
+                self.model,
+                self.val_set,
+                self.autocast,
+                self.step_context,
+                env.world_size > 1,
+                env.dims.tp,
+                self.tc.micro_batch_size,
+            )
+        loss = metrics["val/loss"]
+        self.sink.log({**metrics, "time/val_s": time.perf_counter() - t0}, step)
         self.sink.flush()
         self.say(f"val step {step} | val/loss {loss:.4f}")
         return loss
@@ -422,7 +475,10 @@ class Trainer:
             set_gradient_sync(model, gradient_sync_due(i, len(micro_batches), self.cfg.parallel.grad_sync))
             with self.step_context():  # loss_parallel under TP; FSDP reduce-scatters grads inside backward
                 with self.autocast():
-                    loss, share = step_loss(model, micro, env.dp_size)
+                    if self.objective is None:
+                        loss, share = step_loss(model, micro, env.dp_size)
+                    else:
+                        loss, share = self.objective.step_loss(model, micro, env.dp_size)
                 loss.backward()
             self.loss_sum += share.float()
         max_norm = float(tc.grad_clip) if tc.grad_clip and tc.grad_clip > 0 else math.inf
@@ -451,6 +507,8 @@ class Trainer:
             "perf/mfu": tflops / self.peak if self.peak else None,
             "perf/peak_mem_gib": peak_memory_gib(env.device),
         }
+        if self.objective is not None:
+            m.update(self.objective.interval_metrics(env.world_size > 1, env.dims.tp))
         self.sink.log(m, step)
         self.sink.flush()
         self.say(format_train_line(step, self.tc.steps, m, self.no_mfu))

@@ -98,3 +98,41 @@ def check_example(record: Any, where: str) -> str:
     if "completion" not in record:
         raise RecordError(f"{where}: a 'prompt' record needs a 'completion'. Fix: add one, or drop the record")
     return "prompt"
+
+
+PREFERENCE_KEYS = ("prompt", "chosen", "rejected")
+
+
+def check_preference(record: Any, where: str) -> str:
+    """A preference record's shape (TRL's explicit-prompt format), before any tokenizer sees it:
+    ``"text"`` (``prompt``, ``chosen`` and ``rejected`` strings) or ``"messages"`` (``prompt`` a list
+    of {role, content} messages, ``chosen`` and ``rejected`` the assistant's messages that follow it).
+    Returns which one."""
+    missing = [k for k in PREFERENCE_KEYS if not isinstance(record, dict) or k not in record]
+    if missing:
+        got = sorted(record) if isinstance(record, dict) else type(record).__name__
+        raise RecordError(
+            f"{where}: a preference record needs 'prompt', 'chosen' and 'rejected'; {', '.join(map(repr, missing))}"
+            f" missing (got {got}). Fix: add it, or drop the record"
+        )
+    values = [record[k] for k in PREFERENCE_KEYS]
+    if all(isinstance(v, str) for v in values):
+        for key in ("chosen", "rejected"):
+            if not record[key].strip():
+                raise RecordError(
+                    f"{where}: '{key}' is empty: nothing to prefer. Fix: give it text, or drop the record"
+                )
+        return "text"
+    if not all(isinstance(v, list) and all(isinstance(m, dict) and "role" in m for m in v) for v in values):
+        raise RecordError(
+            f"{where}: 'prompt', 'chosen' and 'rejected' must all be strings, or all lists of {{role, content}}"
+            " messages. Fix: give the three in one form"
+        )
+    for key in ("chosen", "rejected"):
+        turns = record[key]
+        if not turns or not all(m["role"] == "assistant" for m in turns) or not any(m.get("content") for m in turns):
+            raise RecordError(
+                f"{where}: '{key}' must be the assistant's non-empty answer (messages with role 'assistant')."
+                " Fix: give it one, or drop the record"
+            )
+    return "messages"

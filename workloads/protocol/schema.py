@@ -46,6 +46,35 @@ class DataFormat(str, enum.Enum):
 
     text = "text"
     sft = "sft"
+    # jsonl of ``prompt`` + ``chosen`` + ``rejected`` (texts, or chat messages): train.objective=dpo
+    preference = "preference"
+
+
+class Objective(str, enum.Enum):
+    """``lm``: next-token cross-entropy (pretraining, SFT); ``dpo``: Direct Preference Optimization on
+    chosen/rejected pairs (``data.format=preference``), as TRL's ``DPOTrainer`` computes it."""
+
+    lm = "lm"
+    dpo = "dpo"
+
+
+class DpoLoss(str, enum.Enum):
+    """TRL's ``loss_type`` names: ``sigmoid`` DPO (Rafailov et al. 2023); ``ipo`` IPO (Azar et al.
+    2023) on per-token averaged log-ratios, as TRL computes it; ``robust`` DPO under label noise
+    (Chowdhury et al. 2024): ``train.dpo.label_smoothing`` is the assumed share of flipped pairs."""
+
+    sigmoid = "sigmoid"
+    ipo = "ipo"
+    robust = "robust"
+
+
+class DpoReference(str, enum.Enum):
+    """Where the reference log-probabilities come from. ``auto``: with LoRA the base model with the
+    adapters off (no second copy), else ``copy``; ``copy``: a frozen copy of the starting weights,
+    sharded like the policy, in the compute dtype."""
+
+    auto = "auto"
+    copy = "copy"
 
 
 class ActivationCheckpointing(str, enum.Enum):
@@ -208,10 +237,24 @@ class DataCfg:
 
 
 @dataclass
+class DpoCfg:
+    """``train.objective=dpo``: the preference loss (TRL's ``DPOConfig`` names and defaults)."""
+
+    beta: float = 0.1  # how far the policy may move from the reference (the KL penalty's inverse weight)
+    loss: DpoLoss = DpoLoss.sigmoid  # TRL's loss_type
+    label_smoothing: float = 0.0  # loss=robust: the share of pairs assumed mislabelled, in [0, 0.5)
+    reference: DpoReference = DpoReference.auto  # the reference model (DpoReference)
+
+
+@dataclass
 class TrainCfg:
     """Optimisation. ``batch_size`` is the global batch in sequences per optimizer step."""
 
     steps: int = 200  # optimizer steps
+    # lm: next-token cross-entropy; dpo: preference pairs (data.format=preference, train.dpo.*), where
+    # batch_size and micro_batch_size count pairs (two sequences each), as TRL's batch sizes do
+    objective: Objective = Objective.lm
+    dpo: DpoCfg = field(default_factory=DpoCfg)
     batch_size: int = 16  # global batch in sequences per optimizer step, split over data-parallel ranks
     # sequences per device per forward/backward; the step accumulates gradients over
     # batch_size / (micro_batch_size x data-parallel ranks) of them. None: the whole local batch at once

@@ -117,6 +117,7 @@ def validate(cfg: TrainerCfg) -> None:
             "Fix: parallel.tp=1 (FSDP shards any size), or train.fp8=none",
         )
     check_lora(cfg)
+    check_dpo(cfg)
     ckpt = cfg.checkpoint
     _require(ckpt.every >= 0, "checkpoint.every", "must be >= 0 (0 saves only at the end)")
     _require(ckpt.keep >= 1, "checkpoint.keep", "must keep at least 1 checkpoint")
@@ -142,6 +143,51 @@ def check_eval_tasks(cfg: TrainerCfg) -> None:
             f"{ev.every}: the tasks score a checkpoint, saved every {ckpt.every} steps."
             f" Fix: eval.every=<a multiple of checkpoint.every>, or leave it out to score every checkpoint",
         )
+
+
+def check_dpo(cfg: TrainerCfg) -> None:
+    """``train.objective=dpo`` and ``data.format=preference`` go together; ``train.dpo.*`` ranges."""
+    dpo, preference = cfg.train.objective == "dpo", cfg.data.format == "preference"
+    _require(
+        dpo or not preference,
+        "data.format",
+        "preference pairs train with the DPO objective, but train.objective=lm. Fix: train.objective=dpo",
+    )
+    _require(
+        preference or not dpo,
+        "train.objective",
+        f"dpo trains on preference pairs, but data.format={cfg.data.format.value}. Fix: data=preference"
+        " data.source=<.jsonl of prompt/chosen/rejected records>",
+    )
+    if not dpo:
+        return
+    opts = cfg.train.dpo
+    _require(opts.beta > 0, "train.dpo.beta", f"must be > 0, got {opts.beta}. Fix: train.dpo.beta=0.1")
+    if opts.loss == "robust":
+        _require(
+            0 <= opts.label_smoothing < 0.5,
+            "train.dpo.label_smoothing",
+            f"the robust loss's share of flipped pairs must lie in [0, 0.5), got {opts.label_smoothing}."
+            " Fix: train.dpo.label_smoothing=0.1",
+        )
+    else:
+        _require(
+            opts.label_smoothing == 0,
+            "train.dpo.label_smoothing",
+            f"only train.dpo.loss=robust reads it (train.dpo.loss={opts.loss.value}). Fix: train.dpo.loss=robust,"
+            " or train.dpo.label_smoothing=0",
+        )
+    _require(
+        not (opts.reference == "copy" and cfg.model.lora.rank),
+        "train.dpo.reference",
+        "copy keeps a second model, but under LoRA the frozen base with the adapters off is the reference"
+        " already. Fix: train.dpo.reference=auto",
+    )
+    _require(
+        cfg.train.fp8 == "none",
+        "train.fp8",
+        "FP8 with train.objective=dpo is not supported yet. Fix: train.fp8=none",
+    )
 
 
 def check_lora(cfg: TrainerCfg) -> None:

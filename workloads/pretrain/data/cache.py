@@ -30,7 +30,8 @@ from typing import Any, Callable, Iterable, Iterator
 import numpy as np
 
 from workloads.planner import data_split
-from workloads.pretrain.data.chat import ChatTemplate, ExampleError, encode_example, load_chat_template
+from workloads.pretrain.data.chat import ChatTemplate, ExampleError, encode_example, encode_pair, load_chat_template
+from workloads.pretrain.data.preference import PairSource
 from workloads.pretrain.data.sources import (
     BUILTIN_SOURCE,
     CORPUS_VERSION,
@@ -43,7 +44,7 @@ from workloads.pretrain.data.sources import (
 )
 from workloads.pretrain.data.tokenizer import EOT, load_pretrained, train_tokenizer
 from workloads.protocol.run_contract import cache_home
-from workloads.protocol.schema import DataCfg
+from workloads.protocol.schema import DataCfg, DataFormat
 
 # A waiter breaks the lock (and builds) when its builder shows no progress for this long.
 STALL_S = 1800.0
@@ -52,7 +53,10 @@ STALL_S = 1800.0
 TOKENIZER_TRAIN_CHARS = 1_000_000_000
 _ENCODE_BATCH_DOCS = 1024
 # meta.json last: the commit marker. mask.npy / offsets.npy: fine-tuning data only.
-CACHE_FILES = ("tokenizer.json", "tokens.npy", "mask.npy", "offsets.npy", "meta.json")
+# prompts.npy / origins.txt: preference pairs only (each pair's prompt length and file:line).
+CACHE_FILES = ("tokenizer.json", "tokens.npy", "mask.npy", "offsets.npy", "prompts.npy", "origins.txt", "meta.json")
+# data.format values whose records are examples with a loss mask (offsets.npy, mask.npy)
+FINE_TUNING = ("sft", "preference")
 
 
 def cache_root(data_cfg: DataCfg) -> Path:
@@ -83,9 +87,9 @@ def cache_key(
     builtin = data_cfg.source == BUILTIN_SOURCE
     if not builtin and files is None:
         files = list_source_files(data_cfg.source)
-    if data_cfg.format == "sft":
+    if data_cfg.format in FINE_TUNING:
         ident = {
-            "format": "sft",
+            "format": DataFormat(data_cfg.format).value,
             "pretrained": pretrained,
             "chat_template": chat_template,
             "vocab_size": None if pretrained else int(data_cfg.vocab_size),
@@ -94,7 +98,7 @@ def cache_key(
             "files": [[f.url, f.size, f.version] for f in files or []],
         }
         digest = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
-        return f"{data_cfg.name}-sft-{digest}"
+        return f"{data_cfg.name}-{DataFormat(data_cfg.format).value}-{digest}"
     if pretrained is not None:
         digest = hashlib.sha256(pretrained.encode()).hexdigest()[:12]
         return f"{data_cfg.name}-tok{digest}-{_ident_digest(data_cfg, files, builtin, tokenizers.__version__, digest)}"
@@ -147,6 +151,9 @@ class Corpus:
     # a chat fine-tune (most examples were chat messages): the template it was rendered with, so a
     # prompt is given to the model as a user turn and its generation prompt, as it trained
     chat_template: ChatTemplate | None = None
+    # preference pairs (data.format=preference): examples 2j and 2j + 1 are pair j's chosen and
+    # rejected answers after the same prompt
+    pairs: "PairSource | None" = None
 
     @property
     def vocab_size(self) -> int:
@@ -173,6 +180,8 @@ class Corpus:
         if self.offsets is None:
             eos = self.eos_id if document_mask else None
             return tuple(Windows(part, seq_len, eos) for part in self.split(val_fraction))
+        if self.pairs is not None:
+            return self.pairs.split(self.tokens, self.mask, self.offsets, val_fraction, seq_len, self.eos_id)
         n = len(self.offsets) - 1
         n_val = data_split.val_count(n, val_fraction)
         if n_val <= 0 or n_val >= n:
@@ -197,11 +206,11 @@ def prepare_corpus(data_cfg: DataCfg, *, stall_s: float = STALL_S) -> Corpus:
     files = source_files(data_cfg)
     spec = data_cfg.tokenizer
     pretrained = load_pretrained(spec) if spec else None
-    sft = data_cfg.format == "sft"
+    sft = data_cfg.format in FINE_TUNING
     if sft and files is None:
         raise ValueError(
-            "data.format=sft needs data.source=<.jsonl files of 'messages' or 'prompt'/'completion' "
-            "records>, not the bundled corpus"
+            f"data.format={DataFormat(data_cfg.format).value} needs data.source=<.jsonl files of its records>,"
+            " not the bundled corpus"
         )
     template = load_chat_template(spec) if sft else None
     key = cache_key(data_cfg, files, pretrained[2] if pretrained else None, template.source if template else None)
@@ -213,7 +222,9 @@ def prepare_corpus(data_cfg: DataCfg, *, stall_s: float = STALL_S) -> Corpus:
         if remote and _download(f"{remote}/{key}", tmp, progress):
             origin[0] = "downloaded"
             return
-        if sft:
+        if data_cfg.format == "preference":
+            _build_preference(data_cfg, tmp, files, pretrained, template, progress)
+        elif sft:
             _build_sft(data_cfg, tmp, files, pretrained, template, progress)
         else:
             _build(data_cfg, tmp, files, pretrained, progress)
@@ -225,6 +236,10 @@ def prepare_corpus(data_cfg: DataCfg, *, stall_s: float = STALL_S) -> Corpus:
     extra = {}
     if sft:
         extra = {"mask": np.load(final / "mask.npy", mmap_mode="r"), "offsets": np.load(final / "offsets.npy")}
+        if data_cfg.format == "preference":
+            extra["pairs"] = PairSource(
+                np.load(final / "prompts.npy"), (final / "origins.txt").read_text(encoding="utf-8").splitlines()
+            )
         if template is not None and 2 * int(meta.get("chats", 0)) >= int(meta.get("examples", 1)):
             extra["chat_template"] = template
     return Corpus(
@@ -374,57 +389,127 @@ def _build_sft(
     Without ``data.tokenizer`` a byte-level BPE is trained on the prompt/completion texts.
     """
     t0 = time.time()
-    if pretrained is None:
-
-        def texts():
-            for _, rec in file_records(files):
-                if isinstance(rec, dict) and "prompt" in rec:
-                    yield f"{rec.get('prompt', '')}{rec.get('completion', '')}"
-
-        tok, eos = train_tokenizer(texts(), int(data_cfg.vocab_size)), EOT
-    else:
-        tok, eos, _ = pretrained
+    tok, eos = _fine_tuning_tokenizer(data_cfg, files, pretrained, ("prompt", "completion"))
     eos_id = tok.token_to_id(eos)
-    ids_parts, mask_parts, offsets, targets, chats = [], [], [0], 0, 0
+    examples = _Examples()
     for where, record in file_records(files):
         progress()
-        ids, mask = encode_example(record, tok, eos_id, template, where)
-        chats += isinstance(record, dict) and "messages" in record
-        if mask[1:].sum() == 0:
-            raise ExampleError(f"{where}: nothing to learn: the example has no target tokens after its first token")
-        ids_parts.append(ids)
-        mask_parts.append(mask)
-        offsets.append(offsets[-1] + len(ids))
-        targets += int(mask[1:].sum())
-    if len(offsets) < 3:
+        examples.add(encode_example(record, tok, eos_id, template, where), where)
+        examples.chats += isinstance(record, dict) and "messages" in record
+    if len(examples.offsets) < 3:
         raise ValueError(
-            f"data.source={data_cfg.source!r}: {len(offsets) - 1} fine-tuning example(s); need at "
+            f"data.source={data_cfg.source!r}: {len(examples.offsets) - 1} fine-tuning example(s); need at "
             f"least 2 (one for validation)"
         )
-    dtype = np.uint16 if tok.get_vocab_size() <= np.iinfo(np.uint16).max + 1 else np.uint32
-    np.save(out / "tokens.npy", np.concatenate(ids_parts).astype(dtype))
-    np.save(out / "mask.npy", np.concatenate(mask_parts))
-    np.save(out / "offsets.npy", np.asarray(offsets, dtype=np.int64))
-    if pretrained is None:
-        tok.save(str(out / "tokenizer.json"))
-    else:
-        (out / "tokenizer.json").write_text(pretrained[2], encoding="utf-8")
-    meta = {
-        "source": data_cfg.source,
-        "format": "sft",
-        "files": [{"url": f.url, "size": f.size, "version": f.version} for f in files],
-        "vocab_size": tok.get_vocab_size(),
-        "examples": len(offsets) - 1,
-        "tokens": offsets[-1],
-        "target_tokens": targets,
-        "tokenizer": data_cfg.tokenizer,
-        "eos_token": eos,
-        "chat_template": template is not None,
-        "chats": chats,  # examples that were chat messages (the rest prompt/completion): how eval prompts
-        "corpus_version": CORPUS_VERSION,
-        "build_seconds": round(time.time() - t0, 2),
-    }
-    (out / "meta.json").write_text(json.dumps(meta, indent=2))
+    examples.write(out, data_cfg, files, tok, eos, pretrained, template, t0)
+
+
+def _build_preference(
+    data_cfg: DataCfg,
+    out: Path,
+    files: list[SourceFile],
+    pretrained: tuple[Any, str, str] | None,
+    template: ChatTemplate | None,
+    progress: Callable[[], None] = lambda: None,
+) -> None:
+    """Encode each preference record (``chat.encode_pair``) as two examples, its chosen and its
+    rejected answer after the same prompt (examples 2j and 2j + 1), with each pair's prompt length
+    (``prompts.npy``) and where it came from (``origins.txt``, ``file:line``): a prompt too long for
+    ``train.seq_len``, known only when training starts, is refused naming its line."""
+    t0 = time.time()
+    tok, eos = _fine_tuning_tokenizer(data_cfg, files, pretrained, ("prompt", "chosen", "rejected"))
+    eos_id = tok.token_to_id(eos)
+    examples, prompts, origins = _Examples(), [], []
+    for where, record in file_records(files):
+        progress()
+        chosen, rejected, prompt_tokens = encode_pair(record, tok, eos_id, template, where)
+        examples.add(chosen, where)
+        examples.add(rejected, where)
+        examples.chats += 2 * isinstance(record.get("prompt"), list)
+        prompts.append(prompt_tokens)
+        origins.append(where)
+    if len(prompts) < 2:
+        raise ValueError(
+            f"data.source={data_cfg.source!r}: {len(prompts)} preference pair(s); need at least 2 (one for validation)"
+        )
+    np.save(out / "prompts.npy", np.asarray(prompts, dtype=np.int64))
+    (out / "origins.txt").write_text("\n".join(origins) + "\n", encoding="utf-8")
+    examples.write(out, data_cfg, files, tok, eos, pretrained, template, t0, pairs=len(prompts))
+
+
+def _fine_tuning_tokenizer(
+    data_cfg: DataCfg, files: list[SourceFile], pretrained: tuple[Any, str, str] | None, fields: tuple[str, ...]
+) -> tuple[Any, str]:
+    """(tokenizer, its end-of-text token): the given one, else a byte-level BPE of
+    ``data.vocab_size`` trained on the text records' ``fields`` (chat records use a pretrained one)."""
+    if pretrained is not None:
+        return pretrained[0], pretrained[1]
+
+    def texts():
+        for _, rec in file_records(files):
+            if isinstance(rec, dict) and isinstance(rec.get("prompt"), str):
+                yield "".join(str(rec.get(k, "")) for k in fields)
+
+    return train_tokenizer(texts(), int(data_cfg.vocab_size)), EOT
+
+
+class _Examples:
+    """Fine-tuning examples as they are encoded, written as ``tokens.npy``, ``mask.npy`` (1 where a
+    token is a target) and ``offsets.npy`` (example bounds), with ``meta.json`` last."""
+
+    def __init__(self) -> None:
+        self.ids: list[np.ndarray] = []
+        self.masks: list[np.ndarray] = []
+        self.offsets = [0]
+        self.targets = 0
+        self.chats = 0
+
+    def add(self, example: tuple[np.ndarray, np.ndarray], where: str) -> None:
+        ids, mask = example
+        if mask[1:].sum() == 0:
+            raise ExampleError(f"{where}: nothing to learn: the example has no target tokens after its first token")
+        self.ids.append(ids)
+        self.masks.append(mask)
+        self.offsets.append(self.offsets[-1] + len(ids))
+        self.targets += int(mask[1:].sum())
+
+    def write(
+        self,
+        out: Path,
+        data_cfg: DataCfg,
+        files: list[SourceFile],
+        tok: Any,
+        eos: str,
+        pretrained: tuple[Any, str, str] | None,
+        template: ChatTemplate | None,
+        t0: float,
+        pairs: int | None = None,
+    ) -> None:
+        dtype = np.uint16 if tok.get_vocab_size() <= np.iinfo(np.uint16).max + 1 else np.uint32
+        np.save(out / "tokens.npy", np.concatenate(self.ids).astype(dtype))
+        np.save(out / "mask.npy", np.concatenate(self.masks))
+        np.save(out / "offsets.npy", np.asarray(self.offsets, dtype=np.int64))
+        if pretrained is None:
+            tok.save(str(out / "tokenizer.json"))
+        else:  # byte for byte what the user gave: the export hands on the same file
+            (out / "tokenizer.json").write_text(pretrained[2], encoding="utf-8")
+        meta = {
+            "source": data_cfg.source,
+            "format": DataFormat(data_cfg.format).value,
+            "files": [{"url": f.url, "size": f.size, "version": f.version} for f in files],
+            "vocab_size": tok.get_vocab_size(),
+            "examples": len(self.offsets) - 1,
+            **({"pairs": pairs} if pairs is not None else {}),
+            "tokens": self.offsets[-1],
+            "target_tokens": self.targets,
+            "tokenizer": data_cfg.tokenizer,
+            "eos_token": eos,
+            "chat_template": template is not None,
+            "chats": self.chats,  # examples that were chat messages (the rest prompt/completion): how eval prompts
+            "corpus_version": CORPUS_VERSION,
+            "build_seconds": round(time.time() - t0, 2),
+        }
+        (out / "meta.json").write_text(json.dumps(meta, indent=2))
 
 
 def progress_callback(progress: Callable[[], None]):

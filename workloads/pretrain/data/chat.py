@@ -24,7 +24,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from workloads.protocol.records import RecordError, check_example
+from workloads.protocol.records import RecordError, check_example, check_preference
 from workloads.protocol.validate import ConfigError
 
 
@@ -172,26 +172,60 @@ def encode_example(
     except RecordError as e:
         raise ExampleError(str(e)) from None
     if kind == "messages":
-        messages = record["messages"]
-        if template is None:
-            raise ExampleError(
-                f"{where}: chat 'messages' need a tokenizer with a chat template: set data.tokenizer="
-                "<Hugging Face tokenizer directory whose tokenizer_config.json has chat_template> "
-                "(model.init_from's checkpoint usually has one), or use prompt/completion records"
-            )
-        try:
-            text, spans = assistant_spans(template, messages, where)
-        except ExampleError as e:
-            raise ExampleError(f"{where}: {e}") from None
-        enc = tokenizer.encode(text, add_special_tokens=False)
-        ids = np.asarray(enc.ids, dtype=np.int64)
-        offsets = np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2)
-        mask = np.zeros(len(ids), dtype=np.uint8)
-        for a, b in spans:  # every token holding a character of the turn (as transformers marks them)
-            mask[(offsets[:, 0] < b) & (offsets[:, 1] > a)] = 1
-        return ids, mask
-    prompt = tokenizer.encode(str(record["prompt"]), add_special_tokens=True).ids
-    completion = tokenizer.encode(str(record["completion"]), add_special_tokens=False).ids + [eos_id]
-    ids = np.asarray(prompt + completion, dtype=np.int64)
-    mask = np.concatenate([np.zeros(len(prompt), np.uint8), np.ones(len(completion), np.uint8)])
+        return encode_chat(record["messages"], tokenizer, template, where)
+    return encode_completion(str(record["prompt"]), str(record["completion"]), tokenizer, eos_id)
+
+
+def encode_completion(prompt: str, completion: str, tokenizer: Any, eos_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """(ids, mask) of a prompt (with the tokenizer's special tokens: BOS) and its completion (without,
+    then the end-of-text token); the mask covers the completion and that token."""
+    head = tokenizer.encode(prompt, add_special_tokens=True).ids
+    tail = tokenizer.encode(completion, add_special_tokens=False).ids + [eos_id]
+    ids = np.asarray(head + tail, dtype=np.int64)
+    return ids, np.concatenate([np.zeros(len(head), np.uint8), np.ones(len(tail), np.uint8)])
+
+
+def encode_chat(
+    messages: list[dict], tokenizer: Any, template: Optional[ChatTemplate], where: str, first_answer: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
+    """(ids, mask) of a conversation rendered by ``template``; the mask covers the assistant turns
+    from message ``first_answer`` on (a preference pair's answer, not its prompt's earlier turns)."""
+    if template is None:
+        raise ExampleError(
+            f"{where}: chat 'messages' need a tokenizer with a chat template: set data.tokenizer="
+            "<Hugging Face tokenizer directory whose tokenizer_config.json has chat_template> "
+            "(model.init_from's checkpoint usually has one), or use prompt/completion records"
+        )
+    try:
+        text, spans = assistant_spans(template, messages, where)
+    except ExampleError as e:
+        raise ExampleError(f"{where}: {e}") from None
+    answers = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
+    spans = [span for i, span in zip(answers, spans) if i >= first_answer]
+    enc = tokenizer.encode(text, add_special_tokens=False)
+    ids = np.asarray(enc.ids, dtype=np.int64)
+    offsets = np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2)
+    mask = np.zeros(len(ids), dtype=np.uint8)
+    for a, b in spans:  # every token holding a character of the turn (as transformers marks them)
+        mask[(offsets[:, 0] < b) & (offsets[:, 1] > a)] = 1
     return ids, mask
+
+
+def encode_pair(
+    record: Any, tokenizer: Any, eos_id: int, template: Optional[ChatTemplate], where: str
+) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray], int]:
+    """A preference record as (chosen (ids, mask), rejected (ids, mask), prompt tokens): each answer
+    after the same prompt, the mask on the answer only (TRL's completion mask)."""
+    try:
+        kind = check_preference(record, where)
+    except RecordError as e:
+        raise ExampleError(str(e)) from None
+    if kind == "text":
+        chosen = encode_completion(record["prompt"], record["chosen"], tokenizer, eos_id)
+        rejected = encode_completion(record["prompt"], record["rejected"], tokenizer, eos_id)
+    else:
+        prompt = record["prompt"]
+        chosen = encode_chat(prompt + record["chosen"], tokenizer, template, where, len(prompt))
+        rejected = encode_chat(prompt + record["rejected"], tokenizer, template, where, len(prompt))
+    prompt_tokens = min(int(np.argmax(m > 0)) if m.any() else len(m) for _, m in (chosen, rejected))
+    return chosen, rejected, prompt_tokens

@@ -22,6 +22,9 @@ U(-1/sqrt(in), 1/sqrt(in)), B zero, so step 0 computes exactly the base model.
 
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 import torch
 from torch import nn
 
@@ -56,9 +59,27 @@ class LoRAMixin:
     lora_b: nn.Linear
     lora_dropout: nn.Module
     lora_scaling: float
+    lora_enabled = True  # False inside ``adapters_off``: the base alone (DPO's reference)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(x) + self.lora_b(self.lora_a(self.lora_dropout(x))) * self.lora_scaling
+        base = super().forward(x)
+        if not self.lora_enabled:
+            return base
+        return base + self.lora_b(self.lora_a(self.lora_dropout(x))) * self.lora_scaling
+
+
+@contextlib.contextmanager
+def adapters_off(model: nn.Module) -> Iterator[None]:
+    """The model computes its frozen base alone while inside: DPO's reference under LoRA, as PEFT's
+    ``disable_adapter`` gives TRL, without a second copy of the weights."""
+    adapted = [m for m in model.modules() if isinstance(m, LoRAMixin)]
+    for m in adapted:
+        m.lora_enabled = False
+    try:
+        yield
+    finally:
+        for m in adapted:
+            del m.lora_enabled  # back to the class's True
 
 
 _CLASSES: dict[type, type] = {}

@@ -142,3 +142,34 @@ def chunked_linear_cross_entropy(
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         return _ChunkedLinearCrossEntropy.apply(hidden, weight, targets, chunk_size, ignore_index, summed)
     return _loss_only(hidden, weight, targets, chunk_size, ignore_index, summed)
+
+
+def _chunk_token_losses(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(
+        _chunk_logits(h, weight), targets, ignore_index=IGNORE_INDEX, reduction="none"
+    )
+
+
+def per_token_cross_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, chunk_size: int | None = None
+) -> torch.Tensor:
+    """Each token's cross-entropy of ``hidden @ weight.T`` against ``targets`` ([..., dim] and [...]
+    -> flattened [n], fp32, 0 where ``IGNORE_INDEX``) without full logits: a chunk of tokens at a time, each
+    chunk's logits recomputed in backward (``torch.utils.checkpoint``) rather than kept. What DPO
+    needs: a sum per sequence, whose gradient differs per sequence, which the fused kernel's
+    scalar loss cannot carry."""
+    from torch.utils.checkpoint import checkpoint
+
+    flat_h = hidden.reshape(-1, hidden.shape[-1])
+    flat_t = targets.reshape(-1)
+    if chunk_size is None:
+        chunk_size = default_chunk_size(weight.shape[0], hidden.device.type, flat_h.shape[0])
+    grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    parts = []
+    for start in range(0, flat_h.shape[0], chunk_size):
+        h, t = flat_h[start : start + chunk_size], flat_t[start : start + chunk_size]
+        if grad:
+            parts.append(checkpoint(_chunk_token_losses, h, weight, t, use_reentrant=False))
+        else:
+            parts.append(_chunk_token_losses(h, weight, t))
+    return torch.cat(parts)

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workloads.pretrain.model.losses import IGNORE_INDEX, chunked_linear_cross_entropy
+from workloads.pretrain.model.losses import IGNORE_INDEX, chunked_linear_cross_entropy, per_token_cross_entropy
 from workloads.protocol.schema import ModelCfg
 from workloads.protocol.shape import hidden_dim, qkv_bias
 from workloads.protocol.validate import ConfigError
@@ -355,17 +355,21 @@ class Transformer(nn.Module):
     ) -> torch.Tensor:
         """Logits, or with ``targets`` the cross-entropy over targets that are not IGNORE_INDEX:
         their mean, or with ``reduction="sum"`` their sum (training divides it by the global
-        batch's count of targets, so the loss is exact whatever the ranks and micro-batches)."""
+        batch's count of targets, so the loss is exact whatever the ranks and micro-batches), or
+        with ``reduction="none"`` each token's, flattened ([b * s], fp32, 0 where ignored; not a view,
+        which FSDP's backward hook could not follow): DPO's sequence log-probabilities are minus
+        their row sums."""
         h = self.hidden_states(tokens, positions, doc_ids)
         if targets is None:
             return self.output(h)
-        if reduction not in ("mean", "sum"):
-            raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+        if reduction not in ("mean", "sum", "none"):
+            raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
         if self.kernels == "reference" or self.vocab_parallel_loss:
             logits = self.output(h)
-            return F.cross_entropy(
+            loss = F.cross_entropy(
                 logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction=reduction
             )
+            return loss
         return self.output(h, targets, reduction=reduction, kernel=self.loss_kernel)
 
 
@@ -392,6 +396,8 @@ def fused_lm_loss(
     """LM head + CE without full logits, by ``model.loss_kernel`` (``loss_kernel``): Liger's Triton
     kernel or our chunked one. ``liger`` that cannot run raises rather than falling back, so what
     the header named is what ran."""
+    if reduction == "none":  # per token: chunks recomputed in backward, one chunk's logits alive at a time
+        return per_token_cross_entropy(h, weight, targets)
     if loss_kernel(kernel, h.device.type) == "liger":
         liger_ce = _liger_fused_linear_ce(reduction)
         return liger_ce(weight, h.flatten(0, 1), targets.flatten())

@@ -89,7 +89,9 @@ class ParallelDims:
         )
 
 
-def parallelize(model: Transformer, dims: ParallelDims, mesh: DeviceMesh | None, cfg: TrainerCfg) -> Transformer:
+def parallelize(
+    model: Transformer, dims: ParallelDims, mesh: DeviceMesh | None, cfg: TrainerCfg, frozen: bool = False
+) -> Transformer:
     """Apply the configured parallelisms in place, in this fixed order:
 
     0. FP8 (``train.fp8``) swaps eligible linears for torchao's Float8Linear before anything
@@ -108,6 +110,9 @@ def parallelize(model: Transformer, dims: ParallelDims, mesh: DeviceMesh | None,
        there is a mesh: with one data-parallel rank it shards nothing, but it is the bf16 recipe
        (``apply_fsdp``), so one process and many compute alike. (TP with compile is refused on the
        torch releases where it breaks: ``check_tp_compile``.)
+
+    ``frozen`` (DPO's reference copy): after TP every parameter is frozen and held in the compute
+    dtype (``lora.hold_frozen_in``), and there is no LoRA or AC (nothing runs backward through it).
     """
     from workloads.pretrain.parallel import fp8
 
@@ -115,12 +120,17 @@ def parallelize(model: Transformer, dims: ParallelDims, mesh: DeviceMesh | None,
         fp8.convert(model, fp8.recipe(cfg), fsdp=dims.dp_enabled)
     if dims.tp_enabled:
         apply_tp(model, mesh["tp"])
-    if cfg.model.lora.rank:
+    if frozen:
+        from workloads.pretrain.model import lora
+
+        model.requires_grad_(False)
+        lora.hold_frozen_in(model, compute_dtype(cfg, mesh.device_type if mesh is not None else "cpu"))
+    elif cfg.model.lora.rank:
         from workloads.pretrain.model import lora
 
         dtype = compute_dtype(cfg, mesh.device_type if mesh is not None else "cpu")
         lora.apply(model, cfg.model.lora, dtype, shard_base=mesh is not None and dims.dp_shard > 1)
-    if cfg.parallel.ac != "none":
+    if cfg.parallel.ac != "none" and not frozen:
         apply_ac(model, cfg.parallel.ac.value)
     if cfg.model.compile:
         apply_compile(model)
