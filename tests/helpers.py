@@ -251,3 +251,40 @@ def save_tiny_llama(path: Path) -> Path:
     )
     transformers.LlamaForCausalLM(cfg).save_pretrained(str(path))
     return path
+
+
+PAIR_WORDS = [
+    "the",
+    "cat",
+    "sat",
+    "on",
+    "a",
+    "mat",
+    "dog",
+    "ran",
+    "far",
+    "away",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "lazy",
+]
+
+
+def write_pairs(path: Path, n: int = 64, seed: int = 0, long_prompt_at: int | None = None) -> Path:
+    """``n`` text pairs whose chosen answer starts "yes" and ends "indeed", the rejected "no ... never":
+    a preference a tiny model learns in a few steps."""
+    import json
+    import random
+
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        words = 60 if i + 1 == long_prompt_at else 6
+        prompt = "Q: " + " ".join(rng.choice(PAIR_WORDS) for _ in range(words)) + "\nA:"
+        answer = " ".join(rng.choice(PAIR_WORDS) for _ in range(5))
+        rows.append({"prompt": prompt, "chosen": f" yes {answer} indeed", "rejected": f" no {answer} never"})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path

@@ -14,16 +14,12 @@ from __future__ import annotations
 import json
 import os
 import signal
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import cli_env_at, mlflow_runs, run_cli
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "trainer"))
-from test_dpo import write_pairs  # noqa: E402
-from test_resume import _losses, _pids, _start, _wait_for_step  # noqa: E402
+from helpers import cli_env_at, mlflow_runs, run_cli, write_pairs
+from test_resume import _losses, _pids, _start, _wait_for_step
 
 pytestmark = pytest.mark.slow
 

@@ -13,30 +13,13 @@ held-out reward accuracy rises.
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import loss_env
+from helpers import loss_env, write_pairs
 
 from workloads.pretrain.model.losses import IGNORE_INDEX
-
-WORDS = "the cat sat on a mat dog ran far away quick brown fox jumps over lazy river blue sky".split()
-
-
-def write_pairs(path: Path, n: int = 64, seed: int = 0, long_prompt_at: int | None = None) -> Path:
-    """``n`` text pairs whose chosen answer starts "yes" and ends "indeed", the rejected "no ... never":
-    a preference a tiny model learns in a few steps."""
-    rng = random.Random(seed)
-    rows = []
-    for i in range(n):
-        words = 60 if i + 1 == long_prompt_at else 6
-        prompt = "Q: " + " ".join(rng.choice(WORDS) for _ in range(words)) + "\nA:"
-        answer = " ".join(rng.choice(WORDS) for _ in range(5))
-        rows.append({"prompt": prompt, "chosen": f" yes {answer} indeed", "rejected": f" no {answer} never"})
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
 
 
 def _corpus(source: Path, cache_dir: Path):
