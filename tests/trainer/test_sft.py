@@ -375,3 +375,33 @@ def test_sft_loss_falls_and_two_ranks_or_micro_batches_reproduce_one(
     assert ref["val"][8] < ref["val"][0] - 0.3, ref["val"]
     train = [ref["train"][s] for s in sorted(ref["train"])]
     assert np.mean(train[-3:]) < np.mean(train[:3]) - 0.3, train
+
+
+def test_a_chat_preference_pair_learns_its_answers_not_the_prompts_turns(tokenizer_dir: Path) -> None:
+    """DPO's chat records (TRL's conversational format): each answer after the same prompt, the
+    targets what TRL calls the completion (the conversation rendered with the answer, past the prompt
+    rendered with its generation prompt), so an assistant turn inside the prompt is not learned."""
+    import transformers
+    from tokenizers import Tokenizer
+
+    from workloads.pretrain.data.chat import encode_pair, load_chat_template
+
+    hf = transformers.AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    prompt = CHATS[1][:4]  # system, user, assistant, user: an earlier answer in the prompt
+    record = {
+        "prompt": prompt,
+        "chosen": [{"role": "assistant", "content": "A mapping of keys to values."}],
+        "rejected": [{"role": "assistant", "content": "A list."}],
+    }
+    chosen, rejected, prompt_tokens = encode_pair(
+        record, tok, tok.token_to_id("<|eot_id|>"), load_chat_template(str(tokenizer_dir)), "p.jsonl:1"
+    )
+    head = list(
+        hf.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    )
+    assert prompt_tokens == len(head)
+    for (ids, mask), answer in ((chosen, record["chosen"]), (rejected, record["rejected"])):
+        whole = list(hf.apply_chat_template(prompt + answer, tokenize=True, return_dict=True)["input_ids"])
+        assert ids.tolist() == whole and whole[: len(head)] == head
+        assert mask.tolist() == [0] * len(head) + [1] * (len(whole) - len(head))
