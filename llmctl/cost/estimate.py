@@ -3,9 +3,10 @@
     N            = parameters without the input embedding (a lookup: no FLOPs)
     FLOPs/token  = 6·N + 12·L·H·Q·T          (PaLM app. B; nanoGPT; torchtitan): model FLOPs
                    LoRA: 4·N + 6·adapter params + 12·L·H·Q·T (the frozen base has no weight gradients)
+                   DPO: + 2·N + 4·L·H·Q·T, the reference's forward over the same tokens
     work/token   = FLOPs/token with activation recompute added and FP8's speed-up taken off
                    (``work``: bf16-equivalent FLOPs, what a device's sustained FLOP/s divides)
-    tokens       = steps · batch · seq_len   (global batch)
+    tokens       = steps · batch · seq_len   (global batch; DPO: steps · 2 · batch pairs · seq_len)
     wall         = overhead + tokens / throughput + val_passes · val_pass_s
     $            = wall_h · $/h of the whole job (catalog $/h per node × nodes, or price_per_gpu_hour × GPUs)
 
@@ -28,12 +29,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping, Optional
 
-from llmctl.cost.work import Work, regime, work_per_token
+from llmctl.cost.work import DPO_SUFFIX, Work, objective_of, regime, work_per_token
 from llmctl.plan.devices import Hardware
 from workloads.planner.hardware import peak_for
 from workloads.protocol.config import ConfigLike, typed
 from workloads.protocol.schema import TrainerCfg
-from workloads.protocol.shape import flops_per_token, hidden_dim, num_params
+from workloads.protocol.shape import hidden_dim, num_params, sequences_per_step
 
 MFU_PRIOR = 0.40  # what well-tuned open trainers reach on dense LLMs; the sources are in docs/cost.md
 UNKNOWN_GPU_TFLOPS = 100.0  # a GPU missing from the peak table: a deliberately modest guess
@@ -56,9 +57,10 @@ def val_passes(steps: int, val_every: int) -> int:
 
 def shape_key(cfg: ConfigLike, gpu: bool = False) -> str:
     """What makes two runs' tokens/s comparable (tag ``llmctl.shape``): the model, T, dtype (and fp8
-    recipe, as ``bf16+fp8rowwise``: no dash, so the key's fields stay put), kernels, tp, ac. The
-    dtype as it runs (``train.dtype=auto`` resolved for a GPU target or not), so an ``auto`` run
-    and an explicit one of the same dtype compare."""
+    recipe, as ``bf16+fp8rowwise``: no dash, so the key's fields stay put), kernels, tp, ac, and
+    ``-dpo`` at the end under ``train.objective=dpo`` (its tokens also run the reference's forward:
+    a DPO run's tokens/s is not an lm run's). The dtype as it runs (``train.dtype=auto`` resolved
+    for a GPU target or not), so an ``auto`` run and an explicit one of the same dtype compare."""
     tc = typed(cfg)
     m, t, p = tc.model, tc.train, tc.parallel
     fp8 = t.fp8.value
@@ -68,6 +70,7 @@ def shape_key(cfg: ConfigLike, gpu: bool = False) -> str:
         f"-{t.dtype.on('cuda' if gpu else 'cpu')}{'' if fp8 == 'none' else '+fp8' + fp8}"
         f"-{m.kernels.value}{'-compiled' if m.compile else ''}"
         f"-tp{p.tp}-ac{p.ac.value}"
+        f"{DPO_SUFFIX if t.objective == 'dpo' else ''}"
     )
 
 
@@ -180,7 +183,10 @@ def measured_throughput(m: Measured, cfg: ConfigLike, hw: Hardware, accelerator:
     tc = typed(cfg)
     t = tc.train
     nodes_ratio = hw.nodes / max(1, m.nodes)
-    val_ratio = (t.val_batches * t.batch_size) / max(1, m.val_batches * m.batch_size)
+    # a transferred run's objective is its key's; a measured one has this shape's, so this objective
+    theirs_objective = objective_of(m.shape) if m.shape else t.objective.value
+    theirs_rows = 2 if theirs_objective == "dpo" else 1  # sequences per batch entry: a DPO pair is two
+    val_ratio = (t.val_batches * sequences_per_step(t)) / max(1, m.val_batches * m.batch_size * theirs_rows)
     scaled = f", scaled x{nodes_ratio:g} for {hw.nodes} node(s)" if m.nodes != hw.nodes else ""
     flops_ratio, forward_ratio, kind, what = 1.0, 1.0, "measured", "this shape"
     if m.flops_per_token:
@@ -188,13 +194,13 @@ def measured_throughput(m: Measured, cfg: ConfigLike, hw: Hardware, accelerator:
         # shape's proportions, exact when they match (the ranking prefers such a run)
         mine = work_per_token(tc)
         theirs_ac, theirs_fp8 = regime(m.shape or "")
-        as_theirs = work_per_token(tc, theirs_ac, theirs_fp8)
-        theirs = m.flops_per_token * as_theirs.effective / as_theirs.model
+        as_theirs = work_per_token(tc, theirs_ac, theirs_fp8, theirs_objective)
+        theirs = m.flops_per_token * as_theirs.effective / as_theirs.counted
         their_dim = hidden_size(m.shape or "")
         size, said = size_ratio(their_dim, tc.model.dim, m.size_fit, bool(hw.gpu)) if their_dim else (1.0, "")
         flops_ratio, kind = theirs / mine.effective * size, "transferred"
         # a val pass is a forward: nothing recomputed, FP8 on the forward's share only
-        forward_ratio = m.flops_per_token * as_theirs.effective_forward / as_theirs.model / mine.effective_forward
+        forward_ratio = m.flops_per_token * as_theirs.effective_forward / as_theirs.counted / mine.effective_forward
         forward_ratio *= size
         what = f"shape {m.shape}"
         scaled += (
@@ -235,7 +241,7 @@ def prior_throughput(cfg: ConfigLike, hw: Hardware, backend: str) -> Throughput:
             f" x {hw.nodes} node(s)"
         )
         overhead = OVERHEAD_PRIOR_S["sky" if backend == "sky" else "local-cpu"]
-    val_tokens = t.val_batches * t.batch_size * t.seq_len
+    val_tokens = t.val_batches * sequences_per_step(t) * t.seq_len
     return Throughput(
         tokens_per_s=flops_s / w.effective,
         val_pass_s=val_tokens * w.effective_forward / flops_s,
@@ -339,6 +345,11 @@ class Estimate:
     max_cost: Optional[float] = None
     work: Optional[Work] = None  # recompute and FP8, as the throughput assumed them
     lora: bool = False  # model.lora.rank > 0: the frozen base's weight gradients are not computed
+    # train.objective=dpo: "batch_size pairs x 2 sequences" per step, and the reference it counted
+    # ("frozen copy" / "base with adapters off"); None for lm
+    dpo: Optional[str] = None
+    batch_size: int = 0
+    seq_len: int = 0
     command: Optional[str] = None  # workload=command: the program; its hours come from ``throughput``
 
     @property
@@ -395,12 +406,16 @@ class Estimate:
     def describe(self) -> str:
         if self.command is not None:
             return self._describe_command()
+        formula = "4N + 6 x adapter params + 12*L*H*Q*T: LoRA's frozen base" if self.lora else "6N + 12*L*H*Q*T"
+        if self.dpo:
+            formula += "; + 2N + 4*L*H*Q*T: the DPO reference's forward"
+        per_step = f" ({self.steps} steps x {self.batch_size} pairs x 2 sequences x {self.seq_len})" if self.dpo else ""
         lines = [
             "# cost estimate",
             f"model:       N = {self.n_params:,} params (no input embedding);"
-            f" {self.flops_per_token / 1e6:,.2f} MFLOP/token"
-            + (" (4N + 6 x adapter params + 12*L*H*Q*T: LoRA's frozen base)" if self.lora else " (6N + 12*L*H*Q*T)"),
-            f"compute:     {self.tokens:,} tokens x FLOPs/token = {self.flops:.3e} FLOPs",
+            f" {self.flops_per_token / 1e6:,.2f} MFLOP/token ({formula})",
+            f"compute:     {self.tokens:,} tokens{per_step} x FLOPs/token = {self.flops:.3e} FLOPs",
+            *self._reference_lines(),
             *(f"{label + ':':<12} {text}" for label, text in self.assumed()),
             f"throughput:  {self.throughput.tokens_per_s:,.0f} tok/s"
             f" on {self.hw.nodes} node(s) of {self.hw.accelerator}",
@@ -414,6 +429,17 @@ class Estimate:
             *self._price_lines()[1:],
         ]
         return "\n".join(lines)
+
+    def _reference_lines(self) -> list[str]:
+        """DPO: what the estimate counted for the reference (none for lm)."""
+        w = self.work
+        if not self.dpo or w is None or not w.reference:
+            return []
+        return [
+            f"reference:   train.objective=dpo: each step also runs the reference's forward ({self.dpo}, no"
+            f" gradients) over the same 2 x {self.batch_size} sequences: +{w.reference / 1e6:,.2f} MFLOP/token"
+            f" (2N + 4*L*H*Q*T), counted above ({w.counted / w.model:.3f}x the policy's {w.model / 1e6:,.2f})"
+        ]
 
     def _price_lines(self) -> list[str]:
         """The price line, the max-cost verdict and the offers: the same for every workload."""
@@ -473,6 +499,7 @@ class Estimate:
         return {
             "n_params": self.n_params,
             "flops_per_token": self.flops_per_token,
+            **({"objective": "dpo", "reference": self.dpo} if self.dpo else {}),
             "work": None if self.work is None else {**asdict(self.work), "effective": self.work.effective},
             "steps": self.steps,
             "tokens": self.tokens,
@@ -517,19 +544,26 @@ def estimate(
         measured_throughput(measured, tc, hw, hw.accelerator) if measured else prior_throughput(tc, hw, backend)
     )
     catalog = catalog or []
+    work = work_per_token(tc)
+    dpo = None
+    if t.objective == "dpo":
+        dpo = "the base with adapters off" if model.lora.rank else "a frozen copy of the starting weights"
     return Estimate(
         n_params=num_params(model),
-        flops_per_token=flops_per_token(model, seq),
+        flops_per_token=work.counted,  # 6N + 12LHQT (LoRA: 4N + ...); DPO: + the reference's 2N + 4LHQT
         steps=steps,
-        tokens=steps * batch * seq,
+        tokens=steps * sequences_per_step(t) * seq,
         val_passes=val_passes(steps, t.val_every),
         hw=hw,
         throughput=throughput,
         price=choose_price(cfg["infra"], hw, catalog),
         offers=catalog,
         max_cost=max_cost,
-        work=work_per_token(tc),
+        work=work,
         lora=bool(model.lora.rank),
+        dpo=dpo,
+        batch_size=batch,
+        seq_len=seq,
     )
 
 

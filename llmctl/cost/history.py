@@ -143,11 +143,11 @@ def _rank_same(cfg: Mapping[str, Any]) -> Any:
 def _rank_other(cfg: Mapping[str, Any], shape: str, tc: Optional[TrainerCfg] = None) -> Any:
     """Same dtype, kernels, tp and ac first (the shape key after ``-T<seq>-``), then the closest FLOPs
     per token (matmul efficiency grows with size), then the same nodes, then the newest."""
+    from llmctl.cost.work import work_per_token
     from workloads.protocol.config import typed
-    from workloads.protocol.shape import flops_per_token
 
     tc = typed(cfg) if tc is None else tc
-    fpt = flops_per_token(tc.model, tc.train.seq_len)
+    fpt = work_per_token(tc).counted  # as the tag counts it (DPO: the reference's forward too)
     regime = _regime(shape)
     nodes = str(cfg["infra"]["nodes"])
 

@@ -5,6 +5,13 @@ FP8 takes off, in bf16-equivalent FLOPs (the time a token takes x the FLOP/s the
     hardware   = model + recompute(ac)         full: each block's forward again, but w2 (protocol.shape)
     effective  = (hardware - fp8) + fp8 / s    fp8: the FLOPs of the linears train.fp8 converts
     x (1 + SELECTIVE_AC_TIME)                  ac=selective or full: the ops between matmuls again
+    + reference                                dpo: the reference's forward, 2·N + 4·L·H·Q·T
+
+Under ``train.objective=dpo`` a token is one of the 2 x batch_size sequences a step runs (a chosen
+and a rejected answer per pair), and each also runs through the reference's forward, without
+gradients (``shape.reference_flops_per_token``): the FLOPs a token counts (``counted``) are the
+policy's plus the reference's, 8/6 of an lm token's without LoRA. Nothing is recomputed in that
+forward, so the selective-AC prior does not scale it (FP8 does not run with DPO).
 
 The throughput prior (``estimate.MFU_PRIOR`` of the dense bf16 peak) and a transferred run's FLOP/s
 divide ``effective``, so an ``ac=full`` plan takes longer than ``ac=none`` and an FP8 plan less
@@ -25,6 +32,7 @@ from workloads.protocol.shape import (
     fp8_flops_per_token,
     fp8_linear_params,
     recompute_flops_per_token,
+    reference_flops_per_token,
 )
 
 # FP8's speed-up on the linears it converts: a stated prior, not a measurement (no GPU run yet:
@@ -54,20 +62,30 @@ class Work:
     selective: float  # share of step time re-running the ops between matmuls adds (0 with ac=none)
     ac: str
     fp8: str
+    reference: int = 0  # train.objective=dpo: the reference's forward per token (2N + 4LHQT); lm: 0
+    objective: str = "lm"
 
     @property
     def hardware(self) -> int:
         return self.model + self.recompute
 
     @property
+    def counted(self) -> int:
+        """FLOPs one training token counts: the model's, and under DPO the reference's forward (what
+        the estimate multiplies by its tokens and tags a run with: ``llmctl.flops_per_token``)."""
+        return self.model + self.reference
+
+    @property
     def effective(self) -> float:
-        """bf16-equivalent FLOPs of one training token."""
-        return (self.hardware - self.fp8_flops + self.fp8_flops / self.fp8_speedup) * (1 + self.selective)
+        """bf16-equivalent FLOPs of one training token (DPO: its reference forward included)."""
+        policy = (self.hardware - self.fp8_flops + self.fp8_flops / self.fp8_speedup) * (1 + self.selective)
+        return policy + self.reference
 
     @property
     def effective_forward(self) -> float:
-        """bf16-equivalent FLOPs of one validation token: a forward, nothing recomputed."""
-        return self.forward - self.fp8_forward + self.fp8_forward / self.fp8_speedup
+        """bf16-equivalent FLOPs of one validation token: a forward, nothing recomputed (DPO: the
+        policy's and the reference's, as its validation compares them)."""
+        return self.forward - self.fp8_forward + self.fp8_forward / self.fp8_speedup + self.reference
 
     def assumed(self) -> list[tuple[str, str]]:
         """(label, text) lines: what the estimate assumes for recompute and FP8, and on what evidence."""
@@ -104,13 +122,16 @@ class Work:
         return lines
 
 
-def work_per_token(cfg: ConfigLike, ac: Optional[str] = None, fp8: Optional[str] = None) -> Work:
-    """The work per token of ``cfg`` (or of its shape with another ``ac`` / FP8 recipe: a transferred
-    run's, whose shape key says which)."""
+def work_per_token(
+    cfg: ConfigLike, ac: Optional[str] = None, fp8: Optional[str] = None, objective: Optional[str] = None
+) -> Work:
+    """The work per token of ``cfg`` (or of its shape with another ``ac`` / FP8 recipe / objective: a
+    transferred run's, whose shape key says which)."""
     tc = typed(cfg)
     m, seq = tc.model, int(tc.train.seq_len)
     ac = ac if ac is not None else tc.parallel.ac.value
     fp8 = fp8 if fp8 is not None else tc.train.fp8.value
+    objective = objective if objective is not None else tc.train.objective.value
     recompute = recompute_flops_per_token(m, seq, ac)
     fp8 = fp8 if fp8 in FP8_DERATE else "none"
     fp8_params = fp8_linear_params(m) if fp8 != "none" else 0
@@ -125,11 +146,22 @@ def work_per_token(cfg: ConfigLike, ac: Optional[str] = None, fp8: Optional[str]
         selective=SELECTIVE_AC_TIME if ac in ("selective", "full") else 0.0,
         ac=ac,
         fp8=fp8,
+        reference=reference_flops_per_token(m, seq) if objective == "dpo" else 0,
+        objective=objective,
     )
+
+
+DPO_SUFFIX = "-dpo"  # a shape key's tail under train.objective=dpo (``estimate.shape_key``)
+
+
+def objective_of(shape: str) -> str:
+    """``dpo`` for a DPO run's ``llmctl.shape`` tag (``...-tp1-acnone-dpo``), else ``lm``."""
+    return "dpo" if shape.endswith(DPO_SUFFIX) else "lm"
 
 
 def regime(shape: str) -> tuple[str, str]:
     """(ac, FP8 recipe) from a run's ``llmctl.shape`` tag (``...-bf16+fp8rowwise-fused-tp1-acfull``)."""
+    shape = shape.removesuffix(DPO_SUFFIX)
     ac = shape.rsplit("-ac", 1)[-1] if "-ac" in shape else "none"
     fp8 = shape.split("+fp8", 1)[1].split("-", 1)[0] if "+fp8" in shape else "none"
     return ac, fp8

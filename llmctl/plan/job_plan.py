@@ -29,6 +29,8 @@ def kernel_lines(cfg: ConfigLike, gpu: bool) -> list[str]:
     else:
         if tc.parallel.tp > 1:
             loss = "vocab-parallel F.cross_entropy (tensor parallel)"
+        elif tc.train.objective == "dpo":  # each token's loss: the fused kernels' scalar cannot carry it
+            loss = "per-token chunked CE (DPO: a chunk's logits at a time, recomputed in backward)"
         elif m.loss_kernel == "liger" or (m.loss_kernel == "auto" and gpu):
             loss = "liger (Triton fused linear-CE)"
             if m.loss_kernel == "auto":
@@ -70,6 +72,30 @@ def lora_lines(cfg: ConfigLike, gpu: bool) -> list[str]:
         f"lora:        rank {m.lora.rank}, alpha {m.lora.alpha:g} on {','.join(m.lora.targets)}:"
         f" {count(trainable)} trainable params ({trainable / total:.2%} of {count(total)}, as PEFT"
         f" counts); base frozen, no gradients or AdamW states ({base})"
+    ]
+
+
+def dpo_lines(cfg: ConfigLike, memory: Any = None) -> list[str]:
+    """``train.objective=dpo``: the loss, and what the memory plan and the estimate counted for the
+    reference (the memory plan's own figure for a copy, when there is one). None for lm."""
+    tc = typed(cfg)
+    if tc.train.objective != "dpo":
+        return []
+    opts = tc.train.dpo
+    loss = f"{opts.loss.value}, beta {opts.beta:g}" + (
+        f", label smoothing {opts.label_smoothing:g}" if opts.loss == "robust" else ""
+    )
+    if tc.model.lora.rank:
+        reference = "the base with adapters off (LoRA), no second copy"
+    else:
+        plan = getattr(memory, "plan", None)
+        dtype = plan.layout.get("dtype") if plan is not None else "compute dtype"
+        reference = f"frozen copy ({dtype}, sharded like the policy)"
+        if plan is not None:  # its shards in the compute dtype
+            reference += f" +{plan.reference / 2**30:.2f} GiB/device"
+    return [
+        f"objective:   dpo | {loss} | reference: {reference}; its forward over the same sequences counted in the"
+        " estimate"
     ]
 
 
@@ -116,7 +142,7 @@ class Plan:
         """Human summary (no secrets): the resolved config and how it would run."""
         from llmctl.config.workload import is_command, shown
 
-        lay, train = self.layout, self.cfg["train"]
+        lay = self.layout
         checkpoint = self.cfg["checkpoint"]["dir"] or "llmctl-runs/<run-id>/checkpoints"
         lines = [
             "# resolved config",
@@ -137,9 +163,9 @@ class Plan:
                 f"mesh:        dp_replicate={lay['dp_replicate']} dp_shard={lay['dp_shard']} tp={lay['tp']}",
                 *kernel_lines(self.typed, bool(self.hardware.gpus_per_node)),
                 *lora_lines(self.typed, bool(self.hardware.gpus_per_node)),
+                *dpo_lines(self.typed, self.memory),
                 *benchmark_lines(self.cfg),
-                f"tokens:      {train['steps'] * train['batch_size'] * train['seq_len']:,}"
-                f" ({train['steps']} steps x {train['batch_size']} x {train['seq_len']})",
+                tokens_line(self.typed),
             ]
         lines += [
             f"command:     {redact(shlex.join(self.command))}",
@@ -153,6 +179,16 @@ class Plan:
         if self.estimate is not None:
             lines += ["", self.estimate.describe()]
         return "\n".join(lines)
+
+
+def tokens_line(cfg: ConfigLike) -> str:
+    """The tokens a run trains on: steps x sequences x seq_len (DPO: each of batch_size pairs is two sequences)."""
+    from workloads.protocol.shape import sequences_per_step
+
+    t = typed(cfg).train
+    total = t.steps * sequences_per_step(t) * t.seq_len
+    each = f"{t.batch_size} pairs x 2" if t.objective == "dpo" else f"{t.batch_size}"
+    return f"tokens:      {total:,} ({t.steps} steps x {each} x {t.seq_len})"
 
 
 def benchmark_lines(cfg: dict[str, Any]) -> list[str]:

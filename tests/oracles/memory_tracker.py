@@ -23,6 +23,13 @@ all count correctly (an apparent foreach inflation was this effect).
 What neither this nor the plan counts: the CUDA context, cuBLAS/NCCL workspaces and the caching
 allocator's rounding and fragmentation (the plan's RESERVE stands in for them on a GPU).
 
+DPO (``train.objective=dpo``) runs the trainer's own DPO step (``components.dpo.DpoObjective``: the
+reference's no-grad forward, then the policy's over the pair micro-batch's chosen and rejected rows)
+with the trainer's reference (``train.build_reference``'s: the policy with its adapters off under
+LoRA, else a frozen copy built by ``parallelize(frozen=True)``, its FSDP units instrumented like
+the policy's). The copy's shards and buffers, which the tracker counts as parameters, are reported
+as the ``reference`` part, as the plan reports them.
+
 ``CASES`` is the shared list of configurations the benchmark (``benchmarks/memory_plan.py``) and
 the test (``tests/trainer/test_memory_plan.py``) hold the plan against; ``compare`` does one.
 """
@@ -58,7 +65,7 @@ _PARTS = {
     "All Gather": "comm",
     "Reduce Scatter": "comm",
 }
-TRACKER_PARTS = ("params", "grads", "optimizer", "unsharded", "activations", "temporaries", "comm")
+TRACKER_PARTS = ("params", "reference", "grads", "optimizer", "unsharded", "activations", "temporaries", "comm")
 
 
 def trainer_cfg(cfg: Any):
@@ -95,11 +102,16 @@ def _private_propagation_fake_mode():
         _sharding_prop.detect_fake_mode = saved
 
 
-def _train_step(model, optimizer, micro_batches, dims, autocast, grad_clip: float, grad_sync: Any, tracker) -> None:
-    """One optimizer step as ``train.train`` runs it (same helpers, same order)."""
+def _train_step(
+    model, optimizer, micro_batches, dims, autocast, grad_clip: float, grad_sync: Any, tracker, objective=None
+) -> None:
+    """One optimizer step as ``train.Trainer.train_step`` runs it (same helpers, same order);
+    ``objective``: DPO's (``components.dpo.DpoObjective``), else the LM's ``step_loss``."""
     from workloads.pretrain.parallel.parallelize import gradient_sync_due, loss_context, set_gradient_sync
     from workloads.pretrain.train import step_loss
 
+    if objective is not None:
+        step_loss = objective.step_loss
     for i, micro in enumerate(micro_batches):
         tracker.reset_mod_stats()  # module stats only: each forward is an "iteration" to the tracker
         set_gradient_sync(model, gradient_sync_due(i, len(micro_batches), grad_sync))
@@ -112,7 +124,7 @@ def _train_step(model, optimizer, micro_batches, dims, autocast, grad_clip: floa
     optimizer.zero_grad(set_to_none=True)
 
 
-def _grouped_mem_tracker():
+def _grouped_mem_tracker(*also):
     """``FSDPMemTracker`` that keeps a grouped unit's forward hooks grouped (``apply_fsdp``'s
     ``fully_shard([norm, output])``).
 
@@ -122,7 +134,8 @@ def _grouped_mem_tracker():
     for the norm's and reduce-scatters twice, which a run without the tracker never does (one
     post-backward, after the norm's). Here single-module units are instrumented as torch does it; a
     group gets torch's group hooks (``_register_group_forward_hooks``) around the tracker's
-    wrappers, its backward methods wrapped once, and its group hooks back on exit.
+    wrappers, its backward methods wrapped once, and its group hooks back on exit. ``also``: more
+    FSDP models instrumented the same way (DPO's reference copy).
     """
     import inspect
 
@@ -144,7 +157,7 @@ def _grouped_mem_tracker():
     class GroupedFSDPMemTracker(FSDPMemTracker):
         def _instrument_fsdp_module(self) -> None:
             states = []
-            for module in self._root_mod.modules():
+            for module in (m for root in (self._root_mod, *also) for m in root.modules()):
                 state = module._get_fsdp_state() if isinstance(module, FSDPModule) else None
                 if state is not None and state._fsdp_param_group and state not in states:
                     states.append(state)
@@ -169,7 +182,7 @@ def _grouped_mem_tracker():
                 self._fsdp_mod_to_saved_methods[modules[0]] = _SavedFSDPMethods(group.pre_backward, group.post_backward)
                 group.pre_backward = self._fsdp_param_group_pre_backward(modules[0], group.pre_backward)
                 group.post_backward = self._fsdp_param_group_post_backward(modules[0], group.post_backward)
-            for buffer in self._root_mod.buffers():
+            for buffer in (b for root in (self._root_mod, *also) for b in root.buffers()):
                 self._update_and_maybe_create_winfos(buffer, _FSDPRefType.BUFFER)
 
         def _deregister_module_and_optimizer_hooks(self) -> None:
@@ -225,6 +238,7 @@ def tracked_peak(
     from torch.distributed.fsdp import FSDPModule
 
     from workloads.pretrain.components.optim import build_optimizer
+    from workloads.pretrain.data.preference import PairBatch
     from workloads.pretrain.data.sampler import Batch
     from workloads.pretrain.model.transformer import Transformer
     from workloads.pretrain.parallel.parallelize import ParallelDims, autocast_context, parallelize
@@ -235,32 +249,49 @@ def tracked_peak(
     tc = cfg.train
     dims = ParallelDims.from_config(cfg, world_size)
     local_batch, seq, vocab = int(tc.batch_size) // dims.dp, int(tc.seq_len), int(cfg.model.vocab_size)
+    dpo = tc.objective == "dpo"
+    rows = 2 * local_batch if dpo else local_batch  # a pair is two rows: chosen, rejected
     with fake_process_group(world_size):
         mesh = dims.build_mesh(device)  # 1-rank for one process, as the trainer builds it
         with torch.device("meta"):
             model = Transformer(cfg.model)
         model = parallelize(model, dims, mesh, cfg)  # on meta, outside fake mode: see the recipe above
+        ref_copy = None
+        if dpo and not cfg.model.lora.rank:  # the frozen reference copy, as ``train.build_reference`` makes it
+            with torch.device("meta"):
+                ref_copy = Transformer(cfg.model)
+            ref_copy = parallelize(ref_copy, dims, mesh, cfg, frozen=True)
         with FakeTensorMode(allow_non_fake_inputs=True) if fake else nullcontext(), _private_propagation_fake_mode():
-            model.to_empty(device=device)
-            if fake:
-                model.tie_weights()
-                _fill_nf4(model)
-            else:
-                model.init_weights(buffer_device=torch.device(device), seed=0)
+            for m in (model, ref_copy) if ref_copy is not None else (model,):
+                m.to_empty(device=device)
+                if fake:
+                    m.tie_weights()
+                    _fill_nf4(m)
+                else:
+                    m.init_weights(buffer_device=torch.device(device), seed=0)
             optimizer = build_optimizer(model, tc)
-            inputs = torch.randint(0, vocab, (local_batch, seq), device=device)
-            targets = torch.randint(0, vocab, (local_batch, seq), device=device)
+            reference = _reference_bytes(ref_copy)  # now, while every unit of the copy is sharded
+            inputs = torch.randint(0, vocab, (rows, seq), device=device)
+            targets = torch.randint(0, vocab, (rows, seq), device=device)
             packed = {}
             if cfg.data.format == "sft" or cfg.data.document_mask:  # block mask
                 packed = {"positions": torch.zeros_like(inputs), "doc_ids": torch.zeros_like(inputs)}
             autocast = autocast_context(model, cfg, device)  # the trainer's: none under FSDP
-            micro_batches = Batch(inputs, targets, int(tc.batch_size) * seq, **packed).split(tc.micro_batch_size)
+            objective = None
+            if dpo:
+                from workloads.pretrain.components.dpo import DpoObjective, Reference
+
+                objective = DpoObjective(tc.dpo, Reference(model, ref_copy), torch.device(device))
+                batch = PairBatch(inputs, targets, int(tc.batch_size), pairs=local_batch)
+            else:
+                batch = Batch(inputs, targets, int(tc.batch_size) * seq, **packed)
+            micro_batches = batch.split(tc.micro_batch_size)
             if isinstance(model, FSDPModule):
-                tracker = _grouped_mem_tracker()(model, optimizer)
+                tracker = _grouped_mem_tracker(*([ref_copy] if ref_copy is not None else []))(model, optimizer)
                 tracker.track_inputs((inputs, targets))
             else:
                 tracker = MemTracker()
-                tracker.track_external(model, optimizer, inputs, targets)
+                tracker.track_external(model, optimizer, inputs, targets, ref_copy)
             for i in range(steps):
                 if before_step is not None:
                     before_step(i)
@@ -274,8 +305,9 @@ def tracked_peak(
                         float(tc.grad_clip or 0),
                         cfg.parallel.grad_sync,
                         tracker,
+                        objective,
                     )
-            return _by_part(tracker.get_tracker_snapshot("peak"))
+            return _by_part(tracker.get_tracker_snapshot("peak"), reference)
 
 
 def _fill_nf4(model) -> None:
@@ -288,13 +320,32 @@ def _fill_nf4(model) -> None:
         nf4.fill(linear, torch.empty(linear.weight.shape, device=nf4.device(linear)))
 
 
-def _by_part(snapshot: dict) -> dict[str, Any]:
-    """The tracker's peak snapshot ({device: {category: bytes, "Total": bytes}}) by plan part."""
+def _reference_bytes(copy) -> int:
+    """Bytes of DPO's reference copy on this rank, before it first runs (FSDP registers a unit's
+    gathered parameters while it is gathered): its parameters' local shards and its buffers, each
+    storage once (a tied embedding is one). None: no copy, 0."""
+    if copy is None:
+        return 0
+    from torch.distributed.tensor import DTensor
+
+    storages = {}
+    for t in (*copy.parameters(), *copy.buffers()):
+        st = (t.to_local() if isinstance(t, DTensor) else t).untyped_storage()
+        storages[st._cdata] = st.nbytes()
+    return sum(storages.values())
+
+
+def _by_part(snapshot: dict, reference: int = 0) -> dict[str, Any]:
+    """The tracker's peak snapshot ({device: {category: bytes, "Total": bytes}}) by plan part;
+    ``reference`` bytes (DPO's frozen copy: shards and buffers, counted as parameters) moved from
+    the parameters to their own part."""
     (dev_snap,) = snapshot.values()
     raw = {k.value: int(v) for k, v in dev_snap.items() if k != "Total"}  # the tracker's str enums
     parts = dict.fromkeys(TRACKER_PARTS, 0)
     for name, nbytes in raw.items():
         parts[_PARTS.get(name, "temporaries")] += nbytes
+    parts["params"] -= reference
+    parts["reference"] += reference
     return {**parts, "total": int(dev_snap["Total"]), "raw": raw}
 
 
@@ -325,6 +376,7 @@ def _case(
 _D512 = {"dim": 512, "n_layers": 4, "n_heads": 8, "n_kv_heads": 4, "vocab_size": 8192}
 _D768 = {"dim": 768, "n_layers": 4, "n_heads": 12, "n_kv_heads": 4, "vocab_size": 16384}
 _D1024 = {"dim": 1024, "n_layers": 4, "n_heads": 16, "n_kv_heads": 4, "vocab_size": 32000}
+_PAIRS = {"format": "preference", "source": "pairs.jsonl"}  # train.objective=dpo's data
 
 # Shapes, layouts, AC modes and micro-batching the trainer supports, each a few seconds on fake
 # tensors (world-1 runs are the slowest: MemTracker follows every module). The names say what varies.
@@ -444,6 +496,54 @@ CASES = [
         {**_D512, "hidden_dim": 1536, "lora": {"rank": 16, "quantize_base": "nf4"}},
         {"batch_size": 2, "seq_len": 1024},
         {"tp": 2},
+        tolerance=0.03,
+    ),
+    # DPO (train.objective=dpo, the trainer's DpoObjective step): pairs of rows, the reference's
+    # forward first. Without LoRA a frozen copy held in the compute dtype (fp32 on one process, bf16
+    # sharded over two with micro-batches, and TP's vocab-parallel loss); with LoRA the base with the
+    # adapters off. Held tighter: the copy is 5-8% of each peak, the second row of each pair far more
+    _case(
+        "w1 d512 dpo none fp32",
+        1,
+        _D512,
+        {"batch_size": 2, "seq_len": 1024, "objective": "dpo"},
+        data=_PAIRS,
+        tolerance=0.03,
+    ),
+    _case(
+        "fsdp2 d512 dpo selective bf16 mb1x2",
+        2,
+        _D512,
+        {"batch_size": 4, "seq_len": 1024, "objective": "dpo", "dtype": "bf16", "micro_batch_size": 1},
+        {"ac": "selective"},
+        _PAIRS,
+        tolerance=0.03,
+    ),
+    _case(
+        "tp2 d512 dpo none",
+        2,
+        _D512,
+        {"batch_size": 2, "seq_len": 512, "objective": "dpo"},
+        {"tp": 2},
+        _PAIRS,
+        tolerance=0.03,
+    ),
+    _case(
+        "fsdp2 d512 lora r16 dpo bf16",
+        2,
+        {**_D512, "lora": {"rank": 16}},
+        {"batch_size": 4, "seq_len": 1024, "objective": "dpo", "dtype": "bf16"},
+        data=_PAIRS,
+        tolerance=0.03,
+    ),
+    # ... where the reference's forward is the peak: under LoRA it all-gathers [norm, head] for the
+    # policy, and at a 152k vocabulary over two 512-wide layers that buffer outweighs the activations
+    _case(
+        "fsdp8 d512 L2 v152k lora r16 dpo reference peak",
+        8,
+        {**_D512, "n_layers": 2, "vocab_size": 152064, "lora": {"rank": 16}},
+        {"batch_size": 8, "seq_len": 256, "objective": "dpo"},
+        data=_PAIRS,
         tolerance=0.03,
     ),
 ]

@@ -53,15 +53,19 @@ its adapters off: no weights of its own, but FSDP gathers the policy's units for
 [norm, head] unit (``reshard_after_forward=False``) and a tied model's root stay gathered from that
 forward through the policy's. Without LoRA it is a frozen copy of the starting weights, built and
 sharded like the policy and held in the compute dtype (``parallelize(frozen=True)``): its shards and
-its own RoPE tables are the plan's ``reference`` part, and since nothing ever runs backward through
-it, its [norm, head] unit (a tied model's root) stays gathered from its first forward on
-(``reference_kept``). The reference forward's own moments are walked too, but they never set the
+its own RoPE tables are the plan's ``reference`` part; the trainer reshards its [norm, head] unit (a
+tied model's root) when its forward ends, since no backward follows to do it (``components.dpo``),
+so nothing of it stays gathered. The reference forward's own moments are walked too, and they seldom set the
 peak: they hold what the step holds before the policy's forward (parameters, states, gradients kept
 between micro-batches) plus one gathered unit and one block's forward working set
-(``reference_block_transient``) or one loss chunk, where the policy's forward of the same rows holds
-the same static parts, an equal gathered unit, and every block's saved activations besides; its
-loss chunk is the policy's, without the saved ones. The cost of the reference is its bytes, not its
-forward.
+(``reference_block_transient``) or one loss chunk (``reference_loss_memory``), where the policy's
+forward of the same rows holds the same static parts, an equal gathered unit and every block's saved
+activations besides; its loss chunk is the policy's, without the saved ones. The exception is
+LoRA's: there the reference forward is the one that all-gathers [norm, head] (the policy's forward
+finds it gathered), so its loss moment holds that all-gather's output where the policy's holds the
+last block's; with few layers and a large vocabulary (two 512-wide layers, 152k vocabulary, 8 shards)
+that outweighs every block's saved activations and the reference's loss is the peak (a tracker
+case holds it). The copy never gathers its [norm, head] again after its first step.
 
 Each quantity is counted in bytes on rank 0 (the rank that gets the rounded-up shards). What it
 does not count, like the tracker: the CUDA context, cuBLAS/NCCL workspaces and the caching
@@ -149,17 +153,19 @@ class MemoryPlan:
         lay = self.layout
         if lay.get("objective") != "dpo":
             return ""
+        forward = (
+            "its no-grad forward is the peak"
+            if self.phase.startswith("reference forward")
+            else "its no-grad forward peaks below the step's"
+        )
         if lay.get("reference") != "copy":
             return (
                 "dpo: chosen + rejected rows in one forward; reference: the base with adapters off (LoRA), no second"
-                " copy; its no-grad forward peaks below the step's"
+                f" copy; {forward}"
             )
-        kept = lay.get("reference_kept") or 0
         return (
             f"dpo: chosen + rejected rows in one forward; reference: frozen copy ({lay.get('dtype')}, sharded like"
-            f" the policy) {_gib(self.reference)}"
-            + (f", its {lay.get('reference_kept_unit')} kept gathered {_gib(kept)}" if kept else "")
-            + "; its no-grad forward peaks below the step's"
+            f" the policy) {_gib(self.reference)}; {forward}"
         )
 
 
@@ -736,8 +742,6 @@ def plan_memory(cfg: TrainerCfg, world_size: int, device: str = "cuda") -> Memor
             objective="dpo",
             pairs=s.micro // 2,
             reference="copy" if s.reference_copy else "adapters_off",
-            reference_kept=walk.reference_kept,
-            reference_kept_unit="[norm, head]" if walk.head_p else "embedding + norm (tied)",
         )
     return MemoryPlan(**{p: round(ledger.best[p]) for p in PARTS}, phase=ledger.phase, layout=layout)
 
@@ -796,14 +800,13 @@ class _StepWalk:
         )
         self.loss_fwd, self.loss_bwd = dpo_loss_memory(s) if s.dpo and not s.vocab_parallel_loss else loss_memory(s)
         # DPO's frozen reference copy: its shards in the compute dtype and its own RoPE tables; its
-        # [norm, head] unit (tied: its root) gathered once and never resharded (no backward runs through
-        # it), so kept from the previous step on. With LoRA the policy's own units, gathered for it.
+        # units gathered for its forward only (the trainer reshards the [norm, head] unit, tied: the
+        # root, after it: no backward follows). With LoRA the policy's own units, gathered for it.
         self.reference = (
             s.compute_bytes * (self.L * self.shard_block + self.shard_root) + 4 * s.max_seq_len * s.head_dim
             if s.reference_copy
             else 0
         )
-        self.reference_kept = self.pb * (self.full_head or self.full_whole) if s.reference_copy else 0
         self.norm_saved = final_norm_saved(s) * self.tokens
         # packed examples: the bool [b, 1, s, s] mask (reference kernels) and the RoPE tables gathered
         # at each position, alive through the forward; AC's checkpoints keep them (block inputs) until
@@ -848,7 +851,6 @@ class _StepWalk:
         ) * (self.L * len(self.train_block) + len(self.train_root))
         now["activations"] = 2 * 8 * s.local_batch * s.seq  # token ids and targets of the whole local batch
         now["reference"] = self.reference
-        now["unsharded"] += self.reference_kept
 
         # Micro-batches between the second and the last repeat the second exactly: walk 1, 2 and the last.
         for k in sorted({0, 1, s.micro_batches - 1} & set(range(s.micro_batches))):
@@ -874,13 +876,16 @@ class _StepWalk:
         """DPO's reference over the micro-batch's rows, without gradients, before the policy's forward:
         one gathered unit at a time, one block's working set, then one loss chunk; nothing saved.
         The copy's units are the policy's in the compute dtype (the bytes FSDP gathers for the
-        policy); its [norm, head] / root stays gathered (``reference_kept``, already counted). With
-        LoRA the policy's own units: its [norm, head] (tied: its root) stays gathered from here
-        through the policy's forward, which then gathers it no more (``_forward``)."""
+        policy); its [norm, head] / root is gathered like the policy's and resharded by the trainer
+        when the forward ends. With LoRA the policy's own units: its [norm, head] (tied: its root)
+        stays gathered from here through the policy's forward, which then gathers it no more
+        (``_forward``)."""
         s, now = self.s, ledger.now
         tokens, shared = self.tokens, not s.reference_copy  # LoRA: the policy's units
-        if self.whole_p and shared:
-            now["unsharded"] += self.pb * self.full_whole  # the root, gathered first, kept
+        held = 0  # gathered until the forward ends: the root (tied), then [norm, head]
+        if self.whole_p:
+            held += self.pb * self.full_whole  # the root, gathered first
+            now["unsharded"] += self.pb * self.full_whole
         now["activations"] += self.packed_inputs
         if self.emb_p:
             ledger.moment(
@@ -895,13 +900,16 @@ class _StepWalk:
                 comm=self.gather,
                 temporaries=reference_block_transient(s) * tokens + self.dequant + self.shared_mask,
             )
-        if self.head_p and shared:
-            now["unsharded"] += self.pb * self.full_head  # gathered as the norm runs, kept
+        if self.head_p:
+            held += self.pb * self.full_head  # gathered as the norm runs
+            now["unsharded"] += self.pb * self.full_head
         ledger.moment(
             f"reference forward: loss {tag}",
             logits=reference_loss_memory(s),
-            comm=self._gather_of(self.pb * self.full_head) if self.head_p and shared else 0,
+            comm=self._gather_of(self.pb * self.full_head) if self.head_p else 0,
         )
+        if not shared:  # the copy's: resharded when its forward ends (LoRA's: kept for the policy's forward)
+            now["unsharded"] -= held
         now["activations"] -= self.packed_inputs
 
     def _forward(self, ledger: _Peak, tag: str) -> None:
@@ -997,15 +1005,15 @@ def scoring_memory(cfg: TrainerCfg, plan: MemoryPlan) -> tuple[int, int]:
     """``eval.tasks`` during training, on rank 0's device: (what the trainer keeps there while lm-eval
     runs, the model lm-eval loads beside it), bytes.
 
-    The trainer keeps its parameter shards and AdamW states (and DPO's reference copy, with its
-    gathered [norm, head]): the step's gradients are freed
+    The trainer keeps its parameter shards and AdamW states (and DPO's reference copy's shards): the
+    step's gradients are freed
     (``zero_grad(set_to_none=True)``), its activations are gone, and it empties the allocator's cache
     before scoring (``task_scores``). The harness, a second process on the same device, loads the
     whole exported model (LoRA merged) in the export's dtype: bf16 on a GPU, fp32 on CPU
     (``task_scores.score_step``). lm-eval's batches come on top; their size is the tasks' documents',
     which no config says."""
     per_weight = 2 if plan.layout.get("device") == "cuda" else 4
-    kept = plan.reference + (plan.layout.get("reference_kept") or 0)
+    kept = plan.reference
     return plan.params + plan.optimizer + kept, shape.num_params(cfg.model, exclude_embedding=False) * per_weight
 
 

@@ -254,7 +254,7 @@ class TrainCfg:
     # lm: next-token cross-entropy; dpo: preference pairs (data.format=preference, train.dpo.*), where
     # batch_size and micro_batch_size count pairs (two sequences each), as TRL's batch sizes do
     objective: Objective = Objective.lm
-    dpo: DpoCfg = field(default_factory=DpoCfg)
+    dpo: DpoCfg = field(default_factory=DpoCfg)  # train.objective=dpo: its loss, beta and reference
     batch_size: int = 16  # global batch in sequences per optimizer step, split over data-parallel ranks
     # sequences per device per forward/backward; the step accumulates gradients over
     # batch_size / (micro_batch_size x data-parallel ranks) of them. None: the whole local batch at once

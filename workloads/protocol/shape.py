@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:
-    from workloads.protocol.schema import ModelCfg
+    from workloads.protocol.schema import ModelCfg, TrainCfg
 
 
 def ffn_hidden_dim(dim: int, multiple_of: int, ffn_dim_multiplier: Optional[float]) -> int:
@@ -74,6 +74,22 @@ def forward_flops_per_token(model: ModelCfg, seq_len: int) -> int:
     heads = int(model.n_heads)
     attention = 4 * int(model.n_layers) * heads * (int(model.dim) // heads) * seq_len
     return 2 * num_params(model) + (2 * lora_params(model) if model.lora.rank else 0) + attention
+
+
+def sequences_per_step(train: TrainCfg) -> int:
+    """Sequences one optimizer step runs through the model (global): ``train.batch_size``, or under
+    ``train.objective=dpo``, whose batch counts pairs, twice that (a chosen and a rejected sequence
+    per pair, of ``train.seq_len`` positions each: the trainer's ``tokens_per_step``)."""
+    return int(train.batch_size) * (2 if train.objective == "dpo" else 1)
+
+
+def reference_flops_per_token(model: ModelCfg, seq_len: int) -> int:
+    """FLOPs per token of DPO's reference forward (``train.objective=dpo``): one forward of the base
+    model, no gradients: 2N + 4·L·H·Q·T. The reference is the same model whatever it is made of:
+    with LoRA the policy with its adapters off (the adapters' FLOPs are not run), else a frozen copy
+    of the starting weights. Each step runs it over the same sequences as the policy."""
+    heads = int(model.n_heads)
+    return 2 * num_params(model) + 4 * int(model.n_layers) * heads * (int(model.dim) // heads) * seq_len
 
 
 def _block_linears(model: ModelCfg) -> list[tuple[int, int]]:

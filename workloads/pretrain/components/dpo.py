@@ -47,11 +47,23 @@ class Reference:
     @torch.no_grad()
     def logps(self, batch: Any) -> torch.Tensor:
         if self.copy is not None:
-            return sequence_logps(self.copy, batch)[0]
+            logps = sequence_logps(self.copy, batch)[0]
+            _reshard(self.copy)
+            return logps
         from workloads.pretrain.model.lora import adapters_off
 
         with adapters_off(self.policy):
             return sequence_logps(self.policy, batch)[0]
+
+
+def _reshard(model: torch.nn.Module) -> None:
+    """Free what FSDP left gathered after a forward: the [norm, head] unit (tied: the root) does not
+    reshard after its forward, since a backward usually follows; none ever follows the copy's."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 class PairStats:
