@@ -359,7 +359,7 @@ class Trainer:
     def _setup_model(self) -> None:
         cfg, tc, mc, env = self.cfg, self.tc, self.mc, self.env
         # which SDPA kernel torch picks for this model's q/k/v, asked before the model takes the memory
-        micro_seqs = tc.micro_batch_size or tc.batch_size // env.dp_size
+        micro_seqs = (tc.micro_batch_size or tc.batch_size // env.dp_size) * (2 if tc.objective == "dpo" else 1)
         seqs = self.train_seqs  # packed examples, or document_mask: a mask; pairs: causal rows, padding last
         masked = hasattr(seqs, "bins") or (not isinstance(seqs, PreferencePairs) and seqs.eos_id is not None)
         attn_dtype = torch.bfloat16 if self.dtype == "bf16" else torch.float32
@@ -394,6 +394,8 @@ class Trainer:
         )
         if env.dims.tp > 1 and mc.kernels == "fused":
             loss_name = "vocab-parallel F.cross_entropy (tensor parallel)"
+        elif self.objective is not None and mc.kernels == "fused":  # DPO needs each row's sum: per token
+            loss_name = "per-token chunked CE (a chunk's logits at a time, recomputed in backward)"
         self.loss_name = loss_name
         # what model.loss_kernel / train.dtype=auto resolved to and which SDPA kernel torch picked:
         # the run's params, so runs compare like with like
