@@ -19,17 +19,9 @@ from typing import Any
 
 import pytest
 from sky_helpers import run_cli
+from test_lora_plan import EIGHT_B, LORA, ON_H100  # the 8B LoRA job these plans make a DPO job of
 
-EIGHT_B = [
-    "model=llama3.1-8b",
-    "train.seq_len=2048",
-    "train.batch_size=8",
-    "train.dtype=bf16",
-    "tracking.uri=http://127.0.0.1:5000",
-]
-ON_H100 = ["infra=lambda", "infra.accelerators=H100:1", "train.micro_batch_size=2", "parallel.ac=selective"]
 ON_8XH100 = ["infra=lambda", "infra.accelerators=H100:8", "train.micro_batch_size=1", "parallel.ac=selective"]
-LORA = ["model.lora.rank=16"]
 GIB = 2**30
 
 
