@@ -11,6 +11,7 @@ run's ``.ci/out`` when the suite's shape changes."""
 
 from __future__ import annotations
 
+import os
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -18,15 +19,34 @@ from pathlib import Path
 OUT = Path(__file__).resolve().parent / "out"
 
 
-def stages() -> list[tuple[str, float, str]]:
+def stages() -> list[tuple[str, float, str, str]]:
+    """Each stage's name, wall seconds, exit status and CPU seconds (its reaped processes')."""
     path = OUT / "stages.tsv"
     if not path.exists():
         return []
     rows = []
     for line in path.read_text().splitlines():
-        name, seconds, status = line.split("\t")
-        rows.append((name, float(seconds), status))
+        name, seconds, status, cpu = (line.split("\t") + [""])[:4]
+        rows.append((name, float(seconds), status, cpu))
     return rows
+
+
+def _busy_and_total(stat: str) -> tuple[float, float]:
+    """The machine's busy and total CPU seconds since boot, from /proc/stat's first line."""
+    user, nice, system, idle, iowait, irq, softirq, steal = (int(v) for v in stat.split()[1:9])
+    tick = os.sysconf("SC_CLK_TCK")
+    busy = user + nice + system + irq + softirq + steal
+    return busy / tick, (busy + idle + iowait) / tick
+
+
+def machine_cpu() -> tuple[float, float] | None:
+    """The whole machine's busy CPU seconds since .ci/run started, and the CPU seconds its cores had."""
+    start = OUT / "machine-cpu-start"
+    if not start.exists():
+        return None
+    busy0, total0 = _busy_and_total(start.read_text().splitlines()[0])
+    busy1, total1 = _busy_and_total(Path("/proc/stat").read_text().splitlines()[0])
+    return busy1 - busy0, total1 - total0
 
 
 def slowest(count: int = 10) -> list[tuple[float, str, str]]:
@@ -70,9 +90,14 @@ def main() -> int:
         for seconds, unit in unit_times():
             print(f"{unit}\t{seconds:.0f}")
         return 0
-    print("== CI stages (wall time)")
-    for name, seconds, status in stages():
-        print(f"  {seconds:8.0f} s  {name}{'' if status == '0' else f'  (exit {status})'}")
+    print("== CI stages (wall time; CPU seconds of the processes each waited for)")
+    for name, seconds, status, cpu in stages():
+        cpu_text = f"{cpu:>6} CPU-s" if cpu else " " * 12
+        print(f"  {seconds:8.0f} s {cpu_text}  {name}{'' if status == '0' else f'  (exit {status})'}")
+    whole = machine_cpu()
+    if whole:
+        busy, had = whole
+        print(f"  the machine: {busy:.0f} CPU-s busy of {had:.0f} ({busy / max(had, 1):.0%}), whatever ran them")
     print("== ten slowest tests")
     for seconds, name, suite in slowest():
         print(f"  {seconds:8.0f} s  {name}  [{suite}]")

@@ -51,8 +51,16 @@ _split_cores_between_workers()
 
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One tokenizer/corpus cache per test session (training the BPE takes a few seconds)."""
-    return tmp_path_factory.mktemp("llmctl-cache")
+    """One tokenizer/corpus cache per test session, shared by its xdist workers (training the BPE and
+    tokenizing the corpus take seconds of CPU, once instead of once per worker): the trainer builds
+    each entry once under its cache lock, whichever process asks first (tests/trainer/test_cache_lock.py);
+    the workers' base temp directories share a parent, xdist's documented place for session-wide files."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    path = root / "llmctl-cache"
+    path.mkdir(exist_ok=True)
+    return path
 
 
 @pytest.fixture()

@@ -214,6 +214,43 @@ def fake_tensors_tracked() -> bool:
     return (major, minor) >= (2, 13)
 
 
+# Where the oracle must compute for real (torch < 2.13, ``fake_tensors_tracked``), what one case may
+# cost: the FLOPs of its steps on rank 0, bf16 counted ``BF16_EMULATED`` times over (CPUs without
+# AVX512-BF16 emulate bf16 matmuls; measured on CI's machine: docs/benchmarks.md, ``ci_run``). A case
+# above it is marked slow there (the torch 2.11 step runs ``-m "not slow"``); small bf16 cases keep
+# that step's bf16 coverage. On fake tensors every case computes nothing and runs.
+REAL_TENSOR_FLOPS = 1.4e12
+BF16_EMULATED = 20
+
+
+def real_tensor_flops(case: dict[str, Any], steps: int = 2) -> float:
+    """FLOPs ``tracked_peak`` computes on real tensors for ``case`` (rank 0's share of ``steps``
+    training steps, DPO's reference forward included), bf16 weighted by ``BF16_EMULATED``."""
+    from workloads.pretrain.parallel.parallelize import ParallelDims
+    from workloads.protocol.shape import flops_per_token, reference_flops_per_token, sequences_per_step
+
+    cfg = trainer_cfg(case["cfg"])
+    dims = ParallelDims.from_config(cfg, case["world_size"])
+    seq = int(cfg.train.seq_len)
+    per_token = flops_per_token(cfg.model, seq)
+    if cfg.train.objective == "dpo":
+        per_token += reference_flops_per_token(cfg.model, seq)
+    tokens = sequences_per_step(cfg.train) // dims.dp * seq
+    weight = BF16_EMULATED if cfg.train.dtype.on("cpu") == "bf16" else 1
+    return steps * tokens * per_token / dims.tp * weight
+
+
+def over_real_tensor_budget(case: dict[str, Any]) -> bool:
+    """Whether ``case`` costs more than ``REAL_TENSOR_FLOPS`` where the oracle computes for real."""
+    return real_tensor_flops(case) > REAL_TENSOR_FLOPS
+
+
+def slow_here(case: dict[str, Any]) -> bool:
+    """Whether the test marks ``case`` slow under this torch: its own ``slow``, or, where the oracle
+    computes on real tensors, over the budget (``over_real_tensor_budget``)."""
+    return case.get("slow", False) or (not fake_tensors_tracked() and over_real_tensor_budget(case))
+
+
 def tracked_peak(
     cfg: Any,
     world_size: int,
@@ -404,6 +441,22 @@ CASES = [
         {"batch_size": 8, "seq_len": 2048, "micro_batch_size": 1},
         {"ac": "full", "grad_sync": "step"},
         slow=True,
+    ),
+    # bf16 small enough to run where the oracle computes on real tensors (``slow_here``): FSDP's
+    # bf16 gathers on two ranks, and autocast-free bf16 on one (the trainer's recipe both ways)
+    _case(
+        "fsdp2 d256 selective bf16",
+        2,
+        {"dim": 256, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 8192},
+        {"batch_size": 4, "seq_len": 512, "dtype": "bf16"},
+        {"ac": "selective"},
+    ),
+    _case(
+        "w1 d256 sft none bf16",
+        1,
+        {"dim": 256, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 8192},
+        {"batch_size": 2, "seq_len": 512, "dtype": "bf16"},
+        data={"format": "sft", "source": "examples.jsonl"},
     ),
     _case(
         "fsdp4 d768 none mb1x4 sync each",

@@ -32,7 +32,10 @@ from helpers import mlflow_server, save_tiny_llama
 from sky_helpers import run_cli
 from slurm_harness import CLUSTER, PARTITION, USER, Cluster, missing_prerequisites, slurm_cluster
 
-pytestmark = [pytest.mark.slurm, pytest.mark.timeout(900)]
+# The timeout guards against a hang, not for speed: the first test carries the cluster's start and
+# runs launch, status, logs, an lm-eval job and down through SkyPilot; beside the rest of CI on 2
+# cores it came within minutes of the suite's 900 s (docs/benchmarks.md, ``ci_run``)
+pytestmark = [pytest.mark.slurm, pytest.mark.timeout(1800)]
 
 
 # SkyPilot sizes its API server and, in consolidation mode, its pool of jobs-controller processes by the
