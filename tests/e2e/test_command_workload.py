@@ -117,7 +117,7 @@ def test_a_transformers_trainer_script_is_tracked_stopped_and_resumed_in_one_run
             assert down.returncode == 0, down.stdout + down.stderr
         else:
             launch.send_signal(signal.SIGINT)  # what Ctrl-C in the terminal sends llmctl
-        out, _ = launch.communicate(timeout=120)
+        out, _ = launch.communicate(timeout=600)  # a hang guard, as the ones below
     finally:
         if launch.poll() is None:
             launch.kill()

@@ -137,14 +137,14 @@ def _pending(pid: int) -> int:
     return mask
 
 
-def _wait_pending(pid: int, sig: int, timeout: float = 120) -> None:
+def _wait_pending(pid: int, sig: int, timeout: float = 300) -> None:
     deadline = time.monotonic() + timeout
     while not _pending(pid) & (1 << (sig - 1)):
         assert time.monotonic() < deadline, f"{signal.Signals(sig).name} never reached pid {pid}"
         time.sleep(0.02)
 
 
-def _wait_stopped(pids: list[int], timeout: float = 120) -> None:
+def _wait_stopped(pids: list[int], timeout: float = 300) -> None:
     """Until every thread of ``pids`` is stopped (state T) or gone. SIGSTOP takes effect only when a
     process next runs, and a SIGTERM that arrives before then is taken first (the kernel delivers
     the lower signal number first): the workers would note the preemption, then freeze, and the
@@ -204,7 +204,7 @@ def _stop(proc: subprocess.Popen[str], how: str, cwd: Path) -> tuple[int, str, s
         kill_controller(proc.pid, _workers(cwd / "llmctl-runs" / _run_id(cwd)))
     else:
         os.kill(proc.pid, signal.SIGINT if how == "interrupt" else signal.SIGTERM)
-    out, err = proc.communicate(timeout=180)
+    out, err = proc.communicate(timeout=600)  # a hang guard: closing under CI's load takes a minute and more
     return proc.returncode, out, err
 
 
