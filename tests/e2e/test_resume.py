@@ -165,7 +165,8 @@ def test_sigterm_at_a_random_step_then_resume_is_exact(seed: int, reference, bas
         os.kill(pids["controller"], signal.SIGTERM)  # (`llmctl down` itself needs seconds to start)
     else:  # a spot reclaim: SIGTERM to every process of the job
         _signal_job(pids["workers"], signal.SIGTERM)
-    out, err = proc.communicate(timeout=600)  # hang guards, here and below: closing under CI's load takes a minute and more
+    # a hang guard, as those below: closing under CI's load takes a minute and more
+    out, err = proc.communicate(timeout=600)
     assert proc.returncode == 75, out[-2000:] + err[-2000:]
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     run = _run(uri, run_id)
