@@ -627,7 +627,9 @@ def config_show(overrides: Optional[List[str]] = OverridesArg, config_dir: Optio
         composed = compose(overrides or [], config_dir)
     except ConfigError as exc:
         raise _fail(str(exc), EXIT_CONFIG) from None
-    typer.echo(to_yaml(composed.cfg).rstrip())
+    from llmctl.config.notify import masked
+
+    typer.echo(to_yaml(masked(composed.cfg)).rstrip())
 
 
 @config_app.command("groups")

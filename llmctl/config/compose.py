@@ -198,6 +198,9 @@ def _translate(exc: BaseException, overrides: list[str]) -> ConfigError:
             if f"'{k}" in text or f"override {raw}" in text:
                 full_key = k
     first = str(chain[-1]).splitlines()[0] if str(chain[-1]) else type(chain[-1]).__name__
+    given = next((o.split("=", 1)[1] for o in overrides if o.lstrip("+~").split("=")[0] == full_key), None)
+    if full_key and given is not None and "is not a ListConfig" in text:  # one item given bare
+        return ConfigError(f"Bad value for '{full_key}': a list is expected. Fix: {full_key}=[{given}]")
     if full_key:
         return ConfigError(f"Bad value for '{full_key}': {first}. Fix: {full_key}=<{_field_type_name(full_key)}>")
     return ConfigError(f"Invalid configuration: {first}")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from llmctl.config import workload
+from llmctl.config import notify, workload
 from llmctl.errors import ConfigError
 from workloads.protocol import validate as trainer
 from workloads.protocol.schema import TrainerCfg
@@ -23,6 +23,7 @@ def validate(cfg: dict[str, Any], tc: TrainerCfg) -> None:
     except trainer.ConfigError as exc:
         raise ConfigError(str(exc)) from None
     workload.validate(cfg)
+    notify.validate(cfg)
     if cfg["infra"]["nodes"] < 1:
         raise ConfigError("Bad value for 'infra.nodes': must be >= 1")
     if cfg["infra"]["nproc_per_node"] < 0:

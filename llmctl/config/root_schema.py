@@ -1,8 +1,9 @@
 """Typed schema of every config key: the trainer's sections plus the launcher's own.
 
 The trainer's keys live in the protocol (``workloads.protocol.schema``: model, data, train, parallel,
-checkpoint, eval); llmctl adds where the job runs (``infra``) and where it is tracked
-(``tracking``). Stdlib only, so the CLI reads it without importing Hydra. Hydra validates composed
+checkpoint, eval); llmctl adds where the job runs (``infra``), where it is tracked
+(``tracking``), what runs (``workload``) and whom it tells (``notify``). Stdlib only, so the CLI
+reads it without importing Hydra. Hydra validates composed
 configs against ``RootCfg`` (registered in a ConfigStore by ``llmctl.config.compose``).
 """
 
@@ -111,12 +112,28 @@ class WorkloadCfg:
 
 
 @dataclass
+class NotifyCfg:
+    """Who is told when a run or sweep changes state (``llmctl.config.notify``, docs/notify.md): each
+    ``url`` gets one JSON POST per event in ``on`` (Slack's incoming-webhook shape: ``text``), sent by
+    the controller, retried once, never failing the run. A webhook URL is a credential: give the
+    name of an environment variable holding it (``notify.url=[SLACK_WEBHOOK_URL]``) and the URL is
+    read at launch, never stored; a URL written out is stored as its scheme and host only."""
+
+    url: List[str] = field(default_factory=list)
+    on: List[str] = field(
+        default_factory=lambda: ["finished", "failed", "budget_stop", "preempted", "killed", "sweep_end"]
+    )
+    timeout_s: float = 3.0  # per try, two tries: what a dead endpoint can cost a run, once
+
+
+@dataclass
 class RootCfg(TrainerCfg):
     """The trainer's sections, then the launcher's (``workloads.protocol.schema.LAUNCHER_SECTIONS``)."""
 
     infra: InfraCfg = field(default_factory=InfraCfg)
     tracking: TrackingCfg = field(default_factory=TrackingCfg)
     workload: WorkloadCfg = field(default_factory=WorkloadCfg)
+    notify: NotifyCfg = field(default_factory=NotifyCfg)
 
 
 # Keys older llmctl versions wrote into a run's config.yaml that the schema no longer has (what a

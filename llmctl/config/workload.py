@@ -13,7 +13,7 @@ from typing import Any, Optional
 from llmctl.errors import ConfigError
 from workloads.protocol.command import KIND_COMMAND, KIND_PRETRAIN, BadWorkload, check, is_command
 
-COMMAND_SECTIONS = ("workload", "infra", "tracking", "checkpoint")
+COMMAND_SECTIONS = ("workload", "infra", "tracking", "checkpoint", "notify")
 # names of variables that hold credentials: refused in ``workload.env`` (they would become params)
 SECRET = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|API_KEY|ACCESS_KEY|PRIVATE_KEY", re.IGNORECASE)
 

@@ -140,13 +140,14 @@ class Plan:
 
     def describe(self) -> str:
         """Human summary (no secrets): the resolved config and how it would run."""
+        from llmctl.config.notify import masked
         from llmctl.config.workload import is_command, shown
 
         lay = self.layout
         checkpoint = self.cfg["checkpoint"]["dir"] or "llmctl-runs/<run-id>/checkpoints"
         lines = [
             "# resolved config",
-            to_yaml(shown(self.cfg)).rstrip(),
+            to_yaml(shown(masked(self.cfg))).rstrip(),
             "",
             "# plan",
             f"where:       {self.where}",

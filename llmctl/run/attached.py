@@ -10,6 +10,7 @@ from typing import Any, Callable, Optional
 
 from llmctl.backends import backend_for
 from llmctl.config.compose import to_yaml
+from llmctl.config.notify import masked
 from llmctl.controller.procs import (
     Interrupted,
     clear_stop_requests,
@@ -65,7 +66,7 @@ def attach(plan: Plan, uri: str, run: Any, *, kind: str, say: Say) -> int:
     code: Optional[int] = None
     error: Optional[BaseException] = None
     try:
-        mc.log_text(rid, tracking.redact(to_yaml(plan.cfg)), f"attempts/{n}/config.yaml")
+        mc.log_text(rid, tracking.redact(to_yaml(masked(plan.cfg))), f"attempts/{n}/config.yaml")
         say(f"llmctl: {kind} job of run {rid} (attempt {n}) on {plan.where}")
         code = backend.launch(plan, handle)
     except Interrupted as exc:

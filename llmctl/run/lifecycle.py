@@ -32,7 +32,9 @@ from typing import Any, Callable, Iterator, Optional, TextIO
 from llmctl.backends import backend_for
 from llmctl.backends.base import Backend
 from llmctl.config.compose import to_yaml
+from llmctl.config.notify import masked
 from llmctl.config.workload import is_command
+from llmctl.controller.notify import Notifier, from_config
 from llmctl.controller.procs import (
     Interrupted,
     clear_stop_requests,
@@ -117,6 +119,7 @@ def launch(plan: Plan, *, max_cost: Optional[float], say: Say, ignore_memory_pla
         lambda handle: _open_attempt(handle, plan, max_cost, spent=0.0, from_step=0, first=True),
         new_run=True,
         say=say,
+        notifier=from_config(plan.cfg, say),
         banner=lambda handle, attempt: (
             f"llmctl: run {handle.run_id} on {plan.where}, {plan.world_size} process(es) on {plan.device}"
         ),
@@ -196,6 +199,7 @@ def resume(
         lambda handle: _open_attempt(handle, plan, budget, spent=spent, from_step=from_step or 0, first=False),
         new_run=False,
         say=say,
+        notifier=from_config(plan.cfg, say),
         banner=lambda handle, attempt: (
             f"llmctl: resuming run {rid} (attempt {attempt.n}) {where} on {plan.where},"
             f" {plan.world_size} process(es) on {plan.device}"
@@ -265,11 +269,13 @@ def _run(
     say: Say,
     banner: Callable[[RunHandle, Attempt], str],
     workload_out: Optional[TextIO] = None,
+    notifier: Optional[Notifier] = None,
 ) -> int:
     """One attempt of ``plan``'s run, opened and closed by ``attempt_of``: the backend finalizes the
-    config, it is recorded, the backend launches the workload. The exit code is the outcome's."""
+    config, it is recorded, the backend launches the workload. The exit code is the outcome's.
+    ``notifier``: whom to tell (``notify.*``); None for a sweep's trial, whose sweep tells at its end."""
     try:
-        with attempt_of(plan, create, open_attempt, say=say, banner=banner) as running:
+        with attempt_of(plan, create, open_attempt, say=say, banner=banner, notifier=notifier) as running:
             running.cfg = backend.finalize(plan, running.handle)
             _record_config(running, new_run)
             running.code = backend.launch(plan, running.handle, echo=workload_out)
@@ -305,6 +311,7 @@ def attempt_of(
     *,
     say: Say,
     banner: Callable[[RunHandle, Attempt], str],
+    notifier: Optional[Notifier] = None,
 ) -> Iterator[Running]:
     """The one structure that opens and closes a run's attempt: ``create`` makes (or reopens) the run
     and ``open_attempt`` opens its attempt with stop signals already turned into ``Interrupted``; from
@@ -321,7 +328,10 @@ def attempt_of(
         attempt = open_attempt(handle)
     except BaseException as exc:
         raise NotOpened(_close_unopened(handle, exc, previous, say)) from None
-    say(banner(handle, attempt))  # the run id, as soon as the run and its attempt exist
+    opened = banner(handle, attempt)
+    say(opened)  # the run id, as soon as the run and its attempt exist
+    if notifier is not None:
+        announce(notifier, "started", handle, [opened, f"llmctl: open it: {tracking.run_url(handle)}"], attempt.n)
     running = Running(handle, attempt)
     started = time.monotonic()
     error: Optional[BaseException] = None
@@ -346,10 +356,42 @@ def attempt_of(
         outcome, reason, cost_line, requested = _close(plan, handle, attempt, running.cfg, running.code, error, mc)
     finally:
         restore_handlers(previous)
-    report(outcome, reason, handle, time.monotonic() - started, cost_line, say, requested)
+    lines: list[str] = []
+
+    def shown(text: str, err: bool = False) -> None:  # the closing lines, for the notification too
+        lines.append(text)
+        say(text, err=err)
+
+    report(outcome, reason, handle, time.monotonic() - started, cost_line, shown, requested)
+    if notifier is not None:  # a stop someone asked for (llmctl down, a pruner) is theirs to know
+        announce(notifier, "interrupted" if requested else outcome.value, handle, lines, attempt.n)
     if unexpected is not None:
         raise unexpected
     running.exit_code = RULES[outcome].exit_code
+
+
+def announce(notifier: Notifier, event: str, handle: RunHandle, lines: list[str], attempt: int) -> None:
+    """``event`` of the run to ``notify.url``: the lines the terminal showed, the run's page and its
+    spend so far (the ledger's ``cost/actual_usd``). Best-effort: never raises."""
+    if not notifier.wants(event):
+        return
+    try:
+        tags = tracking.client(handle.uri).get_run(handle.run_id).data.tags
+    except Exception:  # the store went away: the message goes without the spend
+        tags = {}
+    try:
+        page = tracking.run_url(handle)
+    except Exception:
+        page = None
+    notifier.send(
+        event,
+        "\n".join(tracking.redact(line) for line in lines),
+        run_id=handle.run_id,
+        run_name=tags.get("mlflow.runName"),
+        attempt=attempt,
+        page=page,
+        spend_usd=float(tags["cost/actual_usd"]) if "cost/actual_usd" in tags else None,
+    )
 
 
 def _record_config(running: Running, new_run: bool) -> None:
@@ -358,11 +400,12 @@ def _record_config(running: Running, new_run: bool) -> None:
     handle, cfg = running.handle, running.cfg
     assert cfg is not None
     if new_run:
-        tracking.describe_run(handle, cfg, to_yaml(cfg))
+        tracking.describe_run(handle, cfg, to_yaml(masked(cfg)))
         return
     mc = tracking.client(handle.uri)
-    mc.log_text(handle.run_id, tracking.redact(to_yaml(cfg)), "config.yaml")
-    mc.log_text(handle.run_id, tracking.redact(to_yaml(cfg)), f"attempts/{running.attempt.n}/config.yaml")
+    shown = tracking.redact(to_yaml(masked(cfg)))
+    mc.log_text(handle.run_id, shown, "config.yaml")
+    mc.log_text(handle.run_id, shown, f"attempts/{running.attempt.n}/config.yaml")
 
 
 def _close_unopened(handle: Optional[RunHandle], error: BaseException, previous: dict[int, Any], say: Say) -> int:

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from llmctl.config.notify import masked_overrides
 from llmctl.controller.procs import pid_alive
 from llmctl.errors import ConfigError
 from llmctl.plan import data_check, task_check
@@ -76,7 +77,7 @@ def start(
             TAG_SWEEP_ID: sweep_id,
             TAG_KIND: "sweep",
             "llmctl.status": "running",
-            "llmctl.sweep.overrides": redact(" ".join(sp.overrides))[:5000],
+            "llmctl.sweep.overrides": redact(" ".join(masked_overrides(sp.overrides)))[:5000],
             "llmctl.sweep.trials": str(sp.n_trials),
         },
     )
@@ -84,7 +85,7 @@ def start(
     tracking.client(handle.uri).log_batch(
         handle.run_id,
         params=[
-            Param("sweep.overrides", redact(" ".join(sp.overrides))[:6000]),
+            Param("sweep.overrides", redact(" ".join(masked_overrides(sp.overrides)))[:6000]),
             Param("sweep.trials", str(sp.n_trials)),
             Param("sweep.max_parallel", str(sp.max_parallel)),
             Param("sweep.metric", metric),
@@ -110,6 +111,7 @@ def start(
         "cwd": str(Path.cwd()),
         "gpu_slots": gpu_slots(sp.max_parallel),
         "max_cost": max_cost,
+        "notify": first.cfg.get("notify"),  # the supervisor tells of the sweep's end; trials tell nothing
         "trials": [
             {
                 "index": t.index,

@@ -28,6 +28,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any, Optional
 
+from llmctl.config.notify import masked_overrides
 from llmctl.controller.procs import Interrupted, raise_interrupted, same_process
 from llmctl.errors import ConfigError, LaunchError
 from llmctl.sweep import state
@@ -182,7 +183,7 @@ class Supervisor:
                 state.TAG_KIND: "trial",
                 state.TAG_TRIAL: str(t["index"]),
                 "llmctl.status": "pending",
-                state.TAG_TRIAL_OVERRIDES: tracking.redact(" ".join(t["overrides"]))[:5000],
+                state.TAG_TRIAL_OVERRIDES: tracking.redact(" ".join(masked_overrides(t["overrides"])))[:5000],
             },
         )
         self.mc.update_run(handle.run_id, status="SCHEDULED")
@@ -510,7 +511,38 @@ class Supervisor:
             reason = f"trials: {counts}; best: {st.best_line()}"
         closing.close_run(self.spec["uri"], self.spec["parent_run_id"], outcome, reason)
         self.save(done=True)
-        _say(f"sweep {self.id} {outcomes.RULES[outcome].mlflow_status}: {reason}")
+        ended = f"sweep {self.id} {outcomes.RULES[outcome].mlflow_status}: {reason}"
+        _say(ended)
+        self.announce_end(ended, outcome.value, best.run_id if best is not None else None)
+
+    def announce_end(self, ended: str, outcome: str, best_run_id: Optional[str]) -> None:
+        """``sweep_end`` to ``notify.url``: how the sweep ended, its best trial, the parent run's page
+        and the trials' spend (their ``cost/actual_usd``; the parent is no second bill)."""
+        from llmctl.controller.notify import from_config
+        from llmctl.tracking import mlflow_run as tracking
+
+        notifier = from_config({"notify": self.spec.get("notify") or {}}, lambda text, err=False: _say(text))
+        if not notifier.wants("sweep_end"):
+            return
+        handle = tracking.RunHandle(self.spec["uri"], self.spec["parent_run_id"], self.spec["experiment_id"])
+        try:
+            runs = state.get_status(self.id).trials
+            spent = sum(
+                float(self.mc.get_run(t.run_id).data.tags.get("cost/actual_usd") or 0.0) for t in runs if t.run_id
+            )
+            page = tracking.run_url(handle)
+        except Exception:  # the store went away: the message goes without them
+            spent, page = None, None
+        notifier.send(
+            "sweep_end",
+            f"llmctl: {ended}" + (f"\nllmctl: open it: {page}" if page else ""),
+            sweep_id=self.id,
+            run_id=self.spec["parent_run_id"],
+            outcome=outcome,
+            best_run_id=best_run_id,
+            page=page,
+            spend_usd=spent,
+        )
 
     def log_best_metrics(self, run_id: str) -> None:
         """The best trial's metrics as the parent's own (latest values, step 0): MLflow's runs table

@@ -328,10 +328,11 @@ def describe_run(handle: RunHandle, cfg: dict[str, Any], resolved_yaml: str) -> 
     from mlflow.entities import Param, RunTag
 
     from llmctl.config.compose import flatten
+    from llmctl.config.notify import masked
     from llmctl.config.workload import shown
 
     mc = client(handle.uri)
-    flat = {k: redact(str(v))[:MAX_PARAM_CHARS] for k, v in flatten(shown(cfg)).items()}
+    flat = {k: redact(str(v))[:MAX_PARAM_CHARS] for k, v in flatten(shown(masked(cfg))).items()}
     params = [Param(k, v) for k, v in flat.items() if k not in PER_RUN_PATHS]
     paths = [RunTag(TAG_PATH_PREFIX + k, flat[k]) for k in PER_RUN_PATHS if k in flat]
     for i in range(0, len(params), 100):

@@ -1,4 +1,5 @@
-"""``llmctl smoke`` fails loudly when training is broken (CI's own run shows it passing)."""
+"""``llmctl smoke`` fails loudly when training is broken (docs/ci.md's own command, run by
+tests/e2e/test_docs.py, shows it passing)."""
 
 from __future__ import annotations
 

@@ -55,6 +55,7 @@ def _only(resources: Any) -> Any:
             False,
             1,
         ),
+        (["infra=kubernetes", "infra.region=gpu-ctx", "infra.nodes=2"], "Kubernetes", "gpu-ctx", {"H100": 8}, False, 2),
     ],
 )
 def test_task_round_trips_through_skypilot(
@@ -264,7 +265,8 @@ def test_eval_include_path_is_copied_to_the_nodes_and_their_config_names_the_cop
     assert cfg["eval"]["include_path"] == str(TASK_YAMLS)
     assert node["model"] == cfg["model"]
     no_tasks = compose(["infra=lambda", f"tracking.uri={REMOTE_URI}"]).cfg
-    assert sky_task.node_config(no_tasks, "abc123") == no_tasks
+    # and no ``notify``: the controller sends the messages, and its endpoints are credentials
+    assert sky_task.node_config(no_tasks, "abc123") == {k: v for k, v in no_tasks.items() if k != "notify"}
     assert not any("eval-tasks" in k for k in _task(["infra=lambda"])[0]["file_mounts"])
 
 

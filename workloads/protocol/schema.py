@@ -350,6 +350,6 @@ class TrainerCfg:
 
 
 # Sections a launcher writes beside the trainer's in the same resolved YAML (llmctl: where the job
-# runs, where it is tracked, which program runs). Named here so the trainer can skip exactly these
-# and still refuse a typo.
-LAUNCHER_SECTIONS = ("infra", "tracking", "workload")
+# runs, where it is tracked, which program runs, whom it tells). Named here so the trainer can skip
+# exactly these and still refuse a typo.
+LAUNCHER_SECTIONS = ("infra", "tracking", "workload", "notify")

@@ -188,10 +188,12 @@ def secrets_from(environ: Mapping[str, str], tracking_uri: str, named: Sequence[
 
 
 def node_config(cfg: Mapping[str, Any], run_id: str) -> dict[str, Any]:
-    """The config the nodes read: ``eval.include_path`` is the copy ``task_config`` mounts there."""
+    """The config the nodes read: ``eval.include_path`` is the copy ``task_config`` mounts there; no
+    ``notify`` (the controller notifies; its endpoints are credentials the nodes have no use for)."""
+    cfg = {k: v for k, v in cfg.items() if k != "notify"}
     ev = cfg.get("eval") or {}
     if not (ev.get("tasks") and ev.get("include_path")):
-        return dict(cfg)
+        return cfg
     return {**cfg, "eval": {**ev, "include_path": REMOTE_TASKS.format(run_id=run_id)}}
 
 
