@@ -31,7 +31,8 @@ def _is_url(value: str) -> bool:
 
 
 def urls(cfg: dict[str, Any]) -> list[str]:
-    """``notify.url`` as a list (one item may be given bare: ``notify.url=SLACK_WEBHOOK_URL``)."""
+    """``notify.url``'s items. Composition keeps it a list (a bare item is refused with the fix); a
+    config dict written by hand may hold one URL bare, read as a list of one."""
     value = (cfg.get("notify") or {}).get("url") or []
     return [str(v) for v in ([value] if isinstance(value, str) else value)]
 

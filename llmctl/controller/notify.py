@@ -13,7 +13,6 @@ Stdlib only (``urllib``): the CLI's start-up stays light, and there is nothing t
 from __future__ import annotations
 
 import json
-import sys
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -30,8 +29,8 @@ class Notifier:
 
     endpoints: list[tuple[str, str]]
     on: frozenset[str]
+    say: Say  # where a dead endpoint is reported: the controller's own output
     timeout_s: float = 3.0
-    say: Say = field(default=lambda text, err=False: print(text, file=sys.stderr if err else sys.stdout, flush=True))
     dead: set[str] = field(default_factory=set)
 
     def wants(self, event: str) -> bool:
