@@ -242,9 +242,10 @@ def compose(overrides: Optional[list[str]] = None, config_dir: Optional[str] = N
     finally:
         GlobalHydra.instance().clear()
     choices = {k: v for k, v in choices.items() if not k.startswith("hydra") and k != SCHEMA_NAME}
-    from llmctl.config import locations
+    from llmctl.config import candidates, locations
     from llmctl.config.launcher_checks import pretrained, validate
 
+    resolved = candidates.expand(resolved, dirs)  # each written out, as the run records it
     locations.check(resolved)  # before pretrained() reads init_from's config.json
     resolved = pretrained(resolved)
     composed = Composed(cfg=resolved, choices=choices, overrides=overrides)

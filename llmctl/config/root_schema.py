@@ -84,6 +84,12 @@ class InfraCfg:
     node_python: Optional[str] = None
     # sky: extra arguments for the node install, e.g. "--find-links /opt/wheels torch==2.13.0+cpu"
     pip_args: str = ""
+    # sky: several providers for one run, in preference order (llmctl.config.candidates): each a
+    # conf/infra name (``lambda``) or a mapping ({infra: aws, use_spot: true, region: us-east-1})
+    candidates: List[Any] = field(default_factory=list)
+    # sky: how SkyPilot picks among the candidates: ``ordered`` (the first with capacity; its
+    # ``resources.ordered``) or ``cheapest`` (its optimizer's cheapest: ``resources.any_of``)
+    pick: str = "ordered"
 
 
 @dataclass

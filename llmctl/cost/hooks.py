@@ -24,9 +24,18 @@ TAG_MAX_COST = "llmctl.max_cost_usd"
 TAG_PRICE = "llmctl.price.usd_per_hour"  # UNPRICED where nobody said what the infra costs
 
 
-def check_budget(est: Any, max_cost: Optional[float], spent: float = 0.0, run_id: str = "") -> None:
-    """Refuse when ``spent`` (earlier attempts) plus the estimate passes ``max_cost``; nothing changes."""
+def check_budget(
+    est: Any, max_cost: Optional[float], spent: float = 0.0, run_id: str = "", candidate: str = ""
+) -> None:
+    """Refuse when ``spent`` (earlier attempts) plus the estimate passes ``max_cost``; nothing changes.
+    ``candidate``: which of ``infra.candidates`` ``est`` prices (named first in the refusal)."""
     if max_cost is None:
+        return
+    if candidate:
+        try:
+            check_budget(est, max_cost, spent, run_id)
+        except ConfigError as exc:
+            raise ConfigError(f"{candidate}: {exc}") from None
         return
     if spent >= max_cost:
         raise ConfigError(

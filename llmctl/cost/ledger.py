@@ -11,7 +11,8 @@ reading or rewriting the others::
     llmctl.attempt.<n>.nodes          nodes billed
     llmctl.attempt.<n>.devices        priced devices (GPUs; a CPU node counts one)
 
-plus what the attempt was (``infra``, ``world_size``, ``from_step``, ``train_steps``, ``status``: its outcome, as
+plus what the attempt was (``infra``, ``served``: what SkyPilot landed it on, for a run over several
+``infra.candidates``, ``world_size``, ``from_step``, ``train_steps``, ``status``: its outcome, as
 ``llmctl.status`` says it). The workload never writes these: it records facts (each start,
 ``llmctl.workload_start.<k>``), and ``reconcile`` turns a second start under one launcher attempt (a
 managed job that SkyPilot recovered on new nodes) into the attempt it was.
@@ -241,6 +242,17 @@ def open_attempt(
         run_id, tags=[RunTag(f"{PREFIX}{n}.{k}", v[:5000]) for k, v in fields.items()] + [RunTag(TAG_CURRENT, str(n))]
     )
     return n
+
+
+def reprice(mc: Any, run_id: str, n: int, usd_per_hour: float, served: str) -> None:
+    """Attempt ``n`` priced at what actually served it (``served``: provider, region, instance type,
+    spot), once the backend knows: a run over several candidates opens its attempt at the dearest."""
+    from mlflow.entities import RunTag
+
+    mc.log_batch(
+        run_id,
+        tags=[RunTag(f"{PREFIX}{n}.usd_per_hour", _price(usd_per_hour)), RunTag(f"{PREFIX}{n}.served", served[:5000])],
+    )
 
 
 def close_attempt(mc: Any, run_id: str, n: int, end: Optional[float] = None) -> None:

@@ -126,6 +126,12 @@ class Plan:
     # the trainer's typed view of ``cfg`` (``Composed.typed`` with the backend's resolved layout): what the
     # memory plan, the estimate and the checks read; ``set_values`` changes both together
     typed: Any = None
+    # ``infra.candidates``: every provider the run may land on (``llmctl.plan.candidates.Candidate``),
+    # the index of the one SkyPilot tries first (whose hardware, memory plan and estimate the plan's
+    # own are) and how SkyPilot picks (``infra.pick``); empty for a one-provider plan
+    candidates: list[Any] = field(default_factory=list)
+    first_candidate: int = 0
+    pick: str = "ordered"
 
     def set_values(self, section: str, **values: Any) -> None:
         """Keys of one section changed in ``cfg`` and in ``typed`` at once (nothing is typed again)."""
@@ -175,6 +181,10 @@ class Plan:
         ]
         lines += [f"note:        {n}" for n in self.notes]
         lines += [f"refused:     `llmctl launch` will refuse: {r}" for r in self.refusals]
+        if self.candidates:
+            from llmctl.plan.candidates import lines as candidate_lines
+
+            lines += ["", *candidate_lines(self)]
         if self.memory is not None:
             lines += ["", self.memory.describe()]
         if self.estimate is not None:

@@ -24,6 +24,21 @@ def make_plan(composed: Composed) -> Plan:
     plan = backend_for(composed.cfg["infra"]["kind"]).plan(composed)
     check_hardware(plan.typed, plan.hardware)  # e.g. train.fp8 on a GPU without FP8: refused, nothing created
     plan.tracking_uri = resolve_uri(composed.cfg["tracking"]["uri"])
+    if plan.candidates:  # each provider's own memory plan and estimate; the plan's are the first tried
+        from llmctl.plan import candidates
+        from llmctl.plan import memory_fit as memory
+
+        candidates.fill(plan, memory.check, estimate_for)
+    else:
+        _memory_and_estimate(plan)
+    warning = checkpoint_warning(plan.cfg, plan.estimate)
+    if warning:
+        plan.notes.append(warning)
+    return plan
+
+
+def _memory_and_estimate(plan: Plan) -> None:
+    """The plan's memory plan per device (``memory``) and cost estimate, each best-effort."""
     if not is_command(plan.cfg):  # a user's program: its memory is its own
         try:
             from llmctl.plan import memory_fit as memory
@@ -35,10 +50,6 @@ def make_plan(composed: Composed) -> Plan:
         plan.estimate = estimate_for(plan)
     except Exception as exc:
         plan.notes.append(f"no cost estimate: {type(exc).__name__}: {exc}")
-    warning = checkpoint_warning(plan.cfg, plan.estimate)
-    if warning:
-        plan.notes.append(warning)
-    return plan
 
 
 CHECKPOINT_INTERVAL_S = 1800.0  # the periodic checkpoint a spot or managed run is advised to have
@@ -51,7 +62,8 @@ def checkpoint_warning(cfg: dict[str, Any], est: Any = None) -> Optional[str]:
     when that save is skipped (too little grace for the state's size): say so, and what to set,
     sized for a checkpoint about every 30 minutes by the estimate's step time when there is one."""
     infra, ck = cfg["infra"], cfg["checkpoint"]
-    what = "spot" if infra.get("use_spot") else "managed" if infra.get("managed") else None
+    spot = infra.get("use_spot") or any(c.get("use_spot") for c in infra.get("candidates") or [])
+    what = "spot" if spot else "managed" if infra.get("managed") else None
     if what is None or int(ck.get("every") or 0) > 0:
         return None
     steps = int(cfg["train"]["steps"])

@@ -89,6 +89,11 @@ def check_memory(plan: Plan, ignore: bool = False, say: Optional[Say] = None) ->
     whose in-training lm-eval (``eval.tasks``) would not fit beside what the trainer keeps, unless
     ``ignore`` (``--ignore-memory-plan``): how far the plan's CUDA rules have been checked is in
     docs/scale.md, so a user who knows better can go past it, and is told what was overridden."""
+    from llmctl.plan.candidates import misfits
+
+    others = misfits(plan)[1 if plan.memory is not None and plan.memory.fits is False else 0 :]
+    if others and not ignore:  # the run may land on any candidate: each must hold the job
+        raise ConfigError(f"{others[0]}. Fix: drop it from infra.candidates, or {IGNORE_MEMORY_PLAN}")
     fit = plan.memory
     if fit is None or (fit.fits is not False and fit.scoring_fits is not False):
         return
@@ -109,6 +114,8 @@ def launch(plan: Plan, *, max_cost: Optional[float], say: Say, ignore_memory_pla
     backend = backend_for(plan.backend)
     check_memory(plan, ignore_memory_plan, say)
     hooks.check_budget(plan.estimate, max_cost)  # before preflight: the plan alone decides it
+    for cand in plan.candidates:  # the run may land on any of them: each within the budget
+        hooks.check_budget(cand.estimate, max_cost, candidate=f"infra.candidates[{cand.index}] ({cand.label})")
     backend.preflight(plan)
     data_check.check_plan(plan, say)  # bad records, no files, a validation split too short: refused now
     task_check.check_plan(plan)  # eval.tasks: known lm-eval tasks whose data can be read
@@ -215,9 +222,11 @@ def _open_attempt(
 ) -> Attempt:
     """Ledger attempt n (price snapshot, size, where) and the workload's environment for it; the
     first attempt also records the estimate."""
+    from llmctl.plan.candidates import billed_estimate
+
     mc = tracking.client(handle.uri)
     start = time.time()
-    est = plan.estimate
+    est = billed_estimate(plan)  # infra.candidates: the dearest until the backend says which served
     if first:
         hooks.record_estimate(mc, handle.run_id, plan, max_cost, start)
     price = (est.price.usd_per_hour if est.priced else None) if est else 0.0  # None: unpriced, not $0

@@ -167,6 +167,8 @@ def test_a_transformers_trainer_script_is_tracked_stopped_and_resumed_in_one_run
 
 def test_a_torchrun_ddp_script_on_two_gloo_processes(cli_env: dict[str, str], tmp_path: Path) -> None:
     _here(tmp_path, "ddp.py")
+    scratch = tmp_path / "tmp"  # the run's temporary files: the ranks' exit records live here, then go
+    scratch.mkdir()
     out = run_cli(
         [
             "launch",
@@ -176,10 +178,11 @@ def test_a_torchrun_ddp_script_on_two_gloo_processes(cli_env: dict[str, str], tm
             "infra.nproc_per_node=2",
         ],
         tmp_path,
-        cli_env,
+        {**cli_env, "TMPDIR": str(scratch)},
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "program | 2 ranks, replicas equal: True, LLMCTL_ATTEMPT=1" in out.stdout
+    assert not list(scratch.glob("llmctl-exit-*")), "the exit records' folder outlived the run"
     run = _the_run(tmp_path)
     assert run.info.status == "FINISHED"
     assert _steps(f"sqlite:///{tmp_path / 'mlflow.db'}", run.info.run_id, "ddp/loss") == [1, 2, 3, 4, 5]

@@ -178,3 +178,18 @@ def test_guard_projection() -> None:
     assert not g.over(1070.0, step_s=0.1)  # 0.9 + 0.051 = 0.951
     assert not BudgetGuard.from_env({}).active
     assert not BudgetGuard.from_env({"LLMCTL_MAX_COST_USD": "5", "LLMCTL_PRICE_PER_HOUR": "0"}).active
+
+
+def test_an_attempt_opened_at_the_dearest_candidate_is_billed_at_what_served(tmp_path: Path) -> None:
+    """``infra.candidates``: an attempt opens at the dearest candidate's price (the nodes' guard stops
+    early, never late); once SkyPilot says where it landed, ``reprice`` bills what served it."""
+    _, mc, exp = _store(tmp_path)
+    t0 = 1_790_000_000.0
+    rid = _run(mc, exp, infra="lambda", accelerator="H100:8", steps=10, estimate=1.0, attempts=[])
+    n = ledger.open_attempt(mc, rid, usd_per_hour=31.92, nodes=1, devices=8, start=t0)
+    assert ledger.compute(mc.get_run(rid).data.tags, now=t0 + H).actual_usd == pytest.approx(31.92)
+    ledger.reprice(mc, rid, n, 19.25, "aws/us-east-1 p5.48xlarge spot")
+    ledger.close_attempt(mc, rid, n, t0 + 2 * H)
+    tags = mc.get_run(rid).data.tags
+    assert tags[f"llmctl.attempt.{n}.served"] == "aws/us-east-1 p5.48xlarge spot"
+    assert ledger.compute(tags).actual_usd == pytest.approx(2 * 19.25)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -317,6 +318,7 @@ class Guard:
                 timer.cancel()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+            shutil.rmtree(self.exit_dir, ignore_errors=True)  # the ranks' records, read by program_code
         saved = code == EXIT_PREEMPTED
         if self.budget is not None and code in (0, EXIT_PREEMPTED):
             self._tag(TAG_BUDGET_STOP, {**self.budget, "checkpoint": saved or code == 0})

@@ -27,16 +27,19 @@ from llmctl.backends.sky import rules as sky_rules
 from llmctl.backends.sky import task as sky_task
 from llmctl.backends.sky.facts import remembered
 from llmctl.backends.sky.settings import SkySettings
+from llmctl.config.candidates import label as candidate_label
 from llmctl.config.compose import Composed, to_yaml
 from llmctl.config.launcher_checks import resolve_layout
 from llmctl.controller.procs import stop_controller
 from llmctl.controller.workdir import run_dir
 from llmctl.distribution.wheel import wheel_for_nodes
 from llmctl.errors import ConfigError, LaunchError
+from llmctl.plan.candidates import Candidate
 from llmctl.plan.devices import Hardware
 from llmctl.plan.job_plan import Plan
 from llmctl.tracking.mlflow_run import RunHandle, client, redact, resolve_uri
 from workloads.protocol.config import with_values
+from workloads.protocol.run_contract import ENV_ATTEMPT
 
 TAG_CLUSTER = "llmctl.sky.cluster"
 TAG_JOB = "llmctl.sky.job_id"
@@ -85,6 +88,62 @@ class SkyPlan(Plan):
 def _int_prefix(value: Any) -> int:
     digits = "".join(ch for ch in str(value or "") if ch.isdigit())
     return int(digits) if digits else 0
+
+
+def _hardware(settings: SkySettings) -> Hardware:
+    """What one node of ``settings`` has: its accelerators, or CPUs (8 assumed when unsaid)."""
+    acc = sky_task.node_accelerators(settings)
+    if acc:
+        return Hardware(f"{acc[0]}:{acc[1]}", acc[0], int(acc[1]), int(settings.nodes))
+    return Hardware("cpu", None, 0, int(settings.nodes), _int_prefix(settings.cpus) or 8)
+
+
+def _offers(settings: SkySettings) -> dict[bool, list[sky_rules.Offer]]:
+    """Catalog offers in both modes (the estimate lists them), where SkyPilot says the provider sells spot."""
+    modes = [False] + ([True] if sky_rules.capabilities(str(settings.provider)).supports("SPOT_INSTANCE") else [])
+    return {spot: sky_rules.offers(replace(settings, use_spot=spot)) for spot in modes}
+
+
+def _candidates(cfg: dict[str, Any], infra: SkySettings) -> list[Candidate]:
+    """Each of ``infra.candidates`` checked as its own infra would be (one line naming it when it
+    cannot run the job), with its hardware and offers; none without candidates."""
+    if not infra.candidates:
+        sky_rules.check(cfg, infra)
+        return []
+    out = []
+    for i, (written, option) in enumerate(zip(infra.candidates, infra.options())):
+        try:
+            sky_rules.check(cfg, option)
+        except ConfigError as exc:
+            raise ConfigError(f"infra.candidates[{i}] ({candidate_label(written)}): {exc}") from None
+        out.append(Candidate(i, dict(written), _hardware(option), _offers(option), sky_task.infra_string(option)))
+    sizes = {sky_task.nproc_per_node(cfg, o) for o in infra.options()}
+    if len(sizes) > 1:
+        raise ConfigError(
+            "Bad value for 'infra.candidates': they give different numbers of processes per node"
+            f" ({', '.join(c.label for c in out)}), and the job's layout and memory plan are sized for one."
+            " Fix: the same accelerator count on every candidate"
+        )
+    return out
+
+
+def _first_tried(infra: SkySettings, cands: list[Candidate]) -> int:
+    """Which candidate SkyPilot takes first: the first listed (``ordered``), or its optimizer's cheapest
+    per hour (``any_of``; a provider without a catalog, Slurm or Kubernetes, costs SkyPilot $0)."""
+    if infra.pick == "ordered":
+        return 0
+    return min(range(len(cands)), key=lambda i: (cands[i].hourly or 0.0, i))
+
+
+def _offers_text(infra: dict[str, Any], cands: list[Candidate], found: list[sky_rules.Offer]) -> str:
+    """The offers ``plan`` lists: the provider's, or each candidate's under its name."""
+    if not cands:
+        return sky_rules.format_offers(found, infra)
+    parts = []
+    for c in cands:
+        own = c.offers.get(bool(c.infra.get("use_spot")), [])
+        parts.append(f"candidate {c.index} ({c.label}):\n{sky_rules.format_offers(own, {**infra, **c.infra})}")
+    return "\n".join(parts)
 
 
 def cluster_name(run_id: str) -> str:
@@ -148,7 +207,7 @@ def _launch_cluster(task: Any, infra: SkySettings, handle: RunHandle, mc: Any, o
     job_id = None
     try:
         try:
-            job_id, _ = sky.stream_and_get(
+            job_id, launched = sky.stream_and_get(
                 sky.launch(
                     task,
                     cluster_name=cluster,
@@ -161,6 +220,8 @@ def _launch_cluster(task: Any, infra: SkySettings, handle: RunHandle, mc: Any, o
             _down_quietly(cluster)
             raise LaunchError(f"SkyPilot could not launch {cluster}: {' '.join(str(exc).split())[:2000]}") from None
         mc.set_tag(handle.run_id, job_tag, str(job_id))
+        if infra.candidates and launched is not None:
+            _bill_served(handle, mc, launched.launched_resources, infra.nodes, out)
         sky.tail_logs(cluster, job_id, follow=True, output_stream=out)
         statuses = sky.get(sky.job_status(cluster, [job_id]))
         status = _field({"s": statuses.get(job_id) or statuses.get(str(job_id))}, "s")
@@ -173,6 +234,15 @@ def _launch_cluster(task: Any, infra: SkySettings, handle: RunHandle, mc: Any, o
     finally:
         if infra.down:
             _down_quietly(cluster)
+
+
+def _bill_served(handle: RunHandle, mc: Any, resources: Any, nodes: int, out: Any) -> None:
+    """The open attempt priced at the candidate SkyPilot landed it on (it was opened at the dearest)."""
+    from llmctl.cost import ledger
+
+    usd_per_hour, where = sky_rules.served(resources, nodes)
+    ledger.reprice(mc, handle.run_id, int(handle.attempt_env.get(ENV_ATTEMPT, "1")), usd_per_hour, where)
+    out.write(f"llmctl: landed on {where}, billed at ${usd_per_hour:,.2f}/h\n")
 
 
 def _launch_managed(task: Any, handle: RunHandle, mc: Any, out: Any) -> int:
@@ -289,17 +359,15 @@ class SkyBackend:
         cfg = composed.cfg
         infra = SkySettings.from_cfg(cfg)  # the one typed view of cfg["infra"] this plan reads
         uri = resolve_uri(cfg["tracking"]["uri"])
-        sky_rules.check(cfg, infra)
-        nproc = sky_task.nproc_per_node(cfg, infra)
+        cands = _candidates(cfg, infra)
+        # the one SkyPilot tries first: its hardware, offers, memory plan and estimate are the plan's own
+        first = infra.options()[_first_tried(infra, cands)] if cands else infra
+        nproc = sky_task.nproc_per_node(cfg, first)
         layout = resolve_layout(composed.typed, infra.nodes * nproc)
         ckpt = sky_task.checkpoint_dir(cfg, sky_task.RUN_ID_PLACEHOLDER, infra)
         resolved = {**cfg, "parallel": {**cfg["parallel"], **layout}, "checkpoint": {**cfg["checkpoint"], "dir": ckpt}}
-        acc = sky_task.node_accelerators(infra)
+        acc = sky_task.node_accelerators(first)
         device = f"{acc[1]}x {acc[0]} per node, nccl" if acc else "CPU, gloo"
-        if acc:
-            hardware = Hardware(f"{acc[0]}:{acc[1]}", acc[0], int(acc[1]), int(infra.nodes))
-        else:
-            hardware = Hardware("cpu", None, 0, int(infra.nodes), _int_prefix(infra.cpus) or 8)
         config = sky_task.task_config(
             resolved,
             run_id=sky_task.RUN_ID_PLACEHOLDER,
@@ -308,14 +376,14 @@ class SkyBackend:
             local_config="<run-dir>/config.yaml",
             settings=infra,
         )
-        # both modes priced (the estimate lists them), where SkyPilot says the provider sells spot
-        modes = [False] + ([True] if sky_rules.capabilities(str(infra.provider)).supports("SPOT_INSTANCE") else [])
-        offers = {spot: sky_rules.offers(replace(infra, use_spot=spot)) for spot in modes}
-        found = offers.get(bool(infra.use_spot), [])
+        offers = _offers(first)
+        found = offers.get(bool(first.use_spot), [])
         mode = "managed job" if infra.managed else "cluster"
-        where = f"{sky_task.infra_string(infra)} via SkyPilot ({mode}{', spot' if infra.use_spot else ''})"
+        where = f"{sky_task.infra_string(first)} via SkyPilot ({mode}{', spot' if first.use_spot else ''})"
         notes = []
-        if found:
+        if cands:
+            where += f", the first of {len(cands)} candidates (infra.pick={infra.pick})"
+        elif found:
             best = found[0]
             notes.append(
                 f"cheapest offer: {best.instance_type} in {best.region}, ${best.total_hour:.2f}/h"
@@ -323,7 +391,7 @@ class SkyBackend:
             )
         if str(resolved["checkpoint"]["dir"]).startswith("llmctl-runs/"):
             notes.append(
-                "checkpoints stay on the nodes and vanish with them; " + sky_rules.keep_checkpoints(infra.provider)
+                "checkpoints stay on the nodes and vanish with them; " + sky_rules.keep_checkpoints(first.provider)
             )
         if infra.managed and str(resolved["checkpoint"]["dir"]).startswith("llmctl-runs/"):
             notes.append("a managed job restarts from scratch after a preemption unless checkpoints go to a bucket")
@@ -338,14 +406,17 @@ class SkyBackend:
             device=device,
             command=["bash", "-c", "<run script below>"],
             tracking_uri=uri,
-            hardware=hardware,
+            hardware=_hardware(first),
             offers=offers,
             notes=notes,
             task_yaml=task_yaml(config),
             refusals=[r for r in [sky_rules.tracking_refusal(infra.name, uri)] if r],
-            offers_text=sky_rules.format_offers(found, resolved["infra"]),
+            offers_text=_offers_text(resolved["infra"], cands, found),
             settings=infra,
             typed=with_values(with_values(composed.typed, "parallel", **layout), "checkpoint", dir=ckpt),
+            candidates=cands,
+            first_candidate=_first_tried(infra, cands) if cands else 0,
+            pick=infra.pick,
         )
 
     def preflight(self, plan: Plan) -> None:
@@ -355,7 +426,8 @@ class SkyBackend:
         refusal = sky_rules.tracking_refusal(infra.name, plan.tracking_uri)
         if refusal:
             raise ConfigError(refusal)
-        sky_rules.check_credentials(str(infra.provider))
+        for provider in dict.fromkeys(str(o.provider) for o in infra.options()):  # each candidate's
+            sky_rules.check_credentials(provider)
 
     def finalize(self, plan: Plan, handle: RunHandle) -> dict[str, Any]:
         """Fill in what needs the run id: where checkpoints go."""

@@ -8,7 +8,7 @@ Defaults equal ``InfraCfg``'s (tests/llmctl/test_backend_settings.py holds them 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Mapping, Optional, Union
 
 
@@ -85,12 +85,28 @@ class SkySettings:
     pip_args: str = ""
     """``infra.pip_args``: extra arguments for the node install (``--find-links ...``, a torch pin)."""
 
+    candidates: list[Mapping[str, Any]] = field(default_factory=list)
+    """``infra.candidates``: the providers this run may land on, each written out by composing
+    (``llmctl.config.candidates``); empty: the one provider above."""
+
+    pick: str = "ordered"
+    """``infra.pick``: ``ordered`` (SkyPilot's ``resources.ordered``: the first with capacity) or
+    ``cheapest`` (``resources.any_of``: its optimizer's cheapest)."""
+
+    def options(self) -> list["SkySettings"]:
+        """One settings per candidate (the job's keys with the candidate's resources), or this one."""
+        if not self.candidates:
+            return [self]
+        own = {f.name for f in fields(self)}
+        return [replace(self, candidates=[], **{k: v for k, v in c.items() if k in own}) for c in self.candidates]
+
     @classmethod
     def from_infra(cls, infra: Mapping[str, Any]) -> "SkySettings":
         """The settings from a resolved ``infra`` section (a plain dict); keys it lacks take the
         defaults, keys only other backends or llmctl itself read (``kind``, ``price_per_gpu_hour``)
         are left out."""
         values = {f.name: infra[f.name] for f in fields(cls) if f.name in infra}
+        values["candidates"] = [dict(c) for c in values.get("candidates") or []]
         if values.get("accelerator_aliases") is None:
             values.pop("accelerator_aliases", None)
         else:

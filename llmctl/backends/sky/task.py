@@ -145,8 +145,30 @@ def checkpoint_dir(cfg: Mapping[str, Any], run_id: str, settings: Optional[SkySe
     return f"llmctl-runs/{run_id}/checkpoints"  # relative to the node's workdir: gone with the node
 
 
+# SkyPilot's key for a list of candidate resources, by ``infra.pick``
+PICK_KEYS = {"ordered": "ordered", "cheapest": "any_of"}
+
+
 def resources(settings: SkySettings) -> dict[str, Any]:
-    """The task's ``resources``: where, what each node has, spot, and recovery or autostop."""
+    """The task's ``resources``: where, what each node has, spot, and recovery or autostop. With
+    ``infra.candidates``: recovery or autostop once, and each candidate's own under SkyPilot's
+    ``ordered`` or ``any_of`` (SkyPilot merges the keys above into every one)."""
+    if not settings.candidates:
+        return {**node_resources(settings), **lifetime(settings)}
+    return {**lifetime(settings), PICK_KEYS[settings.pick]: [node_resources(o) for o in settings.options()]}
+
+
+def lifetime(settings: SkySettings) -> dict[str, Any]:
+    """Recovery (a managed job) or autostop (a cluster): the job's, whichever candidate serves it."""
+    if settings.managed:
+        return {"job_recovery": {"max_restarts_on_errors": 0}}
+    if settings.autostop_minutes is not None:  # sky_rules.check refused it where SkyPilot has none
+        return {"autostop": {"idle_minutes": int(settings.autostop_minutes), "down": bool(settings.down)}}
+    return {}
+
+
+def node_resources(settings: SkySettings) -> dict[str, Any]:
+    """Where the nodes come from and what each has: one candidate's resources."""
     res: dict[str, Any] = {"infra": infra_string(settings)}
     acc = node_accelerators(settings)
     if acc:
@@ -156,10 +178,6 @@ def resources(settings: SkySettings) -> dict[str, Any]:
             res[key] = value
     if settings.use_spot:
         res["use_spot"] = True
-    if settings.managed:
-        res["job_recovery"] = {"max_restarts_on_errors": 0}
-    elif settings.autostop_minutes is not None:  # sky_rules.check refused it where SkyPilot has none
-        res["autostop"] = {"idle_minutes": int(settings.autostop_minutes), "down": bool(settings.down)}
     return res
 
 
