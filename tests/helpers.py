@@ -288,3 +288,46 @@ def write_pairs(path: Path, n: int = 64, seed: int = 0, long_prompt_at: int | No
         rows.append({"prompt": prompt, "chosen": f" yes {answer} indeed", "rejected": f" no {answer} never"})
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
+
+
+class Hook:
+    """The messages each path of a ``webhook_server`` received, in order."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.received: dict[str, list[dict[str, Any]]] = {}
+        self.lock = threading.Lock()
+
+    def at(self, path: str) -> list[dict[str, Any]]:
+        with self.lock:
+            return list(self.received.get(path, []))
+
+
+@contextlib.contextmanager
+def webhook_server() -> Iterator[tuple[Hook, str]]:
+    """A JSON webhook endpoint on 127.0.0.1 (``notify.url``'s receiver): what it got, and its base URL."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    seen = Hook()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            with seen.lock:
+                seen.received.setdefault(self.path, []).append(body)
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b"ok")
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield seen, f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()

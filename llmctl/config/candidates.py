@@ -4,8 +4,8 @@ A user names the providers (conf/infra files) in preference order, each optional
 keys: ``infra.candidates=[lambda,runpod]`` or ``[{infra: aws, use_spot: true}]``. Composing writes
 each one out as the mapping SkyPilot's task will get (``RESOURCE_KEYS``), so the run's recorded
 config says exactly what every candidate was. What the job is (nodes, managed, bucket, autostop,
-the node install) stays the run's own ``infra`` section's; so do the accelerators, unless a
-candidate names its own: the layout and the memory plan are sized for them.
+the node install) stays the run's own ``infra`` section's; so does the node's shape (accelerators,
+cpus, memory, disk), unless a candidate names its own: the layout and memory plan are sized for it.
 
 SkyPilot does the choosing (``resources.ordered`` or ``resources.any_of``: ``infra.pick``); llmctl
 prices, fits and prints every candidate (``llmctl.plan.make``).
@@ -34,6 +34,8 @@ RESOURCE_KEYS = (
     "price_per_gpu_hour",
     "device_memory_gib",
 )
+# the node's shape: the run's own (its layout and memory plan are sized for it) unless a candidate sets it
+NODE_SHAPE = ("accelerators", "cpus", "memory", "disk_size")
 # the run's own, whichever candidate serves it (the job's size and life)
 JOB_KEYS = ("nodes", "nproc_per_node", "managed", "bucket", "mount_bucket", "autostop_minutes", "down")
 
@@ -83,7 +85,8 @@ def _one(item: Any, i: int, infra: Mapping[str, Any], dirs: list[Path]) -> dict[
     base: Mapping[str, Any] = _preset(str(item["infra"]), dirs, i) if item.get("infra") else infra
     out = {key: base.get(key) for key in RESOURCE_KEYS}
     out["accelerator_aliases"] = dict(base.get("accelerator_aliases") or {})
-    out["accelerators"] = infra.get("accelerators")  # the job's, unless the candidate names its own
+    for key in NODE_SHAPE:  # the job's, unless the candidate names its own
+        out[key] = infra.get(key)
     out["use_spot"] = bool(base.get("use_spot") or False)
     out.update({k: v for k, v in item.items() if k != "infra"})
     out["name"] = str(out.get("name") or item.get("infra") or infra.get("name"))

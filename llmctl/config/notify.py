@@ -17,9 +17,20 @@ from urllib.parse import urlsplit
 from llmctl.errors import ConfigError
 
 # Every event a run or sweep can announce; ``on`` picks among them. A run's events are its attempt's
-# start and how it ended (``llmctl.run.outcomes.Outcome``'s values); a sweep's trials announce nothing
+# start, a managed job's recovery by SkyPilot, and how it ended (``llmctl.run.outcomes.Outcome``'s
+# values); a sweep's trials announce nothing
 # one by one, the sweep its end.
-EVENTS = ("started", "finished", "failed", "budget_stop", "preempted", "interrupted", "killed", "sweep_end")
+EVENTS = (
+    "started",
+    "recovered",
+    "finished",
+    "failed",
+    "budget_stop",
+    "preempted",
+    "interrupted",
+    "killed",
+    "sweep_end",
+)
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 MASK = "/…"  # what stands for a written-out URL's path and query in whatever llmctl records
 EXAMPLE = "notify.url=[SLACK_WEBHOOK_URL] (a variable holding the URL) or notify.url=[https://host/path]"

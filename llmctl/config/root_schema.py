@@ -127,7 +127,7 @@ class NotifyCfg:
 
     url: List[str] = field(default_factory=list)
     on: List[str] = field(
-        default_factory=lambda: ["finished", "failed", "budget_stop", "preempted", "killed", "sweep_end"]
+        default_factory=lambda: ["recovered", "finished", "failed", "budget_stop", "preempted", "killed", "sweep_end"]
     )
     timeout_s: float = 3.0  # per try, two tries: what a dead endpoint can cost a run, once
 

@@ -165,11 +165,26 @@ def status_lines(uri: str, run: Any) -> list[str]:
         )
     if not ledger.attempts(run.data.tags):
         return lines
+    tags = run.data.tags
     try:
         mc = client(uri)
         ledger.reconcile(mc, run.info.run_id)
         led = ledger.update(mc, run.info.run_id)
+        tags = mc.get_run(run.info.run_id).data.tags
     except Exception as exc:
         led = ledger.compute(run.data.tags)
         lines.append(f"note:        ledger not saved ({type(exc).__name__})")
-    return lines + [led.describe()]
+    return lines + [led.describe(), *served_lines(led, tags)]
+
+
+def served_lines(led: Any, tags: Any) -> list[str]:
+    """What served each attempt of a run over ``infra.candidates``, at what price (none otherwise)."""
+    from llmctl.cost import ledger
+
+    lines = []
+    for a in led.attempts:
+        where = tags.get(f"{ledger.PREFIX}{a.n}.served")
+        if where:
+            price = ledger.UNPRICED if a.usd_per_hour is None else f"${a.usd_per_hour:,.2f}/h"
+            lines.append(f"{f'attempt {a.n}:':<12} {where}, {price}")
+    return lines

@@ -244,15 +244,60 @@ def open_attempt(
     return n
 
 
-def reprice(mc: Any, run_id: str, n: int, usd_per_hour: float, served: str) -> None:
-    """Attempt ``n`` priced at what actually served it (``served``: provider, region, instance type,
-    spot), once the backend knows: a run over several candidates opens its attempt at the dearest."""
+TAG_CANDIDATES = "llmctl.candidates"  # JSON: each candidate's price (llmctl.plan.candidates.price_table)
+
+
+def served_by(table: list[Mapping[str, Any]], where: Mapping[str, Any]) -> Optional[tuple[Optional[float], str]]:
+    """($/h, label) of the candidate that ``where`` (a start's cloud, region, zone) is, or None when
+    none is: the candidate's catalog price in that region, else its own price. Several that match
+    (one provider on demand and spot, in any region): the dearest, as the attempt was opened."""
+    cloud, region, zone = str(where.get("cloud") or ""), where.get("region"), where.get("zone")
+    found = []
+    for c in table:
+        if c.get("provider") != cloud or c.get("region") not in (None, region) or c.get("zone") not in (None, zone):
+            continue
+        price = (c.get("regions") or {}).get(region, c.get("usd_per_hour"))
+        found.append((price, str(c.get("label"))))
+    if not found:
+        return None
+    unpriced = [f for f in found if f[0] is None]
+    return unpriced[0] if unpriced else max(found, key=lambda f: float(f[0] or 0))
+
+
+def price_served(mc: Any, run_id: str) -> None:
+    """Each attempt of a run over several candidates billed at the one that served it, from where its
+    first start says it ran (``llmctl.workload_start.<k>``'s ``where``); an attempt opens at the
+    dearest candidate's price, and one whose start says nothing keeps it. Idempotent (``served``)."""
     from mlflow.entities import RunTag
 
-    mc.log_batch(
-        run_id,
-        tags=[RunTag(f"{PREFIX}{n}.usd_per_hour", _price(usd_per_hour)), RunTag(f"{PREFIX}{n}.served", served[:5000])],
-    )
+    tags = mc.get_run(run_id).data.tags
+    try:
+        table = json.loads(tags.get(TAG_CANDIDATES) or "[]")
+    except ValueError:
+        return
+    if not table:
+        return
+    starts = workload_starts(tags)
+    out = []
+    for a in attempts(tags):
+        if tags.get(f"{PREFIX}{a.n}.served"):
+            continue
+        seq = tags.get(f"{PREFIX}{a.n}.start_seq")  # an attempt ``reconcile`` opened: its start
+        first = next((s for k, s in starts if (str(k) == seq if seq else int(s.get("attempt", 1)) == a.n)), None)
+        where = (first or {}).get("where")
+        if not where:
+            continue
+        match = served_by(table, where)
+        place = "/".join(str(where.get(k)) for k in ("cloud", "region", "zone") if where.get(k))
+        if match is None:
+            out.append(RunTag(f"{PREFIX}{a.n}.served", f"{place} (no candidate: billed at the dearest)"))
+            continue
+        out += [
+            RunTag(f"{PREFIX}{a.n}.usd_per_hour", _price(match[0])),
+            RunTag(f"{PREFIX}{a.n}.served", f"{match[1]} ({place})"),
+        ]
+    if out:
+        mc.log_batch(run_id, tags=out)
 
 
 def close_attempt(mc: Any, run_id: str, n: int, end: Optional[float] = None) -> None:
@@ -332,6 +377,7 @@ def reconcile(mc: Any, run_id: str) -> Optional[int]:
             mc.log_batch(run_id, tags=[RunTag(key, value) for key, value in new.items()])
             tags = {**tags, **new}
             opened = n
+    price_served(mc, run_id)
     return opened
 
 

@@ -109,3 +109,42 @@ def billed_estimate(plan: Any) -> Any:
         return plan.estimate
     unpriced = [e for e in ests if not e.priced]
     return unpriced[0] if unpriced else max(ests, key=lambda e: e.price.usd_per_hour)
+
+
+def price_table(plan: Any) -> list[dict[str, Any]]:
+    """What each candidate costs per hour (all nodes), by region where the catalog prices it, else the
+    estimate's price (``infra.price_per_gpu_hour``; None: unpriced): recorded on the run at launch,
+    so the ledger bills each attempt at the candidate that served it (``ledger.price_served``)."""
+    table = []
+    for c in getattr(plan, "candidates", []):
+        regions: dict[str, float] = {}
+        for offer in c.offers.get(bool(c.infra.get("use_spot")), []):  # cheapest first
+            regions.setdefault(offer.region, offer.total_hour)
+        est = c.estimate
+        table.append(
+            {
+                "label": c.label,
+                "provider": c.infra.get("provider"),
+                "region": c.infra.get("region"),
+                "zone": c.infra.get("zone"),
+                "spot": bool(c.infra.get("use_spot")),
+                "regions": regions,
+                "usd_per_hour": est.price.usd_per_hour if est is not None and est.priced else None,
+            }
+        )
+    return table
+
+
+MAX_TAG = 8000  # MLflow's longest tag value
+
+
+def candidate_prices(plan: Any) -> str:
+    """``price_table`` as the run's tag: JSON, by region while it fits in a tag, else each
+    candidate's cheapest price alone."""
+    import json
+
+    table = price_table(plan)
+    text = json.dumps(table, separators=(",", ":"))
+    if len(text) > MAX_TAG:
+        text = json.dumps([{**c, "regions": {}} for c in table], separators=(",", ":"))
+    return text

@@ -50,6 +50,7 @@ from llmctl.cost import hooks, ledger
 from llmctl.errors import ConfigError, LaunchError
 from llmctl.plan import data_check, task_check
 from llmctl.plan.job_plan import Plan
+from llmctl.run import recoveries
 from llmctl.run.closing import close_run, ended_at_of, job_end, run_tag, upload_log, warn_close
 from llmctl.run.outcomes import RULES, TAG_STOP_REQUEST, Outcome, classify, stop_request
 from llmctl.run.report import report
@@ -222,13 +223,15 @@ def _open_attempt(
 ) -> Attempt:
     """Ledger attempt n (price snapshot, size, where) and the workload's environment for it; the
     first attempt also records the estimate."""
-    from llmctl.plan.candidates import billed_estimate
+    from llmctl.plan.candidates import billed_estimate, candidate_prices
 
     mc = tracking.client(handle.uri)
     start = time.time()
     est = billed_estimate(plan)  # infra.candidates: the dearest until the backend says which served
     if first:
         hooks.record_estimate(mc, handle.run_id, plan, max_cost, start)
+        if plan.candidates:  # each attempt is billed at the candidate its start says served it
+            mc.set_tag(handle.run_id, ledger.TAG_CANDIDATES, candidate_prices(plan))
     price = (est.price.usd_per_hour if est.priced else None) if est else 0.0  # None: unpriced, not $0
     hw = plan.hardware
     n = ledger.open_attempt(
@@ -287,10 +290,28 @@ def _run(
         with attempt_of(plan, create, open_attempt, say=say, banner=banner, notifier=notifier) as running:
             running.cfg = backend.finalize(plan, running.handle)
             _record_config(running, new_run)
-            running.code = backend.launch(plan, running.handle, echo=workload_out)
+            with recoveries.watched(running.handle, _on_recovery(plan, running, say, notifier)):
+                running.code = backend.launch(plan, running.handle, echo=workload_out)
     except NotOpened as closed:
         return closed.exit_code
     return running.exit_code
+
+
+def _on_recovery(
+    plan: Plan, running: "Running", say: Say, notifier: Optional[Notifier]
+) -> Optional[Callable[[int, dict[str, str]], None]]:
+    """What a managed job's recovery does (a line, and ``recovered`` to ``notify.url``); None for a
+    run nothing recovers without its launcher."""
+    if not plan.cfg["infra"].get("managed") or plan.backend == "local":
+        return None
+
+    def recovered(n: int, tags: dict[str, str]) -> None:
+        line = recoveries.recovery_line(n, tags)
+        say(line)
+        if notifier is not None:
+            announce(notifier, "recovered", running.handle, [line], n)
+
+    return recovered
 
 
 @dataclass

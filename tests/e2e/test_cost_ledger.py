@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from helpers import run_cli
 
-from llmctl.cost import ledger
+from llmctl.cost import hooks, ledger
 
 H = 3600.0
 
@@ -180,16 +180,47 @@ def test_guard_projection() -> None:
     assert not BudgetGuard.from_env({"LLMCTL_MAX_COST_USD": "5", "LLMCTL_PRICE_PER_HOUR": "0"}).active
 
 
-def test_an_attempt_opened_at_the_dearest_candidate_is_billed_at_what_served(tmp_path: Path) -> None:
-    """``infra.candidates``: an attempt opens at the dearest candidate's price (the nodes' guard stops
-    early, never late); once SkyPilot says where it landed, ``reprice`` bills what served it."""
+def test_each_attempt_of_a_run_over_candidates_is_billed_at_what_served_it(tmp_path: Path) -> None:
+    """``infra.candidates``: an attempt opens at the dearest candidate's price; the node's start says
+    where SkyPilot put it (``SKYPILOT_CLUSTER_INFO``), and the ledger bills the candidate that is, in
+    that region. A managed job's recovery onto another candidate is a second attempt at its own price."""
+    import json
+
+    from mlflow.entities import RunTag
+
     _, mc, exp = _store(tmp_path)
     t0 = 1_790_000_000.0
     rid = _run(mc, exp, infra="lambda", accelerator="H100:8", steps=10, estimate=1.0, attempts=[])
+    table = [
+        {"label": "lambda H100:8", "provider": "lambda", "region": None, "zone": None, "spot": False,
+         "regions": {"us-east-1": 31.92}, "usd_per_hour": 31.92},
+        {"label": "aws H100:8 spot", "provider": "aws", "region": None, "zone": None, "spot": True,
+         "regions": {"us-east-1": 19.25, "us-west-2": 12.69}, "usd_per_hour": 12.69},
+        {"label": "slurm p2", "provider": "slurm", "region": "c1", "zone": "p2", "spot": False,
+         "regions": {}, "usd_per_hour": 2.0},
+    ]  # fmt: skip
+    mc.set_tag(rid, ledger.TAG_CANDIDATES, json.dumps(table))
     n = ledger.open_attempt(mc, rid, usd_per_hour=31.92, nodes=1, devices=8, start=t0)
-    assert ledger.compute(mc.get_run(rid).data.tags, now=t0 + H).actual_usd == pytest.approx(31.92)
-    ledger.reprice(mc, rid, n, 19.25, "aws/us-east-1 p5.48xlarge spot")
-    ledger.close_attempt(mc, rid, n, t0 + 2 * H)
+
+    def start(k: int, at: float, where: dict[str, Any]) -> None:
+        value = {"time": at, "attempt": n, "from_step": 0, "world_size": 8, "where": where}
+        mc.log_batch(rid, tags=[RunTag(f"llmctl.workload_start.{k}", json.dumps(value))])
+
+    start(1, t0 + 60, {"cloud": "aws", "region": "us-west-2", "zone": "us-west-2a"})
+    start(2, t0 + H, {"cloud": "slurm", "region": "c1", "zone": "p2"})  # recovered onto another candidate
+    ledger.reconcile(mc, rid)
+    ledger.close_open(mc, rid, t0 + 3 * H)
     tags = mc.get_run(rid).data.tags
-    assert tags[f"llmctl.attempt.{n}.served"] == "aws/us-east-1 p5.48xlarge spot"
-    assert ledger.compute(tags).actual_usd == pytest.approx(2 * 19.25)
+    assert tags["llmctl.attempt.1.served"] == "aws H100:8 spot (aws/us-west-2/us-west-2a)"
+    assert tags["llmctl.attempt.2.served"] == "slurm p2 (slurm/c1/p2)"
+    led = ledger.compute(tags)
+    assert [a.usd_per_hour for a in led.attempts] == [12.69, 2.0]
+    assert led.actual_usd == pytest.approx(1 * 12.69 + 2 * 2.0)
+    assert hooks.served_lines(led, tags) == [  # what `llmctl status RUN` adds
+        "attempt 1:   aws H100:8 spot (aws/us-west-2/us-west-2a), $12.69/h",
+        "attempt 2:   slurm p2 (slurm/c1/p2), $2.00/h",
+    ]
+    ledger.reconcile(mc, rid)  # idempotent: nothing billed twice
+    assert ledger.compute(mc.get_run(rid).data.tags).actual_usd == pytest.approx(led.actual_usd)
+    # a start nobody listed keeps the dearest price, and says so
+    assert ledger.served_by(table, {"cloud": "runpod", "region": "US", "zone": None}) is None

@@ -11,13 +11,11 @@ from __future__ import annotations
 import json
 import shutil
 import socket
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
-from helpers import mlflow_client, mlflow_runs, run_cli
+from helpers import Hook, mlflow_client, mlflow_runs, run_cli, webhook_server
 
 pytestmark = pytest.mark.slow
 
@@ -25,38 +23,10 @@ PROGRAMS = Path(__file__).with_name("programs")
 FACTS = {"event", "run_id", "run_name", "attempt", "page", "spend_usd"}
 
 
-class Hook:
-    """The messages each path of the server received, in order."""
-
-    def __init__(self) -> None:
-        self.received: dict[str, list[dict[str, Any]]] = {}
-        self.lock = threading.Lock()
-
-    def at(self, path: str) -> list[dict[str, Any]]:
-        with self.lock:
-            return list(self.received.get(path, []))
-
-
 @pytest.fixture(scope="module")
 def hook() -> Iterator[tuple[Hook, str]]:
-    seen = Hook()
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            with seen.lock:
-                seen.received.setdefault(self.path, []).append(body)
-            self.send_response(200)
-            self.end_headers()
-            self.wfile.write(b"ok")
-
-        def log_message(self, *args: Any) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield seen, f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
+    with webhook_server() as served:
+        yield served
 
 
 def _steps_here(tmp_path: Path) -> Path:

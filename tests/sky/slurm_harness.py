@@ -26,6 +26,8 @@ from typing import Iterator
 USER = "llmctlslurm"
 CLUSTER = "localslurm"
 PARTITION = "debug"
+# a second partition over the same node: a second "provider" for infra.candidates (tests/sky/test_slurm_launch.py)
+FIRST_CHOICE = "first"
 PY310 = Path("/root/.pyenv/versions/3.10.13/bin/python3.10")
 NEEDED = ("slurmctld", "slurmd", "munged", "sshd", "rsync", "ssh-keygen", "useradd")
 
@@ -201,6 +203,7 @@ JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 NodeName={host} NodeAddr=127.0.0.1 CPUs=2 RealMemory=8000
 PartitionName={PARTITION} Nodes={host} Default=YES MaxTime=60 DefaultTime=30 State=UP
+PartitionName={FIRST_CHOICE} Nodes={host} MaxTime=60 DefaultTime=30 State=UP
 """)
         env = {**os.environ, "SLURM_CONF": str(conf)}
         subprocess.run(["slurmctld", "-i"], env=env, check=True, timeout=30)

@@ -2,8 +2,8 @@
 MLflow server: a cluster launch followed by ``status``, ``logs``, lm-eval scores by a job of their
 own on the cluster (``llmctl eval RUN --tasks``) and ``down``; a managed job whose
 Slurm job is cancelled mid-run, recovered by SkyPilot and finished as one MLflow run (the bundled
-trainer, and a user's transformers script under ``workload=command``); and a sweep whose two trials
-are managed jobs.
+trainer over two candidates, two partitions at two prices, recovered onto the second; and a
+user's transformers script under ``workload=command``); and a sweep whose two trials are managed jobs.
 
 Runs by default (CI runs it as root after .ci/run installs slurm-wlm, munge, openssh-server);
 ``--no-slurm`` or ``LLMCTL_SKIP_SLURM=1`` skips it locally. Missing prerequisites skip it with the
@@ -25,12 +25,12 @@ import urllib.request
 import uuid
 from datetime import datetime
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import pytest
-from helpers import mlflow_server, save_tiny_llama
+from helpers import mlflow_server, save_tiny_llama, webhook_server
 from sky_helpers import run_cli
-from slurm_harness import CLUSTER, PARTITION, USER, Cluster, missing_prerequisites, slurm_cluster
+from slurm_harness import CLUSTER, FIRST_CHOICE, PARTITION, USER, Cluster, missing_prerequisites, slurm_cluster
 
 # The timeout guards against a hang, not for speed: the first test carries the cluster's start and
 # runs launch, status, logs, an lm-eval job and down through SkyPilot; beside the rest of CI on 2
@@ -321,9 +321,12 @@ def _complete_steps(ckpt: Path) -> list[int]:
 def test_managed_job_recovers_from_scancel_as_one_run(
     tracking_server: str, cluster: Cluster, tmp_path: Path, cli_env: dict[str, str]
 ) -> None:
-    """scancel the managed job's Slurm allocation mid-run: SkyPilot's controller (consolidation mode,
-    in the local API server) relaunches it, the workload resumes from its checkpoint on the shared
-    filesystem by itself, and the run finishes FINISHED as one MLflow run with two billed attempts."""
+    """A run over two candidates (``infra.candidates``: two partitions of the cluster, each its own
+    price): scancel the managed job's Slurm allocation mid-run with its first candidate closed to new
+    jobs. SkyPilot's controller (consolidation mode, in the local API server) relaunches it on the
+    second, the workload resumes from its checkpoint on the shared filesystem by itself, and the run
+    finishes FINISHED as one MLflow run with two attempts, each billed at its own candidate's price;
+    the controller tells ``notify.url`` of the recovery as it happens."""
     shared = cluster.root / "shared"  # the cluster's shared filesystem: where checkpoints outlive a node
     shared.mkdir()
     shutil.chown(shared, USER, USER)
@@ -333,12 +336,45 @@ def test_managed_job_recovers_from_scancel_as_one_run(
     # Periodic checkpoints every 20 steps also give the rerun one to start from if the emergency
     # save is lost.
     steps = 120
-    with _managed_jobs(cluster, cli_env, tracking_server) as (env, sky_bin):
-        _launch_and_recover(cluster, shared, steps, env, sky_bin, tmp_path)
+    first, second = (
+        f"{{infra:slurm,name:{name},region:{CLUSTER},zone:{zone},price_per_gpu_hour:{price}}}"
+        for name, zone, price in (("first", FIRST_CHOICE, 1.5), ("second", PARTITION, 4.0))
+    )
+    candidates = [f"infra.candidates=[{first},{second}]"]
+
+    def close_first() -> None:  # running jobs go on; a new one is refused, so SkyPilot takes the next candidate
+        subprocess.run(
+            ["scontrol", "update", f"PartitionName={FIRST_CHOICE}", "State=DRAIN"], env=cluster.env, check=True
+        )
+
+    with _managed_jobs(cluster, cli_env, tracking_server) as (env, sky_bin), webhook_server() as (hook, base):
+        try:
+            run = _launch_and_recover(
+                cluster, shared, steps, env, sky_bin, tmp_path, [*candidates, f"notify.url=[{base}/ops]"], close_first
+            )
+        finally:
+            subprocess.run(["scontrol", "update", f"PartitionName={FIRST_CHOICE}", "State=UP"], env=cluster.env)
+    tags = run.data.tags
+    first_served, second_served = (
+        f"{name} {CLUSTER}/{zone} CPU (slurm/{CLUSTER}/{zone})"  # the candidate, and where its node said it ran
+        for name, zone in (("first", FIRST_CHOICE), ("second", PARTITION))
+    )
+    assert (tags["llmctl.attempt.1.served"], tags["llmctl.attempt.2.served"]) == (first_served, second_served)
+    # a CPU node counts as one device: each attempt at its own candidate's price
+    assert [tags[f"llmctl.attempt.{n}.usd_per_hour"] for n in (1, 2)] == ["1.500000", "4.000000"]
+    status = run_cli(["status", run.info.run_id], tmp_path, {**cli_env, "MLFLOW_TRACKING_URI": tracking_server})
+    assert f"attempt 1:   {first_served}, $1.50/h" in status.stdout, status.stdout + status.stderr
+    assert f"attempt 2:   {second_served}, $4.00/h" in status.stdout
+    events = [m["llmctl"]["event"] for m in hook.at("/ops")]
+    assert events == ["recovered", "finished"], events
+    recovered = hook.at("/ops")[0]["llmctl"]
+    assert recovered["attempt"] == 2 and recovered["run_id"] == run.info.run_id
+    assert f"recovered by SkyPilot: attempt 2 on {second_served}, from step" in hook.at("/ops")[0]["text"]
 
 
-def _managed_launch(steps: int, ckpt: Path, run_name: str) -> list[str]:
-    """``llmctl launch`` of the smoke job as a SkyPilot managed job on the harness's partition."""
+def _managed_launch(steps: int, ckpt: Path, run_name: str, extra: Sequence[str] = ()) -> list[str]:
+    """``llmctl launch`` of the smoke job as a SkyPilot managed job on the harness's partition
+    (``extra``: more overrides)."""
     return [
         sys.executable,
         "-m",
@@ -357,15 +393,25 @@ def _managed_launch(steps: int, ckpt: Path, run_name: str) -> list[str]:
         "train.val_every=60",
         f"checkpoint.dir={ckpt}",
         f"tracking.run_name={run_name}",
+        *extra,
     ]
 
 
 def _launch_and_recover(
-    cluster: Cluster, shared: Path, steps: int, env: dict[str, str], sky_bin: str, tmp_path: Path
-) -> None:
+    cluster: Cluster,
+    shared: Path,
+    steps: int,
+    env: dict[str, str],
+    sky_bin: str,
+    tmp_path: Path,
+    extra: Sequence[str] = (),
+    before_cancel: Callable[[], None] = lambda: None,
+) -> Any:
+    """Launch, scancel after the first complete checkpoint, and check the one run it finishes as
+    (returned); ``before_cancel`` runs just before the scancel."""
     log = open(tmp_path / "launch.log", "w+")  # noqa: SIM115 - the launch's output, read after it ends
     proc = subprocess.Popen(
-        _managed_launch(steps, shared / "ckpt", "managed-recovery"),
+        _managed_launch(steps, shared / "ckpt", "managed-recovery", extra),
         cwd=tmp_path,
         env=env,
         stdout=log,
@@ -379,6 +425,7 @@ def _launch_and_recover(
         )
         first_ckpt = _complete_steps(shared / "ckpt")[0]
         slurm_job = _slurm_job_of(cluster, env["MLFLOW_TRACKING_URI"], "managed-recovery")
+        before_cancel()
         subprocess.run(["scancel", slurm_job], env=cluster.env, check=True, timeout=30)
         assert proc.wait(timeout=840) == 0, _tail(log)
 
@@ -421,6 +468,7 @@ def _launch_and_recover(
         ).stdout
         assert "SUCCEEDED" in queue, queue
         _assert_no_slurm_job_left(cluster)
+        return mc.get_run(run.info.run_id)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)

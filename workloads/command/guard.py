@@ -62,6 +62,7 @@ from workloads.protocol.run_contract import (
     TAG_START_PREFIX,
     TAG_TASK_ID,
     elastic_shutdown_timeout,
+    node_where,
 )
 
 RESERVE_S = 5.0  # kept beyond the grace period: the program's last save may run a little long
@@ -170,6 +171,9 @@ class Guard:
                 "from_step": None,
                 "world_size": self.nproc * self.nnodes,
             }
+            where = node_where()
+            if where:
+                start["where"] = where
             tags = {f"{TAG_START_PREFIX}{self.start}": json.dumps(start)}
             if os.environ.get("SKYPILOT_TASK_ID"):
                 tags[TAG_TASK_ID] = os.environ["SKYPILOT_TASK_ID"]

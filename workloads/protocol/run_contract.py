@@ -14,7 +14,8 @@ Environment (all optional; the trainer runs without any of them):
 
 Tags rank 0 writes (JSON values):
 
-    llmctl.workload_start.<k>  each start: time, attempt, from_step, world_size (k = 1, 2, ...)
+    llmctl.workload_start.<k>  each start: time, attempt, from_step, world_size (k = 1, 2, ...) and,
+                               on SkyPilot's nodes, where: its cloud, region, zone
     llmctl.preempted           stopped on SIGTERM/SIGUSR1: step, checkpoint, saved, signal
     llmctl.budget_stop         stopped by the budget guard: step, spent_usd, max_cost_usd, checkpoint
     llmctl.completed           every step ran and the final checkpoint is committed: step, checkpoint
@@ -49,6 +50,24 @@ ENV_PRICE = "LLMCTL_PRICE_PER_HOUR"
 ENV_BILLING_START = "LLMCTL_BILLING_START"
 ENV_SPENT = "LLMCTL_SPENT_USD"
 ATTEMPT_ENVS = (ENV_ATTEMPT, ENV_PRICE, ENV_MAX_COST, ENV_BILLING_START, ENV_SPENT)
+
+ENV_SKY_CLUSTER_INFO = "SKYPILOT_CLUSTER_INFO"  # SkyPilot's, on every node: cloud, region, zone
+
+
+def node_where() -> "dict[str, object] | None":
+    """Where SkyPilot launched this node (cloud lower-cased, region, zone; Slurm: cluster and
+    partition), from the environment SkyPilot gives every node; None elsewhere. A start records it,
+    so a launcher bills each attempt of a run over several providers at what actually served it."""
+    import json
+
+    try:
+        info = json.loads(os.environ.get(ENV_SKY_CLUSTER_INFO) or "null")
+    except ValueError:
+        return None
+    if not isinstance(info, dict) or not info.get("cloud"):
+        return None
+    return {"cloud": str(info["cloud"]).lower(), "region": info.get("region"), "zone": info.get("zone")}
+
 
 TAG_START_PREFIX = "llmctl.workload_start."
 TAG_PREEMPTED = "llmctl.preempted"

@@ -39,7 +39,6 @@ from llmctl.plan.devices import Hardware
 from llmctl.plan.job_plan import Plan
 from llmctl.tracking.mlflow_run import RunHandle, client, redact, resolve_uri
 from workloads.protocol.config import with_values
-from workloads.protocol.run_contract import ENV_ATTEMPT
 
 TAG_CLUSTER = "llmctl.sky.cluster"
 TAG_JOB = "llmctl.sky.job_id"
@@ -207,7 +206,7 @@ def _launch_cluster(task: Any, infra: SkySettings, handle: RunHandle, mc: Any, o
     job_id = None
     try:
         try:
-            job_id, launched = sky.stream_and_get(
+            job_id, _ = sky.stream_and_get(
                 sky.launch(
                     task,
                     cluster_name=cluster,
@@ -220,8 +219,6 @@ def _launch_cluster(task: Any, infra: SkySettings, handle: RunHandle, mc: Any, o
             _down_quietly(cluster)
             raise LaunchError(f"SkyPilot could not launch {cluster}: {' '.join(str(exc).split())[:2000]}") from None
         mc.set_tag(handle.run_id, job_tag, str(job_id))
-        if infra.candidates and launched is not None:
-            _bill_served(handle, mc, launched.launched_resources, infra.nodes, out)
         sky.tail_logs(cluster, job_id, follow=True, output_stream=out)
         statuses = sky.get(sky.job_status(cluster, [job_id]))
         status = _field({"s": statuses.get(job_id) or statuses.get(str(job_id))}, "s")
@@ -234,15 +231,6 @@ def _launch_cluster(task: Any, infra: SkySettings, handle: RunHandle, mc: Any, o
     finally:
         if infra.down:
             _down_quietly(cluster)
-
-
-def _bill_served(handle: RunHandle, mc: Any, resources: Any, nodes: int, out: Any) -> None:
-    """The open attempt priced at the candidate SkyPilot landed it on (it was opened at the dearest)."""
-    from llmctl.cost import ledger
-
-    usd_per_hour, where = sky_rules.served(resources, nodes)
-    ledger.reprice(mc, handle.run_id, int(handle.attempt_env.get(ENV_ATTEMPT, "1")), usd_per_hour, where)
-    out.write(f"llmctl: landed on {where}, billed at ${usd_per_hour:,.2f}/h\n")
 
 
 def _launch_managed(task: Any, handle: RunHandle, mc: Any, out: Any) -> int:

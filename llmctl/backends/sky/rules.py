@@ -405,11 +405,3 @@ def format_offers(found: list[Offer], infra: Optional[Mapping[str, Any]] = None)
             f"{o.provider:<9} {o.instance_type:<24} {o.region:<14} {o.per_node_hour:>13.2f} {o.total_hour:>10.2f}"
         )
     return "\n".join(lines)
-
-
-def served(resources: Any, nodes: int) -> tuple[float, str]:
-    """(the attempt's $/h for all ``nodes``, what served it) from the resources SkyPilot launched:
-    its own price for them (``Resources.get_cost``: the catalog's, spot or not, in that region)."""
-    per_node = float(resources.get_cost(3600))
-    spot = " spot" if resources.use_spot else ""
-    return per_node * nodes, f"{str(resources.cloud).lower()}/{resources.region} {resources.instance_type}{spot}"

@@ -40,6 +40,7 @@ from workloads.protocol.run_contract import (
     TAG_PREEMPTED,
     TAG_START_PREFIX,
     TAG_TASK_ID,
+    node_where,
 )
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -207,6 +208,9 @@ def _record_start(run_id: str, start_step: Optional[int], world_size: int) -> An
         "from_step": start_step,
         "world_size": world_size,
     }
+    where = node_where()
+    if where:
+        start["where"] = where
     tags = {f"{TAG_START_PREFIX}{k}": json.dumps(start)}
     task_id = os.environ.get("SKYPILOT_TASK_ID")
     if task_id:
