@@ -30,7 +30,16 @@ from typing import Any, Callable, Iterator, Sequence
 import pytest
 from helpers import mlflow_server, save_tiny_llama, webhook_server
 from sky_helpers import run_cli
-from slurm_harness import CLUSTER, FIRST_CHOICE, PARTITION, USER, Cluster, missing_prerequisites, slurm_cluster
+from slurm_harness import (
+    CLUSTER,
+    FIRST_CHOICE,
+    PARTITION,
+    USER,
+    Cluster,
+    free_port,
+    missing_prerequisites,
+    slurm_cluster,
+)
 
 # The timeout guards against a hang, not for speed: the first test carries the cluster's start and
 # runs launch, status, logs, an lm-eval job and down through SkyPilot; beside the rest of CI on 2
@@ -42,7 +51,11 @@ pytestmark = [pytest.mark.slurm, pytest.mark.timeout(1800)]
 # machine's memory: on this 24 GiB CI box that was a dozen `sky.jobs.controller` processes, each importing
 # SkyPilot and polling every 10 s, for one job. SkyPilot's own pod-memory setting sizes them for a small
 # controller host (one controller, a few workers), as on a real cluster's login node.
-SMALL_API_SERVER = {"SKYPILOT_POD_MEMORY_GB_LIMIT": "6"}
+# The API server on a port of this module's own (SkyPilot's SKYPILOT_API_SERVER_LOCAL_PORT, which its client
+# and server both read): a SkyPilot client anywhere else on the machine (the rest of CI runs beside these
+# tests) starts or reaches the default 46580, whose server has another HOME, so no Slurm config and none
+# of these jobs. Seen in CI: a launch here talked to such a server ("Available clusters: []").
+SMALL_API_SERVER = {"SKYPILOT_POD_MEMORY_GB_LIMIT": "6", "SKYPILOT_API_SERVER_LOCAL_PORT": str(free_port())}
 
 
 @pytest.fixture(scope="module")
