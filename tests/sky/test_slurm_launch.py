@@ -362,7 +362,7 @@ def test_managed_job_recovers_from_scancel_as_one_run(
 
     with _managed_jobs(cluster, cli_env, tracking_server) as (env, sky_bin), webhook_server() as (hook, base):
         try:
-            run = _launch_and_recover(
+            run, status = _launch_and_recover(
                 cluster, shared, steps, env, sky_bin, tmp_path, [*candidates, f"notify.url=[{base}/ops]"], close_first
             )
         finally:
@@ -375,9 +375,8 @@ def test_managed_job_recovers_from_scancel_as_one_run(
     assert (tags["llmctl.attempt.1.served"], tags["llmctl.attempt.2.served"]) == (first_served, second_served)
     # a CPU node counts as one device: each attempt at its own candidate's price
     assert [tags[f"llmctl.attempt.{n}.usd_per_hour"] for n in (1, 2)] == ["1.500000", "4.000000"]
-    status = run_cli(["status", run.info.run_id], tmp_path, {**cli_env, "MLFLOW_TRACKING_URI": tracking_server})
-    assert f"attempt 1:   {first_served}, $1.50/h" in status.stdout, status.stdout + status.stderr
-    assert f"attempt 2:   {second_served}, $4.00/h" in status.stdout
+    assert f"attempt 1:   {first_served}, $1.50/h" in status, status  # `llmctl status RUN`
+    assert f"attempt 2:   {second_served}, $4.00/h" in status
     events = [m["llmctl"]["event"] for m in hook.at("/ops")]
     assert events == ["recovered", "finished"], events
     recovered = hook.at("/ops")[0]["llmctl"]
@@ -419,9 +418,9 @@ def _launch_and_recover(
     tmp_path: Path,
     extra: Sequence[str] = (),
     before_cancel: Callable[[], None] = lambda: None,
-) -> Any:
-    """Launch, scancel after the first complete checkpoint, and check the one run it finishes as
-    (returned); ``before_cancel`` runs just before the scancel."""
+) -> tuple[Any, str]:
+    """Launch, scancel after the first complete checkpoint, and check the one run it finishes as;
+    returns that run and what ``llmctl status`` said of it. ``before_cancel`` runs just before the scancel."""
     log = open(tmp_path / "launch.log", "w+")  # noqa: SIM115 - the launch's output, read after it ends
     proc = subprocess.Popen(
         _managed_launch(steps, shared / "ckpt", "managed-recovery", extra),
@@ -481,7 +480,7 @@ def _launch_and_recover(
         ).stdout
         assert "SUCCEEDED" in queue, queue
         _assert_no_slurm_job_left(cluster)
-        return mc.get_run(run.info.run_id)
+        return mc.get_run(run.info.run_id), status.stdout
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)
