@@ -109,14 +109,14 @@ def _candidates(cfg: dict[str, Any], infra: SkySettings) -> list[Candidate]:
     if not infra.candidates:
         sky_rules.check(cfg, infra)
         return []
-    out = []
-    for i, (written, option) in enumerate(zip(infra.candidates, infra.options())):
+    out, options = [], infra.options()
+    for i, (written, option) in enumerate(zip(infra.candidates, options)):
         try:
             sky_rules.check(cfg, option)
         except ConfigError as exc:
             raise ConfigError(f"infra.candidates[{i}] ({candidate_label(written)}): {exc}") from None
         out.append(Candidate(i, dict(written), _hardware(option), _offers(option), sky_task.infra_string(option)))
-    sizes = {sky_task.nproc_per_node(cfg, o) for o in infra.options()}
+    sizes = {sky_task.nproc_per_node(cfg, o) for o in options}
     if len(sizes) > 1:
         raise ConfigError(
             "Bad value for 'infra.candidates': they give different numbers of processes per node"
@@ -349,7 +349,8 @@ class SkyBackend:
         uri = resolve_uri(cfg["tracking"]["uri"])
         cands = _candidates(cfg, infra)
         # the one SkyPilot tries first: its hardware, offers, memory plan and estimate are the plan's own
-        first = infra.options()[_first_tried(infra, cands)] if cands else infra
+        first_index = _first_tried(infra, cands) if cands else 0
+        first = infra.options()[first_index] if cands else infra
         nproc = sky_task.nproc_per_node(cfg, first)
         layout = resolve_layout(composed.typed, infra.nodes * nproc)
         ckpt = sky_task.checkpoint_dir(cfg, sky_task.RUN_ID_PLACEHOLDER, infra)
@@ -403,7 +404,7 @@ class SkyBackend:
             settings=infra,
             typed=with_values(with_values(composed.typed, "parallel", **layout), "checkpoint", dir=ckpt),
             candidates=cands,
-            first_candidate=_first_tried(infra, cands) if cands else 0,
+            first_candidate=first_index,
             pick=infra.pick,
         )
 
